@@ -1,0 +1,9 @@
+"""Compute kernels of the engine.
+
+Layout, per kernel family `x`:
+  - `x.py`      a private Triton kernel (`_x_kernel`) and a typed public launcher that checks shapes,
+                dtypes and strides before launching;
+  - `x_ref.py`  the plain-torch reference with the same contract. The references are also the engine's
+                CPU path, so they import without Triton.
+Only the CUDA path of `runner/` imports the Triton files.
+"""

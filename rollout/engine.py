@@ -1,0 +1,223 @@
+"""The engine: requests in, completions out, one scheduler step and one runner step at a time.
+
+    add_request(prompt, params) -> n Requests (one per sample) queued in the scheduler
+    step():
+        sched = scheduler.schedule()          which requests, how many tokens each, which blocks
+        out   = runner.execute(sched)         forward + sample on the device; one copy out
+        done  = scheduler.update(sched, out)  append tokens, finish, free blocks
+    generate(prompts, params) = add all, step until done, outputs in prompt order
+
+Weight updates apply between steps only (`apply_weight_update`), and bump `policy_version`; every token
+records the version it was sampled under. A bad request is refused at `add_request` with a ValueError
+and never reaches the scheduler, so it cannot disturb the requests already running.
+"""
+
+from __future__ import annotations
+
+import itertools
+import logging
+import random
+import time
+from typing import Iterable, Sequence
+
+from rollout.config import EngineConfig
+from rollout.kv_cache_manager import KVCacheManager
+from rollout.outputs import CompletionOutput, RequestOutput
+from rollout.request import Request, RequestGroup, RequestStatus
+from rollout.sampling_params import SamplingParams
+from rollout.scheduler import Scheduler
+from rollout.tokenizer import Tokenizer
+
+logger = logging.getLogger(__name__)
+
+Prompt = str | Sequence[int]
+
+
+class Engine:
+    def __init__(self, config: EngineConfig) -> None:
+        from kernels.sampling_ref import fold_seed, sample_seed  # torch, no CUDA
+        from runner.model_config import ModelConfig
+        from runner.model_runner import ModelRunner
+
+        self._sample_seed, self._fold_seed = sample_seed, fold_seed
+        self.config = config
+        self.model_config = ModelConfig.from_dir(config.model)
+        max_pos = self.model_config.max_position_embeddings
+        if config.max_model_len is not None and config.max_model_len > max_pos:
+            raise ValueError(f"max_model_len={config.max_model_len} exceeds the model's max_position_embeddings={max_pos}")
+        self.max_model_len = config.max_model_len or min(max_pos, 8192)
+        self.tokenizer = Tokenizer.find(config.tokenizer or config.model)
+        self.runner = ModelRunner(config, self.model_config, self.max_model_len)
+        num_blocks = self.runner.determine_num_kv_blocks()
+        self.runner.allocate_kv_cache(num_blocks)
+        self.kv_manager = KVCacheManager(num_blocks, config.block_size, config.enable_prefix_caching)
+        self.scheduler = Scheduler(
+            kv_manager=self.kv_manager,
+            max_num_seqs=config.max_num_seqs,
+            max_num_batched_tokens=config.max_num_batched_tokens,
+            max_model_len=self.max_model_len,
+        )
+        self.eos_token_ids = frozenset(self.model_config.eos_token_ids)
+        self._rng = random.Random(config.seed)
+        self._groups: dict[str, RequestGroup] = {}
+        self._ids = itertools.count()
+
+    # ---- properties ---------------------------------------------------------------------------------
+    @property
+    def policy_version(self) -> int:
+        return self.scheduler.policy_version
+
+    @property
+    def num_kv_blocks(self) -> int:
+        return self.kv_manager.pool.num_blocks
+
+    # ---- requests -------------------------------------------------------------------------------------
+    def add_request(self, prompt: Prompt, params: SamplingParams | None = None, request_id: str | None = None) -> str:
+        """Queue one prompt (n samples). Raises ValueError, and queues nothing, for a bad request."""
+        params = params or SamplingParams()
+        if not isinstance(params, SamplingParams):
+            raise ValueError(f"params must be SamplingParams, got {type(params).__name__}")
+        request_id = str(next(self._ids)) if request_id is None else str(request_id)
+        if request_id in self._groups:
+            raise ValueError(f"request id {request_id!r} is already in use")
+        text, token_ids = self._tokenize(prompt)
+        self._validate_prompt(token_ids, params)
+        max_tokens = min(params.max_tokens, self.max_model_len - len(token_ids))
+        base_seed = params.seed if params.seed is not None else self._rng.getrandbits(32)
+        group = RequestGroup(request_id, text, list(token_ids), params)
+        for j in range(params.n):
+            req = Request(
+                req_id=f"{request_id}-{j}",
+                group=group,
+                sample_index=j,
+                seed=self._sample_seed(base_seed, j),
+                max_tokens=max_tokens,
+                eos_token_ids=self.eos_token_ids,
+                token_ids=list(token_ids),
+                num_prompt_tokens=len(token_ids),
+            )
+            group.members.append(req)
+        self._groups[request_id] = group
+        for req in group.members:
+            self.scheduler.add_request(req)
+        return request_id
+
+    def abort_request(self, request_id: str) -> None:
+        group = self._groups.get(request_id)
+        if group is not None:
+            self.scheduler.abort([m.req_id for m in group.members])
+
+    def has_unfinished_requests(self) -> bool:
+        return self.scheduler.has_unfinished()
+
+    def step(self) -> list[RequestOutput]:
+        """Run one engine step; returns the current output of every prompt that changed."""
+        sched = self.scheduler.schedule()
+        out = self.runner.execute(sched)
+        changed = self.scheduler.update(sched, out)
+        groups = {id(r.group): r.group for r in changed}
+        return [self._output(g) for g in groups.values()]
+
+    def generate(
+        self,
+        prompts: Prompt | Iterable[Prompt],
+        params: SamplingParams | Sequence[SamplingParams] | None = None,
+        *,
+        use_tqdm: bool = False,
+    ) -> list[RequestOutput]:
+        """Generate completions for every prompt; returns one RequestOutput per prompt, in order."""
+        if isinstance(prompts, str) or (isinstance(prompts, Sequence) and prompts and isinstance(prompts[0], int)):
+            prompts = [prompts]
+        prompts = list(prompts)
+        if params is None or isinstance(params, SamplingParams):
+            params = [params or SamplingParams()] * len(prompts)
+        if len(params) != len(prompts):
+            raise ValueError(f"got {len(params)} SamplingParams for {len(prompts)} prompts")
+        # validate every prompt before queueing any, so a bad one leaves nothing half-added
+        for prompt, p in zip(prompts, params):
+            self._validate_prompt(self._tokenize(prompt)[1], p)
+        ids = [self.add_request(prompt, p) for prompt, p in zip(prompts, params)]
+        pending = set(ids)
+        bar = None
+        if use_tqdm:
+            from tqdm.auto import tqdm
+
+            bar = tqdm(total=sum(p.n for p in params), desc="generate", unit="seq")
+        start, num_tokens = time.perf_counter(), 0
+        while pending:
+            for out in self.step():
+                if out.request_id in pending and out.finished:
+                    pending.discard(out.request_id)
+                    num_tokens += sum(len(o.token_ids) for o in out.outputs)
+                    if bar is not None:
+                        bar.update(len(out.outputs))
+                        bar.set_postfix(tok_s=f"{num_tokens / (time.perf_counter() - start):.0f}")
+        if bar is not None:
+            bar.close()
+        return [self._output(self._groups.pop(i)) for i in ids]
+
+    # ---- weights ----------------------------------------------------------------------------------------
+    def on_weights_updated(self, version: int) -> None:
+        """Record a new policy version (weights were written in place between steps)."""
+        self.scheduler.on_weights_updated(version)
+
+    # ---- helpers ----------------------------------------------------------------------------------------
+    def _tokenize(self, prompt: Prompt) -> tuple[str | None, list[int]]:
+        if isinstance(prompt, str):
+            if self.tokenizer is None:
+                raise ValueError(
+                    f"prompt is text but {self.config.tokenizer or self.config.model} has no tokenizer.json; "
+                    "pass token ids instead"
+                )
+            return prompt, self.tokenizer.encode(prompt)
+        if not isinstance(prompt, Sequence) or not all(isinstance(t, int) for t in prompt):
+            raise ValueError(f"prompt must be a str or a list of int token ids, got {type(prompt).__name__}")
+        return None, list(prompt)
+
+    def _validate_prompt(self, token_ids: list[int], params: SamplingParams) -> None:
+        if len(token_ids) == 0:
+            raise ValueError("prompt is empty")
+        vocab = self.model_config.vocab_size
+        bad = [t for t in token_ids if not 0 <= t < vocab]
+        if bad:
+            raise ValueError(f"prompt token id(s) {bad[:5]} outside the vocabulary [0, {vocab})")
+        if len(token_ids) >= self.max_model_len:
+            raise ValueError(
+                f"prompt has {len(token_ids)} tokens; max_model_len={self.max_model_len} leaves no room to generate"
+            )
+        total = min(len(token_ids) + params.max_tokens, self.max_model_len)
+        need = -(-total // self.config.block_size)
+        if need > self.num_kv_blocks:
+            raise ValueError(
+                f"request needs up to {need} KV blocks but the cache has {self.num_kv_blocks}; "
+                "lower max_tokens or enlarge the cache"
+            )
+
+    def _output(self, group: RequestGroup) -> RequestOutput:
+        outs = []
+        for r in group.members:
+            finished = r.status.finished
+            text = None
+            if finished and self.tokenizer is not None:
+                text = self.tokenizer.decode(r.output_token_ids, r.params.skip_special_tokens)
+            n_top = r.params.top_logprobs
+            outs.append(
+                CompletionOutput(
+                    index=r.sample_index,
+                    token_ids=r.output_token_ids,
+                    logprobs=list(r.logprobs) if r.params.logprobs else None,
+                    finish_reason=r.status.value if finished else None,
+                    policy_versions=list(r.policy_versions),
+                    text=text,
+                    top_logprobs=[t[:n_top] for t in r.top_logprobs] if n_top else None,
+                    num_preemptions=r.num_preemptions,
+                    spec_decode_stats=r.spec_stats,
+                )
+            )
+        return RequestOutput(
+            request_id=group.request_id,
+            prompt=group.prompt,
+            prompt_token_ids=group.prompt_token_ids,
+            outputs=outs,
+            num_cached_prompt_tokens=sum(r.num_cached_prompt_tokens for r in group.members),
+        )

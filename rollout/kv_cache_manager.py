@@ -1,0 +1,154 @@
+"""KV block pool with a hash-chained prefix cache, and per-request block bookkeeping.
+
+Blocks hold `block_size` tokens. A full block computed under the current weights is registered under
+the key (key of the previous block, its token ids): two requests with the same prefix map to the same
+blocks, so the n samples of one prompt hold the prompt's full blocks once. Freed blocks keep their key
+and go to the back of an LRU free queue; allocation takes from the front, evicting the key, so the most
+recently used cached blocks survive longest. `reset_prefix_cache()` (after a weight update) forgets all
+keys. Pure Python: block ids only, no tensors.
+"""
+
+from __future__ import annotations
+
+from collections import OrderedDict
+
+from rollout.request import Request
+
+BlockKey = tuple  # (previous block's key hash, tuple of token ids)
+
+
+class BlockPool:
+    def __init__(self, num_blocks: int, enable_caching: bool = True) -> None:
+        if num_blocks < 1:
+            raise ValueError(f"the KV cache needs at least one block, got {num_blocks}")
+        self.num_blocks = num_blocks
+        self.enable_caching = enable_caching
+        self.ref_cnt = [0] * num_blocks
+        self.block_key: list[BlockKey | None] = [None] * num_blocks
+        self.free_queue: OrderedDict[int, None] = OrderedDict((i, None) for i in range(num_blocks))
+        self.cached: dict[BlockKey, int] = {}
+        self.num_cache_hits = 0
+        self.num_cache_queries = 0
+
+    @property
+    def num_free_blocks(self) -> int:
+        return len(self.free_queue)
+
+    @property
+    def num_used_blocks(self) -> int:
+        return self.num_blocks - len(self.free_queue)
+
+    def lookup(self, key: BlockKey) -> int | None:
+        return self.cached.get(key) if self.enable_caching else None
+
+    def allocate(self, count: int) -> list[int]:
+        assert count <= len(self.free_queue), "caller checks free space first"
+        out = []
+        for _ in range(count):
+            block_id, _ = self.free_queue.popitem(last=False)
+            key = self.block_key[block_id]
+            if key is not None:
+                if self.cached.get(key) == block_id:
+                    del self.cached[key]
+                self.block_key[block_id] = None
+            self.ref_cnt[block_id] = 1
+            out.append(block_id)
+        return out
+
+    def share(self, block_ids: list[int]) -> None:
+        """Take a reference on cached blocks (prefix-cache hits)."""
+        for b in block_ids:
+            if self.ref_cnt[b] == 0:
+                del self.free_queue[b]
+            self.ref_cnt[b] += 1
+
+    def free(self, block_ids: list[int]) -> None:
+        """Drop a reference on each block; tail blocks first so they are evicted before the prefix."""
+        for b in reversed(block_ids):
+            assert self.ref_cnt[b] > 0, f"double free of block {b}"
+            self.ref_cnt[b] -= 1
+            if self.ref_cnt[b] == 0:
+                self.free_queue[b] = None
+
+    def register(self, block_id: int, key: BlockKey) -> None:
+        if not self.enable_caching or self.block_key[block_id] is not None:
+            return
+        self.block_key[block_id] = key
+        self.cached.setdefault(key, block_id)
+
+    def reset_prefix_cache(self) -> None:
+        self.cached.clear()
+        self.block_key = [None] * self.num_blocks
+
+
+class KVCacheManager:
+    """Which blocks each request holds; prefix-cache lookups and registration."""
+
+    def __init__(self, num_blocks: int, block_size: int, enable_caching: bool = True) -> None:
+        self.block_size = block_size
+        self.pool = BlockPool(num_blocks, enable_caching)
+        self.epoch = 0  # bumped by reset_prefix_cache; requests computed under older epochs don't register
+
+    def _keys(self, req: Request, num_blocks: int) -> list[BlockKey]:
+        """The chain keys of the request's first `num_blocks` full blocks (memoised on the request)."""
+        keys, bs = req.block_keys, self.block_size
+        while len(keys) < num_blocks:
+            i = len(keys)
+            parent = hash(keys[-1]) if keys else None
+            keys.append((parent, tuple(req.token_ids[i * bs : (i + 1) * bs])))
+        return keys[:num_blocks]
+
+    def lookup_prefix(self, req: Request) -> list[int]:
+        """Cached blocks holding a prefix of the request's tokens (never all of them: one token must run)."""
+        max_blocks = (req.num_tokens - 1) // self.block_size
+        hits: list[int] = []
+        for key in self._keys(req, max_blocks):
+            block = self.pool.lookup(key)
+            if block is None:
+                break
+            hits.append(block)
+        self.pool.num_cache_queries += max_blocks
+        self.pool.num_cache_hits += len(hits)
+        return hits
+
+    def blocks_needed(self, req: Request, num_total_tokens: int, num_hit_blocks: int = 0) -> int:
+        """New blocks for the request to hold `num_total_tokens` tokens of KV."""
+        total = -(-num_total_tokens // self.block_size)
+        return max(0, total - len(req.block_ids) - num_hit_blocks)
+
+    def can_allocate(self, req: Request, num_total_tokens: int, hits: list[int] = ()) -> bool:
+        evictable_hits = sum(1 for b in hits if self.pool.ref_cnt[b] == 0)
+        need = self.blocks_needed(req, num_total_tokens, len(hits))
+        return need <= self.pool.num_free_blocks - evictable_hits
+
+    def allocate(self, req: Request, num_total_tokens: int, hits: list[int] = ()) -> list[int]:
+        """Give the request blocks for `num_total_tokens` tokens of KV; returns the newly added block ids."""
+        new: list[int] = []
+        if hits:
+            self.pool.share(list(hits))
+            new.extend(hits)
+            req.num_cached_blocks = len(hits)
+        new.extend(self.pool.allocate(self.blocks_needed(req, num_total_tokens, len(hits))))
+        req.block_ids.extend(new)
+        return new
+
+    def register_computed(self, req: Request) -> None:
+        """Register the request's newly full, computed blocks in the prefix cache."""
+        if req.kv_epoch != self.epoch:
+            return
+        num_full = min(req.num_computed_tokens, req.num_tokens) // self.block_size
+        if num_full <= req.num_cached_blocks:
+            return
+        for i, key in enumerate(self._keys(req, num_full)):
+            if i >= req.num_cached_blocks:
+                self.pool.register(req.block_ids[i], key)
+        req.num_cached_blocks = num_full
+
+    def free(self, req: Request) -> None:
+        self.pool.free(req.block_ids)
+        req.block_ids = []
+        req.num_cached_blocks = 0
+
+    def reset_prefix_cache(self) -> None:
+        self.pool.reset_prefix_cache()
+        self.epoch += 1

@@ -1,0 +1,78 @@
+"""One running sample: its tokens, its progress through the model, its KV blocks and its results.
+
+A prompt with n samples becomes n `Request`s of one `RequestGroup`; sample j's id is
+"<request_id>-<j>". The group makes later samples wait until the prompt's full blocks are computed once,
+so all n share them through the prefix cache. Pure Python; no tensors.
+"""
+
+from __future__ import annotations
+
+import enum
+from dataclasses import dataclass, field
+
+from rollout.sampling_params import SamplingParams
+
+
+class RequestStatus(enum.Enum):
+    WAITING = "waiting"
+    RUNNING = "running"
+    PREEMPTED = "preempted"
+    FINISHED_STOPPED = "stop"
+    FINISHED_LENGTH = "length"
+    FINISHED_ABORTED = "abort"
+
+    @property
+    def finished(self) -> bool:
+        return self in (RequestStatus.FINISHED_STOPPED, RequestStatus.FINISHED_LENGTH, RequestStatus.FINISHED_ABORTED)
+
+
+@dataclass(eq=False)
+class RequestGroup:
+    """The n samples of one prompt."""
+
+    request_id: str
+    prompt: str | None
+    prompt_token_ids: list[int]
+    params: SamplingParams
+    members: list["Request"] = field(default_factory=list)
+    prompt_blocks_ready: bool = False  # the prompt's full blocks are computed and cached
+
+
+@dataclass(eq=False)
+class Request:
+    req_id: str
+    group: RequestGroup
+    sample_index: int
+    seed: int  # uint32 seed of this sample's noise
+    max_tokens: int  # effective: min(params.max_tokens, max_model_len - prompt length)
+    eos_token_ids: frozenset[int]
+    token_ids: list[int] = field(default_factory=list)  # prompt + output
+    num_prompt_tokens: int = 0
+    num_computed_tokens: int = 0
+    status: RequestStatus = RequestStatus.WAITING
+    block_ids: list[int] = field(default_factory=list)
+    num_cached_blocks: int = 0  # leading blocks registered in the prefix cache
+    block_keys: list = field(default_factory=list)  # prefix-cache chain keys of full blocks (memo)
+    kv_epoch: int = 0  # weight epoch its KV was computed under (blocks of older epochs are not cached)
+    logprobs: list[float] = field(default_factory=list)
+    top_logprobs: list[list[tuple[int, float]]] = field(default_factory=list)
+    policy_versions: list[int] = field(default_factory=list)
+    num_preemptions: int = 0
+    num_cached_prompt_tokens: int = 0
+    spec_stats: dict | None = None
+
+    @property
+    def params(self) -> SamplingParams:
+        return self.group.params
+
+    @property
+    def num_tokens(self) -> int:
+        return len(self.token_ids)
+
+    @property
+    def output_token_ids(self) -> list[int]:
+        return self.token_ids[self.num_prompt_tokens :]
+
+    @property
+    def num_output_tokens(self) -> int:
+        return len(self.token_ids) - self.num_prompt_tokens

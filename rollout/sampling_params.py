@@ -1,0 +1,77 @@
+"""Per-request sampling parameters.
+
+`SamplingParams` is what a caller passes to `Engine.generate` / `Engine.add_request`. It checks its own
+fields (a bad value is a `ValueError` that names the field) and knows nothing about devices or models.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+
+@dataclass(kw_only=True, slots=True)
+class SamplingParams:
+    """How to sample the completions of one prompt.
+
+    Sampling order (the same on CPU and GPU): logits / temperature -> top-k -> top-p -> min-p, then one
+    Gumbel-max draw whose noise is a pure function of (seed, output position, token id). `temperature=0`
+    means greedy. The logprob returned for a sampled token is the log-probability under the distribution
+    the token was actually drawn from (after temperature and truncation, renormalised); for greedy it is
+    the log-softmax of the raw logits.
+    """
+
+    n: int = 1
+    """Number of completions of this prompt. They share the prompt's KV blocks and differ in their seeds."""
+    temperature: float = 1.0
+    """Softmax temperature; 0 means greedy decoding."""
+    top_k: int = 0
+    """Keep the k most likely tokens (ties at the k-th value kept); 0 or -1 keeps all."""
+    top_p: float = 1.0
+    """Keep the smallest set of most likely tokens whose probability sums to at least top_p; in (0, 1]."""
+    min_p: float = 0.0
+    """Drop tokens whose probability is below min_p times that of the most likely token; in [0, 1]."""
+    max_tokens: int = 16
+    """Most tokens to generate per completion (also capped by the engine's max_model_len)."""
+    min_tokens: int = 0
+    """Stop tokens and EOS are not honoured before this many tokens were generated."""
+    seed: int | None = None
+    """Per-request seed: a seeded request yields the same tokens whatever else is in the batch."""
+    stop_token_ids: list[int] = field(default_factory=list)
+    """Extra token ids that end a completion (the stop token is kept in the output)."""
+    ignore_eos: bool = False
+    """Generate past the model's EOS token(s)."""
+    logprobs: bool = True
+    """Return the logprob of each sampled token."""
+    top_logprobs: int = 0
+    """Also return the top-N (token id, logprob) pairs of each position's sampling distribution."""
+    skip_special_tokens: bool = True
+    """Passed to the tokenizer when detokenizing."""
+
+    def __post_init__(self) -> None:
+        if not isinstance(self.n, int) or self.n < 1:
+            raise ValueError(f"SamplingParams.n must be an integer >= 1, got {self.n!r}")
+        if self.temperature < 0:
+            raise ValueError(f"SamplingParams.temperature must be >= 0, got {self.temperature}")
+        if self.top_k == -1:
+            self.top_k = 0
+        if not isinstance(self.top_k, int) or self.top_k < 0:
+            raise ValueError(f"SamplingParams.top_k must be 0/-1 (off) or a positive integer, got {self.top_k!r}")
+        if not (0.0 < self.top_p <= 1.0):
+            raise ValueError(f"SamplingParams.top_p must be in (0, 1], got {self.top_p}")
+        if not (0.0 <= self.min_p <= 1.0):
+            raise ValueError(f"SamplingParams.min_p must be in [0, 1], got {self.min_p}")
+        if not isinstance(self.max_tokens, int) or self.max_tokens < 1:
+            raise ValueError(f"SamplingParams.max_tokens must be an integer >= 1, got {self.max_tokens!r}")
+        if self.min_tokens < 0 or self.min_tokens > self.max_tokens:
+            raise ValueError(
+                f"SamplingParams.min_tokens must be in [0, max_tokens={self.max_tokens}], got {self.min_tokens}"
+            )
+        if self.top_logprobs < 0:
+            raise ValueError(f"SamplingParams.top_logprobs must be >= 0, got {self.top_logprobs}")
+        if self.seed is not None and not isinstance(self.seed, int):
+            raise ValueError(f"SamplingParams.seed must be an int or None, got {self.seed!r}")
+        self.stop_token_ids = [int(t) for t in self.stop_token_ids]
+
+    @property
+    def greedy(self) -> bool:
+        return self.temperature == 0.0

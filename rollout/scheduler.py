@@ -1,0 +1,289 @@
+"""The token-budget scheduler.
+
+There are no prefill and decode phases. Every request has `num_computed_tokens`, which chases
+`num_tokens` (prompt + output so far); each step gives requests a number of tokens to compute so that,
+in total, at most `max_num_batched_tokens` run. A request whose computed count reaches its token count
+this step gets one token sampled. Prefill, chunked prefill, prefix-cache hits, preemption by recompute
+and multi-token (speculative) steps all follow from that rule.
+
+Order: running requests first, oldest first, one step each; if the KV cache cannot hold a running
+request's new tokens, the newest running request is preempted (its blocks are freed and it is re-queued
+at the front, to be recomputed later) until it fits — never an error, never a deadlock, as long as one
+request fits in the cache alone (checked when a request is added). Then waiting requests are admitted,
+first come first served, while budget, slots and blocks last; a sample of an n>1 prompt waits while a
+sibling is still computing the prompt, so the n samples share the prompt's blocks.
+
+Input and output are small typed dataclasses: new requests travel to the runner in full, running ones as
+diffs, and finished or preempted ids tell the runner to free slots. Pure Python; testable with no model.
+"""
+
+from __future__ import annotations
+
+from collections import deque
+from dataclasses import dataclass, field
+
+from rollout.kv_cache_manager import KVCacheManager
+from rollout.request import Request, RequestStatus
+from rollout.sampling_params import SamplingParams
+
+
+@dataclass(slots=True)
+class NewRequestData:
+    """A request entering the runner (first time, or again after preemption): everything in full."""
+
+    req_id: str
+    token_ids: list[int]  # prompt + output so far
+    num_prompt_tokens: int
+    block_ids: list[int]
+    num_computed_tokens: int
+    params: SamplingParams
+    seed: int
+
+
+@dataclass(slots=True)
+class CachedRequestData:
+    """A request already in the runner: only what changed."""
+
+    req_id: str
+    new_block_ids: list[int]
+    num_computed_tokens: int
+
+
+@dataclass(slots=True)
+class SchedulerOutput:
+    new_reqs: list[NewRequestData]
+    cached_reqs: list[CachedRequestData]
+    num_scheduled_tokens: dict[str, int]  # req_id -> tokens to compute this step, in batch order
+    total_num_scheduled_tokens: int
+    finished_req_ids: set[str]  # left since the last step (finished or aborted): free their slots
+    preempted_req_ids: set[str]  # preempted since the last step: free their slots
+
+    @property
+    def is_empty(self) -> bool:
+        return self.total_num_scheduled_tokens == 0
+
+
+@dataclass(slots=True)
+class RunnerOutput:
+    """What the runner returns: for each request that sampled, its new tokens (1, or more when speculating)."""
+
+    req_ids: list[str]
+    sampled_token_ids: list[list[int]]
+    logprobs: list[list[float]] | None = None
+    top_logprobs: list[list[list[tuple[int, float]]]] | None = None
+    num_draft_tokens: list[int] | None = None  # per sampled request, when speculating
+
+
+@dataclass(slots=True)
+class SchedulerStats:
+    num_preemptions: int = 0
+    num_steps: int = 0
+    num_generated_tokens: int = 0
+    num_prompt_tokens_computed: int = 0
+
+
+class Scheduler:
+    def __init__(
+        self,
+        *,
+        kv_manager: KVCacheManager,
+        max_num_seqs: int,
+        max_num_batched_tokens: int,
+        max_model_len: int,
+    ) -> None:
+        self.kv = kv_manager
+        self.max_num_seqs = max_num_seqs
+        self.max_num_batched_tokens = max_num_batched_tokens
+        self.max_model_len = max_model_len
+        self.waiting: deque[Request] = deque()
+        self.running: list[Request] = []
+        self.requests: dict[str, Request] = {}
+        self.policy_version = 0
+        self.stats = SchedulerStats()
+        self._finished_ids: set[str] = set()
+        self._preempted_ids: set[str] = set()
+        self._in_runner: set[str] = set()
+
+    # ---- requests in and out -------------------------------------------------------------------
+    def add_request(self, req: Request) -> None:
+        assert req.req_id not in self.requests, req.req_id
+        self.requests[req.req_id] = req
+        self.waiting.append(req)
+
+    def abort(self, req_ids: list[str]) -> list[Request]:
+        aborted = []
+        for rid in req_ids:
+            req = self.requests.get(rid)
+            if req is None or req.status.finished:
+                continue
+            if req in self.waiting:
+                self.waiting.remove(req)
+            if req in self.running:
+                self.running.remove(req)
+            self._finish(req, RequestStatus.FINISHED_ABORTED)
+            aborted.append(req)
+        return aborted
+
+    def has_unfinished(self) -> bool:
+        return bool(self.waiting or self.running)
+
+    def on_weights_updated(self, version: int) -> None:
+        """New weights: forget cached prefixes so no new request reuses KV of older weights."""
+        self.policy_version = version
+        self.kv.reset_prefix_cache()
+
+    # ---- one step ----------------------------------------------------------------------------------
+    def schedule(self) -> SchedulerOutput:
+        budget = self.max_num_batched_tokens
+        num_scheduled: dict[str, int] = {}
+        new_reqs: list[NewRequestData] = []
+        cached_reqs: list[CachedRequestData] = []
+        preempted_now = False
+
+        # 1. running requests, oldest first
+        i = 0
+        while i < len(self.running) and budget > 0:
+            req = self.running[i]
+            num_new = min(req.num_tokens - req.num_computed_tokens, budget)
+            assert num_new > 0, (req.req_id, req.num_tokens, req.num_computed_tokens)
+            while not self.kv.can_allocate(req, req.num_computed_tokens + num_new):
+                victim = self.running.pop()
+                self._preempt(victim)
+                preempted_now = True
+                if victim is req:
+                    break
+            else:
+                new_blocks = self.kv.allocate(req, req.num_computed_tokens + num_new)
+                num_scheduled[req.req_id] = num_new
+                budget -= num_new
+                if req.req_id in self._in_runner:
+                    cached_reqs.append(CachedRequestData(req.req_id, new_blocks, req.num_computed_tokens))
+                else:
+                    new_reqs.append(self._new_data(req))
+                i += 1
+                continue
+            # req itself was preempted (it was the newest); nothing after it remains
+            break
+
+        # 2. waiting requests, first come first served
+        skipped: list[Request] = []
+        while self.waiting and budget > 0 and len(self.running) < self.max_num_seqs and not preempted_now:
+            req = self.waiting[0]
+            if self._must_wait_for_sibling(req):
+                skipped.append(self.waiting.popleft())
+                continue
+            hits = self.kv.lookup_prefix(req) if req.num_computed_tokens == 0 else []
+            num_cached = len(hits) * self.kv.block_size
+            num_new = min(req.num_tokens - num_cached, budget)
+            if not self.kv.can_allocate(req, num_cached + num_new, hits):
+                break
+            self.waiting.popleft()
+            if req.num_computed_tokens == 0:
+                req.kv_epoch = self.kv.epoch
+                req.num_computed_tokens = num_cached
+                req.num_cached_prompt_tokens += min(num_cached, req.num_prompt_tokens)
+            self.kv.allocate(req, num_cached + num_new, hits)
+            req.status = RequestStatus.RUNNING
+            self.running.append(req)
+            num_scheduled[req.req_id] = num_new
+            budget -= num_new
+            new_reqs.append(self._new_data(req))
+        self.waiting.extendleft(reversed(skipped))
+
+        for data in new_reqs:
+            self._in_runner.add(data.req_id)
+        out = SchedulerOutput(
+            new_reqs=new_reqs,
+            cached_reqs=cached_reqs,
+            num_scheduled_tokens=num_scheduled,
+            total_num_scheduled_tokens=self.max_num_batched_tokens - budget,
+            finished_req_ids=self._finished_ids,
+            preempted_req_ids=self._preempted_ids,
+        )
+        self._finished_ids, self._preempted_ids = set(), set()
+        self.stats.num_steps += 1
+        return out
+
+    def update(self, sched: SchedulerOutput, out: RunnerOutput) -> list[Request]:
+        """Advance computed counts, append sampled tokens, finish requests. Returns requests that changed."""
+        for req_id, n in sched.num_scheduled_tokens.items():
+            req = self.requests[req_id]
+            if req.status is not RequestStatus.RUNNING:  # aborted meanwhile
+                continue
+            if req.num_computed_tokens < req.num_prompt_tokens:
+                self.stats.num_prompt_tokens_computed += min(n, req.num_prompt_tokens - req.num_computed_tokens)
+            req.num_computed_tokens += n
+            self.kv.register_computed(req)
+            if req.num_computed_tokens >= len(req.group.prompt_token_ids):
+                req.group.prompt_blocks_ready = True
+        changed: list[Request] = []
+        for idx, req_id in enumerate(out.req_ids):
+            req = self.requests[req_id]
+            if req.status is not RequestStatus.RUNNING:
+                continue
+            tokens = out.sampled_token_ids[idx]
+            if out.num_draft_tokens is not None:
+                # rejected draft positions were computed but hold no accepted token: roll back
+                req.num_computed_tokens -= out.num_draft_tokens[idx] + 1 - len(tokens)
+            for pos, token in enumerate(tokens):
+                req.token_ids.append(token)
+                req.policy_versions.append(self.policy_version)
+                if out.logprobs is not None:
+                    req.logprobs.append(out.logprobs[idx][pos])
+                if out.top_logprobs is not None:
+                    req.top_logprobs.append(out.top_logprobs[idx][pos])
+                self.stats.num_generated_tokens += 1
+                status = self._check_stop(req, token)
+                if status is not None:
+                    self.running.remove(req)
+                    self._finish(req, status)
+                    break
+            changed.append(req)
+        return changed
+
+    # ---- helpers -------------------------------------------------------------------------------------
+    def _check_stop(self, req: Request, token: int) -> RequestStatus | None:
+        params = req.params
+        if req.num_output_tokens >= params.min_tokens:
+            if (not params.ignore_eos and token in req.eos_token_ids) or token in params.stop_token_ids:
+                return RequestStatus.FINISHED_STOPPED
+        if req.num_output_tokens >= req.max_tokens or req.num_tokens >= self.max_model_len:
+            return RequestStatus.FINISHED_LENGTH
+        return None
+
+    def _must_wait_for_sibling(self, req: Request) -> bool:
+        group = req.group
+        if group.prompt_blocks_ready or len(group.members) == 1 or req.num_computed_tokens > 0:
+            return False
+        if len(group.prompt_token_ids) <= self.kv.block_size:
+            return False  # no full prompt block to share
+        return any(m is not req and m.status is RequestStatus.RUNNING for m in group.members)
+
+    def _new_data(self, req: Request) -> NewRequestData:
+        return NewRequestData(
+            req_id=req.req_id,
+            token_ids=list(req.token_ids),
+            num_prompt_tokens=req.num_prompt_tokens,
+            block_ids=list(req.block_ids),
+            num_computed_tokens=req.num_computed_tokens,
+            params=req.params,
+            seed=req.seed,
+        )
+
+    def _preempt(self, req: Request) -> None:
+        self.kv.free(req)
+        req.num_computed_tokens = 0
+        req.status = RequestStatus.PREEMPTED
+        req.num_preemptions += 1
+        self.stats.num_preemptions += 1
+        self.waiting.appendleft(req)
+        if req.req_id in self._in_runner:
+            self._in_runner.discard(req.req_id)
+            self._preempted_ids.add(req.req_id)
+
+    def _finish(self, req: Request, status: RequestStatus) -> None:
+        req.status = status
+        self.kv.free(req)
+        if req.req_id in self._in_runner:
+            self._in_runner.discard(req.req_id)
+            self._finished_ids.add(req.req_id)

@@ -1,0 +1,51 @@
+"""Per-step attention metadata and the attention call that dispatches to the device's implementation.
+
+The metadata tensors are slices of the runner's persistent step buffers (so CUDA graphs can capture
+them); `AttentionMetadata` only carries them plus two host ints used for grid sizes.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from kernels.attention_ref import paged_attention_ref, store_kv_ref
+
+
+@dataclass(slots=True)
+class AttentionMetadata:
+    query_start_loc: torch.Tensor  # [B + 1] int32, offsets of each request's query tokens
+    seq_lens: torch.Tensor  # [B] int32, context length after this step's tokens
+    block_tables: torch.Tensor  # [B, max_blocks] int32
+    slot_mapping: torch.Tensor  # [T] int64, cache slot of each query token (-1 = padding)
+    max_query_len: int
+    max_seq_len: int
+    deterministic: bool = False
+
+
+class AttentionBackend:
+    """Stores new K/V into the paged cache and attends over it. CPU: torch reference; CUDA: Triton."""
+
+    def __init__(self, device: torch.device) -> None:
+        self.use_triton = device.type == "cuda"
+        if self.use_triton:
+            from kernels.attention import paged_attention, store_kv
+
+            self._store, self._attend = store_kv, paged_attention
+        else:
+            self._store, self._attend = store_kv_ref, None
+
+    def store(self, key, value, k_cache, v_cache, meta: AttentionMetadata) -> None:
+        self._store(key, value, k_cache, v_cache, meta.slot_mapping)
+
+    def attend(self, query, k_cache, v_cache, meta: AttentionMetadata, scale: float) -> torch.Tensor:
+        if self.use_triton:
+            return self._attend(
+                query, k_cache, v_cache, meta.query_start_loc, meta.seq_lens, meta.block_tables, scale,
+                meta.max_query_len, meta.max_seq_len, deterministic=meta.deterministic,
+            )
+        return paged_attention_ref(
+            query, k_cache, v_cache, meta.query_start_loc, meta.seq_lens, meta.block_tables, scale,
+            meta.max_query_len, meta.max_seq_len,
+        )

@@ -1,0 +1,127 @@
+"""Persistent per-slot request state of the runner.
+
+Each live request owns one row ("slot", `req_idx`) of preallocated `[max_num_seqs, ...]` arrays for as
+long as it is in the runner. The scheduler sends new requests in full and running ones as diffs; this
+class applies them. Per-step inputs are gathered from these rows by slot index (`gather`), so nothing is
+rebuilt per request per step. Host arrays are numpy; the runner copies the gathered step inputs into its
+persistent device buffers in one go.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import numpy as np
+
+from rollout.scheduler import SchedulerOutput
+
+
+@dataclass(slots=True)
+class StepInputs:
+    """Host-side inputs of one step, in batch order (`batch_idx`)."""
+
+    req_ids: list[str]
+    slots: np.ndarray  # [B] int64, slot of each batch row
+    input_ids: np.ndarray  # [T] int64
+    positions: np.ndarray  # [T] int64
+    slot_mapping: np.ndarray  # [T] int64, KV cache slot of each token
+    query_start_loc: np.ndarray  # [B + 1] int32
+    seq_lens: np.ndarray  # [B] int32
+    logits_indices: np.ndarray  # [R] int64, token index whose logits are sampled (requests that sample)
+    sample_rows: np.ndarray  # [R] int64, batch rows that sample
+    max_query_len: int
+    max_seq_len: int
+
+
+class InputBatch:
+    def __init__(self, *, max_num_seqs: int, max_model_len: int, block_size: int) -> None:
+        self.max_num_seqs = max_num_seqs
+        self.max_model_len = max_model_len
+        self.block_size = block_size
+        self.max_blocks_per_seq = -(-max_model_len // block_size)
+        S = max_num_seqs
+        self.token_ids = np.zeros((S, max_model_len), dtype=np.int64)  # [S, max_model_len]
+        self.num_tokens = np.zeros(S, dtype=np.int64)  # [S]
+        self.num_prompt_tokens = np.zeros(S, dtype=np.int64)  # [S]
+        self.num_computed_tokens = np.zeros(S, dtype=np.int64)  # [S]
+        self.block_table = np.zeros((S, self.max_blocks_per_seq), dtype=np.int32)  # [S, max_blocks]
+        self.num_blocks = np.zeros(S, dtype=np.int64)  # [S]
+        self.temperature = np.ones(S, dtype=np.float32)  # [S]
+        self.top_k = np.zeros(S, dtype=np.int64)  # [S]
+        self.top_p = np.ones(S, dtype=np.float32)  # [S]
+        self.min_p = np.zeros(S, dtype=np.float32)  # [S]
+        self.seed = np.zeros(S, dtype=np.int64)  # [S] uint32 values
+        self.top_logprobs = np.zeros(S, dtype=np.int64)  # [S]
+        self.slot_of: dict[str, int] = {}
+        self.free_slots = list(range(S - 1, -1, -1))
+
+    # ---- applying the scheduler's diffs ----------------------------------------------------------
+    def apply(self, sched: SchedulerOutput) -> None:
+        for req_id in sched.finished_req_ids | sched.preempted_req_ids:
+            slot = self.slot_of.pop(req_id, None)
+            if slot is not None:
+                self.free_slots.append(slot)
+        for new in sched.new_reqs:
+            slot = self.free_slots.pop()
+            self.slot_of[new.req_id] = slot
+            n = len(new.token_ids)
+            self.token_ids[slot, :n] = new.token_ids
+            self.num_tokens[slot] = n
+            self.num_prompt_tokens[slot] = new.num_prompt_tokens
+            self.num_computed_tokens[slot] = new.num_computed_tokens
+            self.num_blocks[slot] = 0
+            self._append_blocks(slot, new.block_ids)
+            p = new.params
+            self.temperature[slot] = p.temperature
+            self.top_k[slot] = p.top_k
+            self.top_p[slot] = p.top_p
+            self.min_p[slot] = p.min_p
+            self.seed[slot] = new.seed
+            self.top_logprobs[slot] = p.top_logprobs
+        for diff in sched.cached_reqs:
+            slot = self.slot_of[diff.req_id]
+            self.num_computed_tokens[slot] = diff.num_computed_tokens
+            self._append_blocks(slot, diff.new_block_ids)
+
+    def _append_blocks(self, slot: int, block_ids: list[int]) -> None:
+        start = self.num_blocks[slot]
+        self.block_table[slot, start : start + len(block_ids)] = block_ids
+        self.num_blocks[slot] = start + len(block_ids)
+
+    # ---- gathering one step's inputs -------------------------------------------------------------
+    def gather(self, sched: SchedulerOutput) -> StepInputs:
+        req_ids = list(sched.num_scheduled_tokens)
+        slots = np.fromiter((self.slot_of[r] for r in req_ids), dtype=np.int64, count=len(req_ids))
+        n_sched = np.fromiter(sched.num_scheduled_tokens.values(), dtype=np.int64, count=len(req_ids))
+        start = self.num_computed_tokens[slots]  # [B]
+        cu = np.zeros(len(req_ids) + 1, dtype=np.int64)
+        np.cumsum(n_sched, out=cu[1:])
+        total = int(cu[-1])
+        row_of_token = np.repeat(np.arange(len(req_ids)), n_sched)  # [T]
+        positions = start[row_of_token] + (np.arange(total) - cu[:-1][row_of_token])  # [T]
+        token_slots = slots[row_of_token]
+        input_ids = self.token_ids[token_slots, positions]
+        blocks = self.block_table[token_slots, positions // self.block_size].astype(np.int64)
+        slot_mapping = blocks * self.block_size + positions % self.block_size
+        seq_lens = start + n_sched
+        samples = seq_lens >= self.num_tokens[slots]
+        sample_rows = np.nonzero(samples)[0]
+        return StepInputs(
+            req_ids=req_ids,
+            slots=slots,
+            input_ids=input_ids,
+            positions=positions,
+            slot_mapping=slot_mapping,
+            query_start_loc=cu.astype(np.int32),
+            seq_lens=seq_lens.astype(np.int32),
+            logits_indices=cu[1:][sample_rows] - 1,
+            sample_rows=sample_rows,
+            max_query_len=int(n_sched.max()) if len(req_ids) else 0,
+            max_seq_len=int(seq_lens.max()) if len(req_ids) else 0,
+        )
+
+    def append_sampled(self, slots: np.ndarray, tokens: list[list[int]]) -> None:
+        for slot, toks in zip(slots.tolist(), tokens):
+            n = self.num_tokens[slot]
+            self.token_ids[slot, n : n + len(toks)] = toks
+            self.num_tokens[slot] = n + len(toks)

@@ -1,0 +1,138 @@
+"""Checkpoint loading and the checkpoint-coordinate view of a live model.
+
+`load_model` builds the model on the meta device, allocates its parameters once on the target device, and
+copies each safetensors tensor (read one at a time, memory-mapped) into its rows of the fused runtime
+parameter — never two copies of the weights. `CheckpointWeights` exposes the same map to weight updates:
+read, overwrite or patch a checkpoint tensor in place, by its Hugging Face name and flat coordinates.
+Not here: tensor-parallel sharding of the views (a later layer narrows each view to the rank's slice).
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+
+from runner.model_config import ModelConfig
+from runner.models.llama import CheckpointSlot, DecoderForCausalLM
+
+logger = logging.getLogger(__name__)
+
+_IGNORED_SUFFIXES = ("rotary_emb.inv_freq",)
+
+
+def safetensors_files(model_dir: str | Path) -> list[Path]:
+    """The checkpoint's safetensors files: the index's shards, or every *.safetensors file."""
+    model_dir = Path(model_dir)
+    index = model_dir / "model.safetensors.index.json"
+    if index.is_file():
+        try:
+            weight_map = json.loads(index.read_text())["weight_map"]
+        except (json.JSONDecodeError, KeyError) as e:
+            raise ValueError(f"{index}: not a valid safetensors index ({e})") from None
+        files = sorted({model_dir / f for f in weight_map.values()})
+        missing = [str(f) for f in files if not f.is_file()]
+        if missing:
+            raise ValueError(f"{index} names missing shard file(s): {missing}")
+        return files
+    files = sorted(model_dir.glob("*.safetensors"))
+    if not files:
+        raise ValueError(f"model directory {model_dir} has no *.safetensors files")
+    return files
+
+
+def _iter_checkpoint(files: list[Path]):
+    from safetensors import safe_open
+
+    for file in files:
+        try:
+            handle = safe_open(str(file), framework="pt", device="cpu")
+            names = list(handle.keys())
+        except Exception as e:  # safetensors raises its own error types for corrupt headers
+            raise ValueError(f"cannot read safetensors file {file}: {e}") from None
+        for name in names:
+            try:
+                tensor = handle.get_tensor(name)
+            except Exception as e:
+                raise ValueError(f"cannot read tensor {name!r} from {file}: {e}") from None
+            yield file, name, tensor
+
+
+def load_model(
+    model_dir: str | Path, cfg: ModelConfig, dtype: torch.dtype, device: torch.device, backend, max_position: int
+) -> DecoderForCausalLM:
+    """Build on meta, allocate once on `device` in `dtype`, fill from the checkpoint, check completeness."""
+    with torch.device("meta"):
+        model = DecoderForCausalLM(cfg, backend)
+    model = model.to(dtype=dtype).to_empty(device=device)
+    model.init_rotary(max_position, device)
+    weights = CheckpointWeights(model)
+    loaded: set[str] = set()
+    with torch.no_grad():
+        for file, name, tensor in _iter_checkpoint(safetensors_files(model_dir)):
+            if name.endswith(_IGNORED_SUFFIXES):
+                continue
+            if name == "lm_head.weight" and cfg.tie_word_embeddings:
+                continue
+            if name not in weights.layout:
+                logger.warning("ignoring checkpoint tensor %s (%s): not part of the model", name, file.name)
+                continue
+            if not tensor.is_floating_point():
+                raise ValueError(f"checkpoint tensor {name} in {file} has non-float dtype {tensor.dtype}")
+            view = weights.view(name)
+            if tuple(tensor.shape) != tuple(view.shape):
+                raise ValueError(
+                    f"shape mismatch for {name} in {file}: checkpoint {tuple(tensor.shape)}, "
+                    f"config.json implies {tuple(view.shape)}"
+                )
+            view.copy_(tensor)
+            loaded.add(name)
+    missing = sorted(set(weights.layout) - loaded)
+    if missing:
+        more = f" (+{len(missing) - 5} more)" if len(missing) > 5 else ""
+        raise ValueError(f"checkpoint {model_dir} is missing tensor(s) {missing[:5]}{more}")
+    model.eval()
+    return model
+
+
+@dataclass(frozen=True, slots=True)
+class ParamSpec:
+    shape: tuple[int, ...]  # checkpoint shape
+    dtype: torch.dtype  # runtime dtype
+
+
+class CheckpointWeights:
+    """The live model seen through checkpoint names: each name is a contiguous row range of a parameter.
+
+    Writes are in place (`copy_` / `index_put_`), so parameters keep their storage and captured CUDA
+    graphs stay valid. Callers validate before writing; this class only asserts its own invariants.
+    """
+
+    def __init__(self, model: DecoderForCausalLM) -> None:
+        self.layout: dict[str, CheckpointSlot] = model.checkpoint_layout()
+        self._params = dict(model.named_parameters())
+        self.device = next(iter(self._params.values())).device
+
+    def view(self, name: str) -> torch.Tensor:
+        slot = self.layout[name]
+        data = self._params[slot.param].data
+        view = data[slot.row_start : slot.row_end]
+        assert tuple(view.shape) == slot.shape, (name, tuple(view.shape), slot.shape)
+        return view
+
+    def checkpoint_specs(self) -> dict[str, ParamSpec]:
+        return {n: ParamSpec(s.shape, self._params[s.param].dtype) for n, s in self.layout.items()}
+
+    def read_checkpoint_tensor(self, name: str) -> torch.Tensor:
+        return self.view(name)
+
+    def write_dense(self, name: str, tensor: torch.Tensor) -> None:
+        self.view(name).copy_(tensor)
+
+    def write_patch(self, name: str, flat_indices: torch.Tensor, values: torch.Tensor) -> None:
+        view = self.view(name)
+        assert view.is_contiguous()
+        view.view(-1).index_put_((flat_indices.to(view.device, torch.int64),), values.to(view.device, view.dtype))

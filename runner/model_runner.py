@@ -1,0 +1,237 @@
+"""One engine step on the device: apply the scheduler's diffs, gather inputs, forward, sample, copy out.
+
+    execute(sched)
+      input_batch.apply(sched)          persistent slots: free finished, add new, apply diffs
+      inputs = input_batch.gather()     flat tokens, positions, KV slots, query offsets (host)
+      copy into persistent device buffers (one non-blocking copy per field)
+      hidden = model(...)               paged attention over the bound KV cache
+      logits = lm_head(hidden[rows that sample])
+      tokens, logprobs = sampler(...)   counter-based noise, no host sync
+      one copy of results to the host   the step's only sync
+
+The device buffers (`[max_num_batched_tokens]`, `[max_num_seqs, ...]`) are allocated once, so a CUDA
+graph can capture a step that reads them. Not here: scheduling decisions (rollout/), tokenization.
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+from dataclasses import dataclass
+
+import numpy as np
+import torch
+
+from rollout.config import EngineConfig
+from rollout.scheduler import RunnerOutput, SchedulerOutput
+from runner.attention import AttentionBackend, AttentionMetadata
+from runner.input_batch import InputBatch, StepInputs
+from runner.loader import CheckpointWeights, load_model
+from runner.model_config import ModelConfig, parse_dtype
+from runner.sampler import Sampler
+
+logger = logging.getLogger(__name__)
+
+
+@dataclass(slots=True)
+class StepBuffers:
+    """Persistent device buffers every step writes into (and a captured graph reads)."""
+
+    input_ids: torch.Tensor  # [max_tokens] int64
+    positions: torch.Tensor  # [max_tokens] int64
+    slot_mapping: torch.Tensor  # [max_tokens] int64
+    query_start_loc: torch.Tensor  # [max_num_seqs + 1] int32
+    seq_lens: torch.Tensor  # [max_num_seqs] int32
+    block_tables: torch.Tensor  # [max_num_seqs, max_blocks] int32
+    logits_indices: torch.Tensor  # [max_num_seqs] int64
+    temperature: torch.Tensor  # [max_num_seqs] f32
+    top_k: torch.Tensor  # [max_num_seqs] int64
+    top_p: torch.Tensor  # [max_num_seqs] f32
+    min_p: torch.Tensor  # [max_num_seqs] f32
+    seeds: torch.Tensor  # [max_num_seqs] int64
+    sample_positions: torch.Tensor  # [max_num_seqs] int64
+
+    @classmethod
+    def allocate(cls, max_tokens: int, max_num_seqs: int, max_blocks: int, device: torch.device) -> "StepBuffers":
+        def z(*shape, dtype):
+            return torch.zeros(*shape, dtype=dtype, device=device)
+
+        return cls(
+            input_ids=z(max_tokens, dtype=torch.int64),
+            positions=z(max_tokens, dtype=torch.int64),
+            slot_mapping=z(max_tokens, dtype=torch.int64),
+            query_start_loc=z(max_num_seqs + 1, dtype=torch.int32),
+            seq_lens=z(max_num_seqs, dtype=torch.int32),
+            block_tables=z(max_num_seqs, max_blocks, dtype=torch.int32),
+            logits_indices=z(max_num_seqs, dtype=torch.int64),
+            temperature=z(max_num_seqs, dtype=torch.float32),
+            top_k=z(max_num_seqs, dtype=torch.int64),
+            top_p=z(max_num_seqs, dtype=torch.float32),
+            min_p=z(max_num_seqs, dtype=torch.float32),
+            seeds=z(max_num_seqs, dtype=torch.int64),
+            sample_positions=z(max_num_seqs, dtype=torch.int64),
+        )
+
+
+def _copy_in(dst: torch.Tensor, src: np.ndarray) -> torch.Tensor:
+    """Copy a host array into the head of a persistent buffer; returns that head (a view)."""
+    n = src.shape[0]
+    view = dst[:n]
+    view.copy_(torch.from_numpy(src), non_blocking=True)
+    return view
+
+
+class ModelRunner:
+    def __init__(self, config: EngineConfig, model_config: ModelConfig, max_model_len: int) -> None:
+        self.config = config
+        self.model_config = model_config
+        self.device = torch.device(config.device)
+        self.dtype = parse_dtype(config.dtype if config.dtype != "auto" else (model_config.checkpoint_dtype or "float32"))
+        self.max_model_len = max_model_len
+        self.block_size = config.block_size
+        self.backend = AttentionBackend(self.device)
+        self.model = load_model(config.model, model_config, self.dtype, self.device, self.backend, max_model_len)
+        self.weights = CheckpointWeights(self.model)
+        self.sampler = Sampler(self.device)
+        self.input_batch = InputBatch(
+            max_num_seqs=config.max_num_seqs, max_model_len=max_model_len, block_size=config.block_size
+        )
+        self.buffers = StepBuffers.allocate(
+            config.max_num_batched_tokens, config.max_num_seqs, self.input_batch.max_blocks_per_seq, self.device
+        )
+        self.num_kv_blocks = 0
+        self.kv_caches: list[tuple[torch.Tensor, torch.Tensor]] = []
+
+    # ---- KV cache ------------------------------------------------------------------------------------
+    def kv_bytes_per_block(self) -> int:
+        cfg = self.model_config
+        elem = torch.finfo(self.dtype).bits // 8
+        return 2 * cfg.num_layers * self.block_size * cfg.num_kv_heads * cfg.head_dim * elem
+
+    def determine_num_kv_blocks(self) -> int:
+        if self.config.num_kv_blocks is not None:
+            return self.config.num_kv_blocks
+        per_block = self.kv_bytes_per_block()
+        if self.device.type == "cpu":
+            wanted = self.config.max_num_seqs * math.ceil(self.max_model_len / self.block_size)
+            return max(1, min(wanted, self.config.kv_cache_bytes // per_block))
+        free, total = torch.cuda.mem_get_info(self.device)
+        used = total - free
+        budget = total * self.config.gpu_memory_utilization - used
+        num = int(budget // per_block)
+        if num < 1:
+            raise ValueError(
+                f"no GPU memory left for the KV cache: total {total / 2**30:.1f} GiB, in use {used / 2**30:.1f} GiB, "
+                f"gpu_memory_utilization={self.config.gpu_memory_utilization}"
+            )
+        return num
+
+    def allocate_kv_cache(self, num_blocks: int) -> None:
+        cfg = self.model_config
+        shape = (num_blocks, self.block_size, cfg.num_kv_heads, cfg.head_dim)
+        self.kv_caches = [
+            (torch.zeros(shape, dtype=self.dtype, device=self.device), torch.zeros(shape, dtype=self.dtype, device=self.device))
+            for _ in range(cfg.num_layers)
+        ]
+        self.model.bind_kv_cache(self.kv_caches)
+        self.num_kv_blocks = num_blocks
+        logger.info(
+            "KV cache: %d blocks x %d tokens (%.1f MiB)", num_blocks, self.block_size,
+            num_blocks * self.kv_bytes_per_block() / 2**20,
+        )
+
+    # ---- one step ------------------------------------------------------------------------------------
+    @torch.inference_mode()
+    def execute(self, sched: SchedulerOutput) -> RunnerOutput:
+        self.input_batch.apply(sched)
+        if sched.is_empty:
+            return RunnerOutput(req_ids=[], sampled_token_ids=[])
+        inputs = self.input_batch.gather(sched)
+        meta = self._prepare(inputs)
+        b = self.buffers
+        T = inputs.input_ids.shape[0]
+        hidden = self.model(b.input_ids[:T], b.positions[:T], meta)
+        R = inputs.sample_rows.shape[0]
+        if R == 0:
+            return RunnerOutput(req_ids=[], sampled_token_ids=[])
+        logits = self.model.compute_logits(hidden[b.logits_indices[:R]])
+        top_n = int(self.input_batch.top_logprobs[inputs.slots[inputs.sample_rows]].max())
+        tokens, logprobs, top = self.sampler(
+            logits, b.temperature[:R], b.top_k[:R], b.top_p[:R], b.min_p[:R], b.seeds[:R],
+            b.sample_positions[:R], top_n,
+        )
+        return self._finish(inputs, tokens, logprobs, top)
+
+    def _prepare(self, inputs: StepInputs) -> AttentionMetadata:
+        b, ib = self.buffers, self.input_batch
+        _copy_in(b.input_ids, inputs.input_ids)
+        _copy_in(b.positions, inputs.positions)
+        _copy_in(b.slot_mapping, inputs.slot_mapping)
+        qsl = _copy_in(b.query_start_loc, inputs.query_start_loc)
+        seq_lens = _copy_in(b.seq_lens, inputs.seq_lens)
+        B = inputs.slots.shape[0]
+        max_blocks = -(-inputs.max_seq_len // self.block_size)
+        block_tables = b.block_tables[:B, :max_blocks]
+        block_tables.copy_(torch.from_numpy(ib.block_table[inputs.slots, :max_blocks]), non_blocking=True)
+        rows = inputs.slots[inputs.sample_rows]
+        _copy_in(b.logits_indices, inputs.logits_indices)
+        _copy_in(b.temperature, ib.temperature[rows])
+        _copy_in(b.top_k, ib.top_k[rows])
+        _copy_in(b.top_p, ib.top_p[rows])
+        _copy_in(b.min_p, ib.min_p[rows])
+        _copy_in(b.seeds, ib.seed[rows])
+        _copy_in(b.sample_positions, ib.num_tokens[rows] - ib.num_prompt_tokens[rows])
+        T = inputs.input_ids.shape[0]
+        return AttentionMetadata(
+            query_start_loc=qsl,
+            seq_lens=seq_lens,
+            block_tables=block_tables,
+            slot_mapping=b.slot_mapping[:T],
+            max_query_len=inputs.max_query_len,
+            max_seq_len=inputs.max_seq_len,
+            deterministic=self.config.deterministic,
+        )
+
+    def _finish(self, inputs: StepInputs, tokens, logprobs, top) -> RunnerOutput:
+        # the step's one device -> host copy
+        token_list = tokens.to("cpu", non_blocking=False).tolist()
+        logprob_list = logprobs.float().to("cpu").tolist()
+        top_list = None
+        if top is not None:
+            ids, vals = top[0].cpu().tolist(), top[1].float().cpu().tolist()
+            top_list = [[list(zip(i, v))] for i, v in zip(ids, vals)]
+        rows = inputs.sample_rows
+        sampled = [[t] for t in token_list]
+        self.input_batch.append_sampled(inputs.slots[rows], sampled)
+        return RunnerOutput(
+            req_ids=[inputs.req_ids[r] for r in rows.tolist()],
+            sampled_token_ids=sampled,
+            logprobs=[[lp] for lp in logprob_list],
+            top_logprobs=top_list,
+        )
+
+
+def full_sequence_logits(runner: ModelRunner, token_ids: list[int]) -> torch.Tensor:
+    """Logits [len(token_ids), vocab] of one sequence in a single prefill over the first cache blocks.
+
+    For tests and scoring on an idle engine only: it overwrites KV blocks 0..n, so no request may be running.
+    """
+    assert not runner.input_batch.slot_of, "full_sequence_logits needs an idle runner"
+    n = len(token_ids)
+    num_blocks = -(-n // runner.block_size)
+    assert num_blocks <= runner.num_kv_blocks
+    dev = runner.device
+    block_table = torch.arange(num_blocks, dtype=torch.int32, device=dev)[None, :]
+    meta = AttentionMetadata(
+        query_start_loc=torch.tensor([0, n], dtype=torch.int32, device=dev),
+        seq_lens=torch.tensor([n], dtype=torch.int32, device=dev),
+        block_tables=block_table,
+        slot_mapping=torch.arange(n, dtype=torch.int64, device=dev),
+        max_query_len=n,
+        max_seq_len=n,
+        deterministic=runner.config.deterministic,
+    )
+    with torch.inference_mode():
+        ids = torch.tensor(token_ids, dtype=torch.int64, device=dev)
+        hidden = runner.model(ids, torch.arange(n, device=dev), meta)
+        return runner.model.compute_logits(hidden)

@@ -1,0 +1,185 @@
+"""Llama / Qwen2 / Qwen3 decoder over a paged KV cache.
+
+Projections are fused (q|k|v rows in `qkv_proj`, gate|up rows in `gate_up_proj`). Every runtime parameter
+is reached from checkpoint names through `checkpoint_layout()`: a checkpoint tensor is a row range of one
+runtime parameter, so the loader, the weight-update sessions and the trainer all write through the same
+map. Inputs are flat token lists `[T]` with positions `[T]`; attention reads and writes the paged cache
+bound to each layer (`bind_kv_cache`). Not here: tensor parallelism, sampling.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from kernels.norm_ref import fused_add_rms_norm_ref, rms_norm_ref
+from kernels.rotary_ref import apply_rotary_ref, build_cos_sin_cache, rope_inv_freq
+from runner.attention import AttentionBackend, AttentionMetadata
+from runner.model_config import ModelConfig
+
+
+@dataclass(frozen=True, slots=True)
+class CheckpointSlot:
+    """Where a checkpoint tensor lives: rows [row_start, row_end) of runtime parameter `param`."""
+
+    param: str
+    row_start: int
+    row_end: int
+    shape: tuple[int, ...]  # the checkpoint tensor's shape
+
+
+class RMSNorm(nn.Module):
+    def __init__(self, size: int, eps: float) -> None:
+        super().__init__()
+        self.weight = nn.Parameter(torch.ones(size))
+        self.eps = eps
+
+    def forward(self, x: torch.Tensor, residual: torch.Tensor | None = None):
+        if residual is None:
+            return rms_norm_ref(x, self.weight, self.eps)
+        return fused_add_rms_norm_ref(x, residual, self.weight, self.eps)
+
+
+class Attention(nn.Module):
+    def __init__(self, cfg: ModelConfig, backend: AttentionBackend | None) -> None:
+        super().__init__()
+        self.num_heads, self.num_kv_heads, self.head_dim = cfg.num_heads, cfg.num_kv_heads, cfg.head_dim
+        self.q_size = self.num_heads * self.head_dim
+        self.kv_size = self.num_kv_heads * self.head_dim
+        self.qkv_proj = nn.Linear(cfg.hidden_size, self.q_size + 2 * self.kv_size, bias=cfg.attention_bias)
+        self.o_proj = nn.Linear(self.q_size, cfg.hidden_size, bias=cfg.o_proj_bias)
+        self.q_norm = RMSNorm(self.head_dim, cfg.rms_norm_eps) if cfg.qk_norm else None
+        self.k_norm = RMSNorm(self.head_dim, cfg.rms_norm_eps) if cfg.qk_norm else None
+        self.scale = self.head_dim**-0.5
+        self.backend = backend
+        self.k_cache: torch.Tensor | None = None  # [num_blocks, block_size, Hkv, D]
+        self.v_cache: torch.Tensor | None = None
+
+    def forward(self, positions, hidden, meta: AttentionMetadata, cos_sin_cache) -> torch.Tensor:
+        num_tokens = hidden.shape[0]
+        qkv = self.qkv_proj(hidden)
+        q, k, v = qkv.split([self.q_size, self.kv_size, self.kv_size], dim=-1)
+        q = q.reshape(num_tokens, self.num_heads, self.head_dim)
+        k = k.reshape(num_tokens, self.num_kv_heads, self.head_dim)
+        v = v.reshape(num_tokens, self.num_kv_heads, self.head_dim)
+        if self.q_norm is not None:
+            q, k = self.q_norm(q), self.k_norm(k)
+        q, k = apply_rotary_ref(q, k, positions, cos_sin_cache)
+        self.backend.store(k, v, self.k_cache, self.v_cache, meta)
+        out = self.backend.attend(q, self.k_cache, self.v_cache, meta, self.scale)
+        return self.o_proj(out.reshape(num_tokens, self.q_size))
+
+
+class MLP(nn.Module):
+    def __init__(self, cfg: ModelConfig) -> None:
+        super().__init__()
+        self.intermediate = cfg.intermediate_size
+        self.gate_up_proj = nn.Linear(cfg.hidden_size, 2 * cfg.intermediate_size, bias=False)
+        self.down_proj = nn.Linear(cfg.intermediate_size, cfg.hidden_size, bias=False)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        gate, up = self.gate_up_proj(x).split(self.intermediate, dim=-1)
+        return self.down_proj(F.silu(gate) * up)
+
+
+class DecoderLayer(nn.Module):
+    def __init__(self, cfg: ModelConfig, backend: AttentionBackend | None) -> None:
+        super().__init__()
+        self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+        self.self_attn = Attention(cfg, backend)
+        self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+        self.mlp = MLP(cfg)
+
+    def forward(self, positions, hidden, residual, meta, cos_sin_cache):
+        if residual is None:
+            residual = hidden
+            hidden = self.input_layernorm(hidden)
+        else:
+            hidden, residual = self.input_layernorm(hidden, residual)
+        hidden = self.self_attn(positions, hidden, meta, cos_sin_cache)
+        hidden, residual = self.post_attention_layernorm(hidden, residual)
+        return self.mlp(hidden), residual
+
+
+class DecoderModel(nn.Module):
+    def __init__(self, cfg: ModelConfig, backend: AttentionBackend | None) -> None:
+        super().__init__()
+        self.embed_tokens = nn.Embedding(cfg.vocab_size, cfg.hidden_size)
+        self.layers = nn.ModuleList(DecoderLayer(cfg, backend) for _ in range(cfg.num_layers))
+        self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+
+
+class DecoderForCausalLM(nn.Module):
+    """The whole model. Build it on the meta device, then `runner.loader.load_weights` fills it."""
+
+    def __init__(self, cfg: ModelConfig, backend: AttentionBackend | None = None) -> None:
+        super().__init__()
+        self.config = cfg
+        self.model = DecoderModel(cfg, backend)
+        self.lm_head = None if cfg.tie_word_embeddings else nn.Linear(cfg.hidden_size, cfg.vocab_size, bias=False)
+        self.register_buffer("cos_sin_cache", torch.empty(0), persistent=False)  # [max_pos, head_dim] f32
+
+    def init_rotary(self, max_position: int, device: torch.device) -> None:
+        """Fill the rotary table (a buffer outside the checkpoint) for positions < max_position."""
+        cfg = self.config
+        inv_freq = rope_inv_freq(cfg.head_dim, cfg.rope_theta, cfg.rope_scaling)
+        self.cos_sin_cache = build_cos_sin_cache(inv_freq, max_position).to(device)
+
+    def bind_kv_cache(self, kv_caches: list[tuple[torch.Tensor, torch.Tensor]]) -> None:
+        """Give each layer its (k_cache, v_cache) pair."""
+        assert len(kv_caches) == len(self.model.layers)
+        for layer, (k, v) in zip(self.model.layers, kv_caches):
+            layer.self_attn.k_cache, layer.self_attn.v_cache = k, v
+
+    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor:
+        """input_ids [T], positions [T] -> final hidden states [T, hidden]."""
+        hidden = self.model.embed_tokens(input_ids)
+        residual = None
+        for layer in self.model.layers:
+            hidden, residual = layer(positions, hidden, residual, meta, self.cos_sin_cache)
+        hidden, _ = self.model.norm(hidden, residual)
+        return hidden
+
+    def lm_head_weight(self) -> torch.Tensor:
+        return self.model.embed_tokens.weight if self.lm_head is None else self.lm_head.weight
+
+    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        """hidden [N, hidden] -> logits [N, vocab] in the model dtype."""
+        return F.linear(hidden, self.lm_head_weight())
+
+    def checkpoint_layout(self) -> dict[str, CheckpointSlot]:
+        """Every checkpoint (Hugging Face) tensor name -> its rows in a runtime parameter."""
+        cfg = self.config
+        layout: dict[str, CheckpointSlot] = {}
+
+        def add(name: str, param: str, start: int, end: int, tail: tuple[int, ...]) -> None:
+            layout[name] = CheckpointSlot(param, start, end, (end - start, *tail))
+
+        h, q, kv, inter = cfg.hidden_size, cfg.num_heads * cfg.head_dim, cfg.num_kv_heads * cfg.head_dim, cfg.intermediate_size
+        add("model.embed_tokens.weight", "model.embed_tokens.weight", 0, cfg.vocab_size, (h,))
+        add("model.norm.weight", "model.norm.weight", 0, h, ())
+        if not cfg.tie_word_embeddings:
+            add("lm_head.weight", "lm_head.weight", 0, cfg.vocab_size, (h,))
+        for i in range(cfg.num_layers):
+            p = f"model.layers.{i}."
+            qkv = p + "self_attn.qkv_proj."
+            for kind in ("weight", "bias") if cfg.attention_bias else ("weight",):
+                tail = (h,) if kind == "weight" else ()
+                add(p + f"self_attn.q_proj.{kind}", qkv + kind, 0, q, tail)
+                add(p + f"self_attn.k_proj.{kind}", qkv + kind, q, q + kv, tail)
+                add(p + f"self_attn.v_proj.{kind}", qkv + kind, q + kv, q + 2 * kv, tail)
+            add(p + "self_attn.o_proj.weight", p + "self_attn.o_proj.weight", 0, h, (q,))
+            if cfg.o_proj_bias:
+                add(p + "self_attn.o_proj.bias", p + "self_attn.o_proj.bias", 0, h, ())
+            if cfg.qk_norm:
+                add(p + "self_attn.q_norm.weight", p + "self_attn.q_norm.weight", 0, cfg.head_dim, ())
+                add(p + "self_attn.k_norm.weight", p + "self_attn.k_norm.weight", 0, cfg.head_dim, ())
+            add(p + "mlp.gate_proj.weight", p + "mlp.gate_up_proj.weight", 0, inter, (h,))
+            add(p + "mlp.up_proj.weight", p + "mlp.gate_up_proj.weight", inter, 2 * inter, (h,))
+            add(p + "mlp.down_proj.weight", p + "mlp.down_proj.weight", 0, h, (inter,))
+            add(p + "input_layernorm.weight", p + "input_layernorm.weight", 0, h, ())
+            add(p + "post_attention_layernorm.weight", p + "post_attention_layernorm.weight", 0, h, ())
+        return layout
