@@ -11,6 +11,8 @@ That one rule covers prefill, chunked prefill, prefix-cache hits, decode and spe
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 import torch
 import torch.nn.functional as F
 
@@ -35,6 +37,44 @@ def store_kv_ref(
         v_flat[slot_mapping[valid]] = value[valid]
 
 
+@dataclass(slots=True)
+class AttentionPlan:
+    """Index and mask tensors of one step, shared by every layer (they depend only on the batch)."""
+
+    gather_index: torch.Tensor  # [B, S] int64 cache slot of each context position
+    q_index: torch.Tensor | None  # [B * Qm] int64 token of each padded query row (None: no padding)
+    q_valid: torch.Tensor | None  # [B, Qm] bool
+    mask: torch.Tensor  # [B, 1, G * Qm, S] bool, True = attend
+
+
+def plan_paged_attention(
+    query_start_loc: torch.Tensor,  # [B + 1] int
+    seq_lens: torch.Tensor,  # [B] int
+    block_tables: torch.Tensor,  # [B, max_blocks] int
+    block_size: int,
+    group: int,
+    num_tokens: int,
+    max_query_len: int,
+    max_seq_len: int,
+) -> AttentionPlan:
+    device = block_tables.device
+    num_reqs = seq_lens.shape[0]
+    key_pos = torch.arange(max_seq_len, device=device)  # [S]
+    gather = block_tables.to(torch.int64)[:, key_pos // block_size] * block_size + key_pos % block_size
+    q_lens = (query_start_loc[1:] - query_start_loc[:-1]).to(torch.int64)  # [B]
+    seq_lens = seq_lens.to(torch.int64)
+    q_off = torch.arange(max_query_len, device=device)  # [Qm]
+    q_index = q_valid = None
+    if num_tokens != num_reqs * max_query_len:
+        q_valid = q_off[None, :] < q_lens[:, None]
+        q_index = (query_start_loc[:-1].to(torch.int64)[:, None] + q_off[None, :]).clamp(max=num_tokens - 1)
+        q_index = q_index.reshape(-1)
+    q_pos = (seq_lens - q_lens)[:, None] + q_off[None, :]  # [B, Qm]
+    mask = (key_pos[None, None, :] <= q_pos[:, :, None]) & (key_pos[None, None, :] < seq_lens[:, None, None])
+    mask = mask[:, None, None].expand(num_reqs, 1, group, max_query_len, max_seq_len)
+    return AttentionPlan(gather, q_index, q_valid, mask.reshape(num_reqs, 1, group * max_query_len, max_seq_len))
+
+
 def paged_attention_ref(
     query: torch.Tensor,  # [T, Hq, D]
     k_cache: torch.Tensor,  # [num_blocks, block_size, Hkv, D]
@@ -45,39 +85,31 @@ def paged_attention_ref(
     scale: float,
     max_query_len: int,
     max_seq_len: int,
+    plan: AttentionPlan | None = None,  # from plan_paged_attention, shared by all layers of a step
 ) -> torch.Tensor:
     """Causal attention of each request's query tokens over its paged context. Returns [T, Hq, D]."""
     num_tokens, num_heads, head_dim = query.shape
     block_size, num_kv_heads = k_cache.shape[1], k_cache.shape[2]
-    device = query.device
-    q_lens = (query_start_loc[1:] - query_start_loc[:-1]).to(torch.int64)  # [B]
-    seq_lens = seq_lens.to(torch.int64)
-
-    key_pos = torch.arange(max_seq_len, device=device)  # [S]
-    blocks = block_tables.to(torch.int64)[:, key_pos // block_size]  # [B, S]
-    slots = blocks * block_size + key_pos % block_size  # [B, S]
-    k_flat = k_cache.view(-1, num_kv_heads, head_dim)
-    v_flat = v_cache.view(-1, num_kv_heads, head_dim)
-    keys = k_flat[slots]  # [B, S, Hkv, D]
-    values = v_flat[slots]
-
-    q_off = torch.arange(max_query_len, device=device)  # [Qm]
-    q_valid = q_off[None, :] < q_lens[:, None]  # [B, Qm]
-    q_idx = (query_start_loc[:-1].to(torch.int64)[:, None] + q_off[None, :]).clamp(max=num_tokens - 1)
-    queries = query[q_idx]  # [B, Qm, Hq, D]
-    q_pos = (seq_lens - q_lens)[:, None] + q_off[None, :]  # [B, Qm]
-    mask = (key_pos[None, None, :] <= q_pos[:, :, None]) & (key_pos[None, None, :] < seq_lens[:, None, None])
-
+    num_reqs = seq_lens.shape[0]
     group = num_heads // num_kv_heads
-    keys = keys.repeat_interleave(group, dim=2) if group > 1 else keys
-    values = values.repeat_interleave(group, dim=2) if group > 1 else values
-    out = F.scaled_dot_product_attention(
-        queries.transpose(1, 2),  # [B, Hq, Qm, D]
-        keys.transpose(1, 2),  # [B, Hq, S, D]
-        values.transpose(1, 2),
-        attn_mask=mask[:, None, :, :],
-        scale=scale,
-    ).transpose(1, 2)  # [B, Qm, Hq, D]
+    if plan is None:
+        plan = plan_paged_attention(query_start_loc, seq_lens, block_tables, block_size, group, num_tokens,
+                                    max_query_len, max_seq_len)
+    flat = plan.gather_index.reshape(-1)
+    keys = k_cache.view(-1, num_kv_heads, head_dim).index_select(0, flat)  # [B*S, Hkv, D]
+    values = v_cache.view(-1, num_kv_heads, head_dim).index_select(0, flat)
+    keys = keys.view(num_reqs, max_seq_len, num_kv_heads, head_dim).transpose(1, 2)  # [B, Hkv, S, D]
+    values = values.view(num_reqs, max_seq_len, num_kv_heads, head_dim).transpose(1, 2)
+    queries = query if plan.q_index is None else query.index_select(0, plan.q_index)
+    # [B, Qm, Hkv, G, D] -> [B, Hkv, G*Qm, D]: one KV head serves its G query heads
+    queries = queries.view(num_reqs, max_query_len, num_kv_heads, group, head_dim)
+    queries = queries.permute(0, 2, 3, 1, 4).reshape(num_reqs, num_kv_heads, group * max_query_len, head_dim)
+    out = F.scaled_dot_product_attention(queries, keys, values, attn_mask=plan.mask, scale=scale)
+    out = out.view(num_reqs, num_kv_heads, group, max_query_len, head_dim).permute(0, 3, 1, 2, 4)
+    out = out.reshape(num_reqs, max_query_len, num_heads, head_dim)  # [B, Qm, Hq, D]
+    if plan.q_index is None:
+        return out.reshape(num_tokens, num_heads, head_dim)
     result = torch.empty_like(query)
-    result[q_idx[q_valid]] = out[q_valid]
+    valid = plan.q_valid
+    result[plan.q_index.view(num_reqs, max_query_len)[valid]] = out[valid]
     return result

@@ -17,6 +17,21 @@ def _rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tens
     return x * cos + rotated * sin
 
 
+def rotary_cos_sin(
+    positions: torch.Tensor, cos_sin_cache: torch.Tensor, dtype: torch.dtype
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """cos and sin [T, 1, D] in `dtype` for the given positions [T] (shared by all layers of a step)."""
+    half = cos_sin_cache.shape[-1] // 2
+    cs = cos_sin_cache.index_select(0, positions.to(torch.int64))  # [T, D]
+    cos = torch.cat((cs[:, :half], cs[:, :half]), dim=-1)[:, None, :].to(dtype)
+    sin = torch.cat((cs[:, half:], cs[:, half:]), dim=-1)[:, None, :].to(dtype)
+    return cos, sin
+
+
+def apply_rotary_cos_sin(query, key, cos, sin) -> tuple[torch.Tensor, torch.Tensor]:
+    return _rotate(query, cos, sin), _rotate(key, cos, sin)
+
+
 def apply_rotary_ref(
     query: torch.Tensor,  # [T, Hq, D]
     key: torch.Tensor,  # [T, Hkv, D]
@@ -24,11 +39,8 @@ def apply_rotary_ref(
     cos_sin_cache: torch.Tensor,  # [max_position, D] float32
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Rotate query and key by their positions; returns new tensors of the inputs' dtype."""
-    half = cos_sin_cache.shape[-1] // 2
-    cs = cos_sin_cache[positions.to(torch.int64)]  # [T, D]
-    cos = torch.cat((cs[:, :half], cs[:, :half]), dim=-1)[:, None, :].to(query.dtype)  # [T, 1, D]
-    sin = torch.cat((cs[:, half:], cs[:, half:]), dim=-1)[:, None, :].to(query.dtype)
-    return _rotate(query, cos, sin), _rotate(key, cos, sin)
+    cos, sin = rotary_cos_sin(positions, cos_sin_cache, query.dtype)
+    return apply_rotary_cos_sin(query, key, cos, sin)
 
 
 def rope_inv_freq(head_dim: int, theta: float, scaling: dict | None) -> torch.Tensor:

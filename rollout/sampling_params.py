@@ -33,7 +33,7 @@ class SamplingParams:
     max_tokens: int = 16
     """Most tokens to generate per completion (also capped by the engine's max_model_len)."""
     min_tokens: int = 0
-    """Stop tokens and EOS are not honoured before this many tokens were generated."""
+    """Stop tokens and EOS among the first min_tokens generated tokens do not end the completion."""
     seed: int | None = None
     """Per-request seed: a seeded request yields the same tokens whatever else is in the batch."""
     stop_token_ids: list[int] = field(default_factory=list)

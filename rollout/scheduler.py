@@ -244,7 +244,7 @@ class Scheduler:
     # ---- helpers -------------------------------------------------------------------------------------
     def _check_stop(self, req: Request, token: int) -> RequestStatus | None:
         params = req.params
-        if req.num_output_tokens >= params.min_tokens:
+        if req.num_output_tokens > params.min_tokens:
             if (not params.ignore_eos and token in req.eos_token_ids) or token in params.stop_token_ids:
                 return RequestStatus.FINISHED_STOPPED
         if req.num_output_tokens >= req.max_tokens or req.num_tokens >= self.max_model_len:

@@ -10,7 +10,7 @@ from dataclasses import dataclass
 
 import torch
 
-from kernels.attention_ref import paged_attention_ref, store_kv_ref
+from kernels.attention_ref import AttentionPlan, paged_attention_ref, plan_paged_attention, store_kv_ref
 
 
 @dataclass(slots=True)
@@ -22,6 +22,7 @@ class AttentionMetadata:
     max_query_len: int
     max_seq_len: int
     deterministic: bool = False
+    plan: AttentionPlan | None = None  # CPU path: gather indices and mask, built by the first layer
 
 
 class AttentionBackend:
@@ -45,7 +46,12 @@ class AttentionBackend:
                 query, k_cache, v_cache, meta.query_start_loc, meta.seq_lens, meta.block_tables, scale,
                 meta.max_query_len, meta.max_seq_len, deterministic=meta.deterministic,
             )
+        if meta.plan is None:  # built once per step, shared by all layers
+            meta.plan = plan_paged_attention(
+                meta.query_start_loc, meta.seq_lens, meta.block_tables, k_cache.shape[1],
+                query.shape[1] // k_cache.shape[2], query.shape[0], meta.max_query_len, meta.max_seq_len,
+            )
         return paged_attention_ref(
             query, k_cache, v_cache, meta.query_start_loc, meta.seq_lens, meta.block_tables, scale,
-            meta.max_query_len, meta.max_seq_len,
+            meta.max_query_len, meta.max_seq_len, plan=meta.plan,
         )

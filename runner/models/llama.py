@@ -16,7 +16,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from kernels.norm_ref import fused_add_rms_norm_ref, rms_norm_ref
-from kernels.rotary_ref import apply_rotary_ref, build_cos_sin_cache, rope_inv_freq
+from kernels.rotary_ref import apply_rotary_cos_sin, build_cos_sin_cache, rope_inv_freq, rotary_cos_sin
 from runner.attention import AttentionBackend, AttentionMetadata
 from runner.model_config import ModelConfig
 
@@ -58,7 +58,7 @@ class Attention(nn.Module):
         self.k_cache: torch.Tensor | None = None  # [num_blocks, block_size, Hkv, D]
         self.v_cache: torch.Tensor | None = None
 
-    def forward(self, positions, hidden, meta: AttentionMetadata, cos_sin_cache) -> torch.Tensor:
+    def forward(self, rope: tuple[torch.Tensor, torch.Tensor], hidden, meta: AttentionMetadata) -> torch.Tensor:
         num_tokens = hidden.shape[0]
         qkv = self.qkv_proj(hidden)
         q, k, v = qkv.split([self.q_size, self.kv_size, self.kv_size], dim=-1)
@@ -67,7 +67,7 @@ class Attention(nn.Module):
         v = v.reshape(num_tokens, self.num_kv_heads, self.head_dim)
         if self.q_norm is not None:
             q, k = self.q_norm(q), self.k_norm(k)
-        q, k = apply_rotary_ref(q, k, positions, cos_sin_cache)
+        q, k = apply_rotary_cos_sin(q, k, *rope)
         self.backend.store(k, v, self.k_cache, self.v_cache, meta)
         out = self.backend.attend(q, self.k_cache, self.v_cache, meta, self.scale)
         return self.o_proj(out.reshape(num_tokens, self.q_size))
@@ -93,13 +93,13 @@ class DecoderLayer(nn.Module):
         self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.mlp = MLP(cfg)
 
-    def forward(self, positions, hidden, residual, meta, cos_sin_cache):
+    def forward(self, rope, hidden, residual, meta):
         if residual is None:
             residual = hidden
             hidden = self.input_layernorm(hidden)
         else:
             hidden, residual = self.input_layernorm(hidden, residual)
-        hidden = self.self_attn(positions, hidden, meta, cos_sin_cache)
+        hidden = self.self_attn(rope, hidden, meta)
         hidden, residual = self.post_attention_layernorm(hidden, residual)
         return self.mlp(hidden), residual
 
@@ -137,9 +137,10 @@ class DecoderForCausalLM(nn.Module):
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor:
         """input_ids [T], positions [T] -> final hidden states [T, hidden]."""
         hidden = self.model.embed_tokens(input_ids)
+        rope = rotary_cos_sin(positions, self.cos_sin_cache, hidden.dtype)  # [T, 1, D] each, shared by layers
         residual = None
         for layer in self.model.layers:
-            hidden, residual = layer(positions, hidden, residual, meta, self.cos_sin_cache)
+            hidden, residual = layer(rope, hidden, residual, meta)
         hidden, _ = self.model.norm(hidden, residual)
         return hidden
 

@@ -1,0 +1,166 @@
+"""Generation throughput: this engine vs transformers `generate`, same model, same run.
+
+Prints one JSON line per measurement. Random-weight models of a given shape are written locally (no
+downloads). Every run forces the full number of new tokens (EOS ignored), temperature 1, no top-k/top-p.
+
+    python bench/generate.py                       # CPU, tiny model, batch 32
+    python bench/generate.py --device cuda --shape qwen2.5-0.5b --batches 1,64,256 --hf-static --grpo
+
+On CUDA it also measures the device copy bandwidth and reports the roofline fraction: the bytes a decode
+step must read (weights + KV of the live context) over that bandwidth, against the measured step time.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+import tempfile
+import time
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+import torch  # noqa: E402
+
+from runner.testing import QWEN25_05B, write_random_checkpoint  # noqa: E402
+
+SHAPES = {
+    "tiny": dict(family="llama", vocab_size=512, hidden_size=128, intermediate_size=384, num_hidden_layers=4,
+                 num_attention_heads=4, num_key_value_heads=2),
+    "qwen2.5-0.5b": QWEN25_05B,
+}
+
+
+def emit(**row) -> None:
+    print(json.dumps(row), flush=True)
+
+
+def sync(device: str) -> None:
+    if device.startswith("cuda"):
+        torch.cuda.synchronize()
+
+
+def copy_bandwidth(device: str) -> float:
+    """Bytes read + written per second by a large device-to-device copy."""
+    n = 1 << 28 if device.startswith("cuda") else 1 << 24
+    src = torch.randn(n // 4, device=device)
+    dst = torch.empty_like(src)
+    for _ in range(3):
+        dst.copy_(src)
+    sync(device)
+    reps = 20
+    t = time.perf_counter()
+    for _ in range(reps):
+        dst.copy_(src)
+    sync(device)
+    return 2 * n * reps / (time.perf_counter() - t)
+
+
+def bench_engine(path, device, dtype, batch, prompt_len, new_tokens, n=1, max_num_seqs=None, **engine_kw):
+    from rollout import Engine, EngineConfig, SamplingParams
+
+    engine = Engine(EngineConfig(model=path, device=device, dtype=dtype,
+                                 max_num_seqs=max_num_seqs or max(batch * n, 1),
+                                 max_model_len=prompt_len + new_tokens + 16, **engine_kw))
+    g = torch.Generator().manual_seed(0)
+    vocab = engine.model_config.vocab_size
+    prompts = torch.randint(2, vocab, (batch, prompt_len), generator=g).tolist()
+    params = SamplingParams(n=n, temperature=1.0, max_tokens=new_tokens, ignore_eos=True, seed=1)
+    engine.generate(prompts[:2], SamplingParams(max_tokens=4, ignore_eos=True))  # warm-up
+    sync(device)
+    t = time.perf_counter()
+    outs = engine.generate(prompts, params)
+    sync(device)
+    elapsed = time.perf_counter() - t
+    tokens = sum(len(c.token_ids) for o in outs for c in o.outputs)
+    return tokens / elapsed, elapsed, engine
+
+
+def bench_hf(path, device, dtype, batch, prompt_len, new_tokens, static=False):
+    import transformers
+
+    torch_dtype = getattr(torch, dtype)
+    model = transformers.AutoModelForCausalLM.from_pretrained(path, dtype=torch_dtype).to(device).eval()
+    vocab = model.config.vocab_size
+    g = torch.Generator().manual_seed(0)
+    ids = torch.randint(2, vocab, (batch, prompt_len), generator=g).to(device)
+    kw = dict(do_sample=True, temperature=1.0, top_k=0, top_p=1.0, max_new_tokens=new_tokens,
+              min_new_tokens=new_tokens, pad_token_id=0)
+    if static:
+        kw["cache_implementation"] = "static"
+        model.forward = torch.compile(model.forward, mode="reduce-overhead", fullgraph=True)
+    with torch.no_grad():
+        model.generate(ids, **{**kw, "max_new_tokens": 4 if not static else new_tokens, "min_new_tokens": 4 if not static else new_tokens})
+        sync(device)
+        t = time.perf_counter()
+        out = model.generate(ids, **kw)
+        sync(device)
+    elapsed = time.perf_counter() - t
+    return (out.shape[1] - prompt_len) * batch / elapsed, elapsed
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
+    ap.add_argument("--shape", default=None, choices=sorted(SHAPES))
+    ap.add_argument("--dtype", default=None)
+    ap.add_argument("--batches", default=None, help="comma-separated batch sizes")
+    ap.add_argument("--prompt-len", type=int, default=None)
+    ap.add_argument("--new-tokens", type=int, default=None)
+    ap.add_argument("--hf-static", action="store_true", help="also time transformers with a static cache + compile")
+    ap.add_argument("--no-hf", action="store_true")
+    ap.add_argument("--grpo", action="store_true", help="also the GRPO shape: 64 prompts x n=16, prompt 256, 1024 new")
+    ap.add_argument("--enforce-eager", action="store_true")
+    args = ap.parse_args()
+    cuda = args.device.startswith("cuda")
+    shape = args.shape or ("qwen2.5-0.5b" if cuda else "tiny")
+    dtype = args.dtype or ("bfloat16" if cuda else "float32")
+    batches = [int(b) for b in (args.batches or ("1,64,256" if cuda else "32")).split(",")]
+    prompt_len = args.prompt_len or (128 if cuda else 32)
+    new_tokens = args.new_tokens or (256 if cuda else 64)
+    spec = dict(SHAPES[shape])
+    family = spec.pop("family")
+    bw = copy_bandwidth(args.device)
+    emit(kind="copy_bandwidth", device=args.device, gb_per_s=round(bw / 1e9, 1))
+    with tempfile.TemporaryDirectory() as d:
+        write_random_checkpoint(d, family=family, dtype=dtype, std=0.02, **spec)
+        from runner.model_config import ModelConfig
+
+        mc = ModelConfig.from_dir(d)
+        elem = torch.finfo(getattr(torch, dtype)).bits // 8
+        weight_bytes = sum(os.path.getsize(os.path.join(d, f)) for f in os.listdir(d) if f.endswith(".safetensors"))
+        kv_per_token = 2 * mc.num_layers * mc.num_kv_heads * mc.head_dim * elem
+        for batch in batches:
+            tps, secs, engine = bench_engine(d, args.device, dtype, batch, prompt_len, new_tokens,
+                                             enforce_eager=args.enforce_eager)
+            row = dict(kind="generate", system="engine", device=args.device, shape=shape, dtype=dtype, batch=batch,
+                       prompt_len=prompt_len, new_tokens=new_tokens, tokens_per_s=round(tps, 1), seconds=round(secs, 3))
+            # decode step: read all weights once plus each sequence's KV at mean context
+            step_bytes = weight_bytes + batch * kv_per_token * (prompt_len + new_tokens / 2)
+            row["roofline_fraction"] = round((step_bytes / bw) / (batch / tps), 3)
+            del engine
+            if not args.no_hf:
+                hf_tps, _ = bench_hf(d, args.device, dtype, batch, prompt_len, new_tokens)
+                row["hf_tokens_per_s"] = round(hf_tps, 1)
+                row["speedup_vs_hf"] = round(tps / hf_tps, 2)
+                if args.hf_static:
+                    st_tps, _ = bench_hf(d, args.device, dtype, batch, prompt_len, new_tokens, static=True)
+                    row["hf_static_tokens_per_s"] = round(st_tps, 1)
+                    row["speedup_vs_hf_static"] = round(tps / st_tps, 2)
+            emit(**row)
+        if args.grpo:
+            tps, secs, _ = bench_engine(d, args.device, dtype, 64, 256, 1024, n=16, max_num_seqs=1024,
+                                        enforce_eager=args.enforce_eager)
+            row = dict(kind="generate", system="engine", shape=shape, dtype=dtype, workload="grpo_64x16",
+                       prompt_len=256, new_tokens=1024, tokens_per_s=round(tps, 1), seconds=round(secs, 2))
+            if not args.no_hf:
+                # transformers has no n-way prefix sharing: the same 1024 sequences as one batch of 1024 rows
+                hf_tps, _ = bench_hf(d, args.device, dtype, 1024, 256, 1024, static=args.hf_static)
+                row["hf_tokens_per_s"] = round(hf_tps, 1)
+                row["speedup_vs_hf"] = round(tps / hf_tps, 2)
+            emit(**row)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,5 @@
+import sys
+
+from rollout.cli import main
+
+sys.exit(main())

@@ -1,0 +1,105 @@
+"""Command line: `python -m rollout generate ...` and `python -m rollout demo`.
+
+`generate` prints one JSON line per sample and a final throughput line; the progress bar goes to stderr.
+`demo` runs the toy demo (see trainer_bridge.demo when present, else a tiny random model).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+import time
+
+
+def _generate(args: argparse.Namespace) -> int:
+    from rollout import Engine, EngineConfig, SamplingParams
+
+    engine = Engine(
+        EngineConfig(
+            model=args.model, device=args.device, dtype=args.dtype, max_num_seqs=args.max_num_seqs,
+            max_model_len=args.max_model_len, enforce_eager=args.enforce_eager,
+        )
+    )
+    params = SamplingParams(
+        n=args.n, temperature=args.temperature, top_k=args.top_k, top_p=args.top_p, min_p=args.min_p,
+        max_tokens=args.max_tokens, seed=args.seed, ignore_eos=args.ignore_eos,
+    )
+    prompts: list = list(args.prompt or [])
+    for ids in args.prompt_ids or []:
+        prompts.append([int(t) for t in ids.split(",")])
+    if not prompts:
+        raise SystemExit("give at least one --prompt or --prompt-ids")
+    start = time.perf_counter()
+    outs = engine.generate(prompts, params, use_tqdm=True)
+    elapsed = time.perf_counter() - start
+    num_tokens = 0
+    for out in outs:
+        for c in out.outputs:
+            num_tokens += len(c.token_ids)
+            print(json.dumps({"request_id": out.request_id, "sample": c.index, "text": c.text,
+                              "token_ids": c.token_ids, "finish_reason": c.finish_reason,
+                              "sum_logprob": sum(c.logprobs or [])}))
+    print(json.dumps({"num_generated_tokens": num_tokens, "seconds": round(elapsed, 3),
+                      "tokens_per_s": round(num_tokens / elapsed, 1)}))
+    return 0
+
+
+def _demo(args: argparse.Namespace) -> int:
+    try:
+        from trainer_bridge.demo import main as demo_main
+    except ImportError:
+        demo_main = None
+    if demo_main is not None:
+        return demo_main(args.rest)
+    import tempfile
+
+    import torch
+
+    from rollout import Engine, EngineConfig, SamplingParams
+    from runner.testing import write_random_checkpoint
+
+    with tempfile.TemporaryDirectory() as d:
+        write_random_checkpoint(d, seed=0)
+        engine = Engine(EngineConfig(model=d, dtype="float32", max_num_seqs=64))
+        prompts = torch.randint(2, 256, (32, 16), generator=torch.Generator().manual_seed(0)).tolist()
+        start = time.perf_counter()
+        outs = engine.generate(prompts, SamplingParams(n=4, max_tokens=64, seed=0, ignore_eos=True), use_tqdm=True)
+        n = sum(len(c.token_ids) for o in outs for c in o.outputs)
+        print(json.dumps({"prompts": len(prompts), "samples": 4 * len(prompts), "generated_tokens": n,
+                          "tokens_per_s": round(n / (time.perf_counter() - start), 1)}))
+    return 0
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="python -m rollout")
+    sub = parser.add_subparsers(dest="cmd", required=True)
+    g = sub.add_parser("generate", help="generate completions from a local Hugging Face model directory")
+    g.add_argument("--model", required=True)
+    g.add_argument("--prompt", action="append", help="a text prompt (needs tokenizer.json); repeatable")
+    g.add_argument("--prompt-ids", action="append", help="comma-separated token ids; repeatable")
+    g.add_argument("--n", type=int, default=1)
+    g.add_argument("--temperature", type=float, default=1.0)
+    g.add_argument("--top-k", type=int, default=0)
+    g.add_argument("--top-p", type=float, default=1.0)
+    g.add_argument("--min-p", type=float, default=0.0)
+    g.add_argument("--max-tokens", type=int, default=64)
+    g.add_argument("--seed", type=int, default=None)
+    g.add_argument("--ignore-eos", action="store_true")
+    g.add_argument("--device", default="cpu")
+    g.add_argument("--dtype", default="auto")
+    g.add_argument("--max-num-seqs", type=int, default=256)
+    g.add_argument("--max-model-len", type=int, default=None)
+    g.add_argument("--enforce-eager", action="store_true")
+    d = sub.add_parser("demo", help="the toy demo")
+    d.add_argument("rest", nargs=argparse.REMAINDER)
+    args = parser.parse_args(argv)
+    try:
+        return _generate(args) if args.cmd == "generate" else _demo(args)
+    except ValueError as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,229 @@
+"""Engine API: outputs, text prompts, stop rules, request loop, shared prompt blocks, bad input."""
+
+from __future__ import annotations
+
+import json
+import shutil
+import subprocess
+import sys
+
+import pytest
+import torch
+
+from rollout import Engine, EngineConfig, SamplingParams
+from rollout.config import from_mapping
+
+
+def save_tokenizer(path, vocab_size=128):
+    from tokenizers import Tokenizer, models, pre_tokenizers, trainers
+
+    tok = Tokenizer(models.BPE(unk_token="<unk>"))
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    trainer = trainers.BpeTrainer(vocab_size=vocab_size, special_tokens=["<s>", "</s>", "<unk>"],
+                                  initial_alphabet=pre_tokenizers.ByteLevel.alphabet()[:60])
+    tok.train_from_iterator(["hello world", "one two three four", "the quick brown fox"] * 20, trainer)
+    from tokenizers import decoders
+
+    tok.decoder = decoders.ByteLevel()
+    tok.save(str(path / "tokenizer.json"))
+
+
+@pytest.fixture(scope="module")
+def model_dir(ckpt_factory, tmp_path_factory):
+    src = ckpt_factory("qwen2")
+    dst = tmp_path_factory.mktemp("with_tok")
+    for f in src.iterdir():
+        shutil.copy(f, dst / f.name)
+    save_tokenizer(dst)
+    return dst
+
+
+@pytest.fixture(scope="module")
+def engine(model_dir):
+    return Engine(EngineConfig(model=str(model_dir), dtype="float32", max_num_seqs=16, num_kv_blocks=128))
+
+
+def test_generate_api_shape_and_text(engine):
+    outs = engine.generate(["hello world", "one two"], SamplingParams(n=3, max_tokens=6, seed=7, ignore_eos=True))
+    assert len(outs) == 2
+    for out in outs:
+        assert out.prompt_token_ids and len(out.outputs) == 3
+        for j, c in enumerate(out.outputs):
+            assert c.index == j
+            assert len(c.token_ids) == 6 and len(c.logprobs) == 6 and len(c.policy_versions) == 6
+            assert c.finish_reason == "length"
+            assert isinstance(c.text, str) and c.text == engine.tokenizer.decode(c.token_ids)
+            assert all(lp <= 0 for lp in c.logprobs)
+    assert outs[0].prompt == "hello world"
+
+
+def test_add_request_step_loop_and_abort(engine):
+    rid = engine.add_request([5, 6, 7], SamplingParams(max_tokens=4, ignore_eos=True))
+    other = engine.add_request([8, 9], SamplingParams(max_tokens=50, ignore_eos=True))
+    seen = {}
+    while engine.has_unfinished_requests():
+        for out in engine.step():
+            seen[out.request_id] = out
+            if out.request_id == rid and out.finished:
+                engine.abort_request(other)
+    assert seen[rid].outputs[0].finish_reason == "length" and len(seen[rid].outputs[0].token_ids) == 4
+    assert engine.kv_manager.pool.num_used_blocks == 0
+    assert not engine.has_unfinished_requests()
+
+
+def test_stop_tokens_min_tokens_and_eos(engine):
+    greedy = engine.generate([[5, 6, 7]], SamplingParams(temperature=0, max_tokens=12, ignore_eos=True))[0]
+    toks = greedy.outputs[0].token_ids
+    stop = toks[3]
+    out = engine.generate([[5, 6, 7]], SamplingParams(temperature=0, max_tokens=12, stop_token_ids=[stop], ignore_eos=True))[0]
+    first = toks.index(stop)
+    assert out.outputs[0].token_ids == toks[: first + 1] and out.outputs[0].finish_reason == "stop"
+    later = engine.generate([[5, 6, 7]], SamplingParams(temperature=0, max_tokens=12, stop_token_ids=[stop],
+                                                           min_tokens=first + 1, ignore_eos=True))[0]
+    assert len(later.outputs[0].token_ids) > first + 1  # the early stop token was not honoured
+
+
+def test_eos_from_generation_config(model_dir, tmp_path):
+    for f in model_dir.iterdir():
+        shutil.copy(f, tmp_path / f.name)
+    probe = Engine(EngineConfig(model=str(tmp_path), dtype="float32", num_kv_blocks=32, max_num_seqs=2))
+    toks = probe.generate([[5, 6, 7]], SamplingParams(temperature=0, max_tokens=8, ignore_eos=True))[0].outputs[0].token_ids
+    gen = json.loads((tmp_path / "generation_config.json").read_text())
+    gen["eos_token_id"] = [toks[2]]
+    (tmp_path / "generation_config.json").write_text(json.dumps(gen))
+    eng = Engine(EngineConfig(model=str(tmp_path), dtype="float32", num_kv_blocks=32, max_num_seqs=2))
+    out = eng.generate([[5, 6, 7]], SamplingParams(temperature=0, max_tokens=8))[0].outputs[0]
+    assert out.token_ids == toks[: toks.index(toks[2]) + 1] and out.finish_reason == "stop"
+
+
+def test_n_samples_hold_prompt_blocks_once(model_dir):
+    eng = Engine(EngineConfig(model=str(model_dir), dtype="float32", num_kv_blocks=64, block_size=4, max_num_seqs=8))
+    prompt = list(range(10, 30))  # 20 tokens = 5 full blocks
+    eng.add_request(prompt, SamplingParams(n=8, max_tokens=3, ignore_eos=True), request_id="p")
+    pool = eng.kv_manager.pool
+    peak = 0
+    while eng.has_unfinished_requests():
+        eng.step()
+        peak = max(peak, pool.num_used_blocks)
+        group = eng._groups["p"]
+        running = [m for m in group.members if m.block_ids]
+        if len(running) == 8:
+            shared = running[0].block_ids[:4]  # the 4 full blocks before the prompt's last token
+            assert all(m.block_ids[:4] == shared for m in running)
+            assert all(pool.ref_cnt[b] == 8 for b in shared)
+    # 4 shared prompt blocks + at most 2 own blocks per sample (prompt tail + 3 outputs), never 8 copies
+    assert peak <= 4 + 8 * 2
+    assert pool.num_used_blocks == 0
+
+
+@pytest.mark.parametrize(
+    "prompt,params,match",
+    [
+        ([], SamplingParams(), "empty"),
+        ([1, 2, 500], SamplingParams(), "outside the vocabulary"),
+        (list(range(2, 100)) * 6, SamplingParams(), "max_model_len"),
+        ([1.5, 2], SamplingParams(), "list of int"),
+    ],
+)
+def test_bad_requests_raise_and_others_continue(engine, prompt, params, match):
+    rid = engine.add_request([5, 6, 7], SamplingParams(max_tokens=5, ignore_eos=True))
+    with pytest.raises(ValueError, match=match):
+        engine.add_request(prompt, params)
+    done = {}
+    while engine.has_unfinished_requests():
+        for out in engine.step():
+            done[out.request_id] = out
+    assert len(done[rid].outputs[0].token_ids) == 5
+
+
+def test_generate_validates_all_prompts_first(engine):
+    with pytest.raises(ValueError, match="empty"):
+        engine.generate([[5, 6], []], SamplingParams(max_tokens=2))
+    assert not engine.has_unfinished_requests()
+
+
+@pytest.mark.parametrize(
+    "kwargs,match",
+    [
+        (dict(temperature=-0.1), "temperature"),
+        (dict(top_p=0.0), "top_p"),
+        (dict(top_p=1.5), "top_p"),
+        (dict(n=0), "n must"),
+        (dict(max_tokens=0), "max_tokens"),
+        (dict(min_p=2.0), "min_p"),
+        (dict(top_k=-3), "top_k"),
+    ],
+)
+def test_invalid_sampling_params(kwargs, match):
+    with pytest.raises(ValueError, match=match):
+        SamplingParams(**kwargs)
+
+
+def test_config_errors(tmp_path, ckpt_factory):
+    with pytest.raises(ValueError, match="unknown key.*max_num_seq"):
+        from_mapping(EngineConfig, {"model": "x", "max_num_seq": 4}, "preset.yaml")
+    with pytest.raises(ValueError, match="dtype"):
+        EngineConfig(model="x", dtype="float64")
+    with pytest.raises(ValueError, match="speculative.*unknown key"):
+        from_mapping(EngineConfig, {"model": "x", "speculative": {"methd": "eagle"}}, "p.yaml")
+    cfg = from_mapping(EngineConfig, {"model": "x", "speculative": {"method": "mtp"}})
+    assert cfg.speculative.method == "mtp"
+
+
+def test_checkpoint_errors(ckpt_factory, tmp_path):
+    src = ckpt_factory("llama")
+    # unknown architecture
+    d1 = tmp_path / "arch"
+    shutil.copytree(src, d1)
+    cfg = json.loads((d1 / "config.json").read_text())
+    cfg["architectures"] = ["MambaForCausalLM"]
+    (d1 / "config.json").write_text(json.dumps(cfg))
+    with pytest.raises(ValueError, match="unknown architecture"):
+        Engine(EngineConfig(model=str(d1)))
+    # missing safetensors
+    d2 = tmp_path / "missing"
+    shutil.copytree(src, d2)
+    (d2 / "model.safetensors").unlink()
+    with pytest.raises(ValueError, match="no \\*.safetensors"):
+        Engine(EngineConfig(model=str(d2)))
+    # corrupt safetensors
+    d3 = tmp_path / "corrupt"
+    shutil.copytree(src, d3)
+    (d3 / "model.safetensors").write_bytes(b"\x10\x00\x00\x00\x00\x00\x00\x00{not json")
+    with pytest.raises(ValueError, match="cannot read safetensors"):
+        Engine(EngineConfig(model=str(d3)))
+    # shape mismatch between config and checkpoint
+    d4 = tmp_path / "shape"
+    shutil.copytree(src, d4)
+    cfg = json.loads((d4 / "config.json").read_text())
+    cfg["intermediate_size"] = 96
+    (d4 / "config.json").write_text(json.dumps(cfg))
+    with pytest.raises(ValueError, match="shape mismatch.*mlp"):
+        Engine(EngineConfig(model=str(d4)))
+    with pytest.raises(ValueError, match="config.json"):
+        Engine(EngineConfig(model=str(tmp_path / "nowhere")))
+
+
+def test_sharded_checkpoint_loads(tmp_path):
+    from conftest import load_hf, make_checkpoint
+
+    path = make_checkpoint(tmp_path / "src", "qwen3", seed=3)
+    hf = load_hf(path)
+    hf.save_pretrained(tmp_path / "sharded", max_shard_size="100KB")
+    assert (tmp_path / "sharded" / "model.safetensors.index.json").is_file()
+    a = Engine(EngineConfig(model=str(path), num_kv_blocks=16)).generate([[4, 5, 6]], SamplingParams(temperature=0, max_tokens=8, ignore_eos=True))
+    b = Engine(EngineConfig(model=str(tmp_path / "sharded"), num_kv_blocks=16)).generate([[4, 5, 6]], SamplingParams(temperature=0, max_tokens=8, ignore_eos=True))
+    assert a[0].outputs[0].token_ids == b[0].outputs[0].token_ids
+
+
+def test_cli_generate(model_dir):
+    proc = subprocess.run(
+        [sys.executable, "-m", "rollout", "generate", "--model", str(model_dir), "--prompt", "hello world",
+         "--n", "2", "--max-tokens", "5", "--seed", "3", "--dtype", "float32"],
+        capture_output=True, text=True, timeout=120,
+    )
+    assert proc.returncode == 0, proc.stderr
+    lines = [json.loads(l) for l in proc.stdout.splitlines() if l.startswith("{")]
+    samples = [l for l in lines if "sample" in l]
+    assert len(samples) == 2 and all(len(s["token_ids"]) == 5 for s in samples)
+    assert any("tokens_per_s" in l for l in lines)

@@ -1,0 +1,180 @@
+"""Scheduler and KV block pool without a model: hand-built runner outputs drive them."""
+
+from __future__ import annotations
+
+import pytest
+
+from rollout.kv_cache_manager import BlockPool, KVCacheManager
+from rollout.request import Request, RequestGroup, RequestStatus
+from rollout.sampling_params import SamplingParams
+from rollout.scheduler import RunnerOutput, Scheduler
+
+
+def make_group(rid: str, prompt: list[int], n: int = 1, max_tokens: int = 8, **kw) -> RequestGroup:
+    params = SamplingParams(n=n, max_tokens=max_tokens, **{"ignore_eos": True, **kw})
+    group = RequestGroup(rid, None, prompt, params)
+    for j in range(n):
+        group.members.append(
+            Request(req_id=f"{rid}-{j}", group=group, sample_index=j, seed=j, max_tokens=max_tokens,
+                    eos_token_ids=frozenset({1}), token_ids=list(prompt), num_prompt_tokens=len(prompt))
+        )
+    return group
+
+
+def make_scheduler(num_blocks=64, block_size=4, max_num_seqs=8, budget=32, max_model_len=256):
+    kv = KVCacheManager(num_blocks, block_size)
+    return Scheduler(kv_manager=kv, max_num_seqs=max_num_seqs, max_num_batched_tokens=budget, max_model_len=max_model_len)
+
+
+def fake_run(sched, sched_out, token=7):
+    """A runner stand-in: every request that reaches its last known token samples `token`."""
+    ids = []
+    for rid, n in sched_out.num_scheduled_tokens.items():
+        req = sched.requests[rid]
+        if req.num_computed_tokens + n >= req.num_tokens:
+            ids.append(rid)
+    return RunnerOutput(req_ids=ids, sampled_token_ids=[[token] for _ in ids], logprobs=[[-0.5] for _ in ids])
+
+
+def run_to_completion(sched, max_steps=1000):
+    steps = []
+    for _ in range(max_steps):
+        if not sched.has_unfinished():
+            return steps
+        out = sched.schedule()
+        steps.append(out)
+        sched.update(out, fake_run(sched, out))
+    raise AssertionError("scheduler did not finish")
+
+
+def test_token_budget_and_chunked_prefill():
+    sched = make_scheduler(budget=10)
+    for m in make_group("a", list(range(25))).members + make_group("b", list(range(3))).members:
+        sched.add_request(m)
+    first = sched.schedule()
+    assert first.num_scheduled_tokens == {"a-0": 10}  # 25-token prompt chunked to the budget
+    assert first.total_num_scheduled_tokens == 10
+    sched.update(first, fake_run(sched, first))
+    second = sched.schedule()
+    assert second.num_scheduled_tokens == {"a-0": 10}
+    assert [c.req_id for c in second.cached_reqs] == ["a-0"] and not second.new_reqs
+    sched.update(second, fake_run(sched, second))
+    third = sched.schedule()
+    assert third.num_scheduled_tokens == {"a-0": 5, "b-0": 3}  # remainder + next request's prefill
+    sched.update(third, fake_run(sched, third))
+    fourth = sched.schedule()
+    assert fourth.num_scheduled_tokens == {"a-0": 1, "b-0": 1}  # both decode
+    assert all(o.total_num_scheduled_tokens <= 10 for o in run_to_completion(sched))
+
+
+def test_max_num_seqs_limits_running():
+    sched = make_scheduler(max_num_seqs=2)
+    for i in range(5):
+        for m in make_group(str(i), [2, 3, 4]).members:
+            sched.add_request(m)
+    out = sched.schedule()
+    assert len(out.num_scheduled_tokens) == 2
+    steps = run_to_completion(sched)
+    assert max(len(s.num_scheduled_tokens) for s in steps) <= 2
+    assert all(r.status is RequestStatus.FINISHED_LENGTH for r in sched.requests.values())
+
+
+def test_preemption_by_recompute_never_deadlocks():
+    # 6 blocks of 4 tokens; each request needs up to 3 blocks (4 prompt + 8 output tokens)
+    sched = make_scheduler(num_blocks=6, block_size=4, budget=64)
+    for i in range(4):
+        for m in make_group(str(i), [10 + i, 11, 12, 13], max_tokens=8).members:
+            sched.add_request(m)
+    steps = run_to_completion(sched)
+    assert sched.stats.num_preemptions > 0
+    assert any(s.preempted_req_ids for s in steps)
+    for r in sched.requests.values():
+        assert r.status is RequestStatus.FINISHED_LENGTH and r.num_output_tokens == 8
+    assert sched.kv.pool.num_used_blocks == 0
+    # a preempted request comes back as a new request carrying its generated tokens
+    resumed = [n for s in steps for n in s.new_reqs if len(n.token_ids) > 4]
+    assert resumed and all(n.num_prompt_tokens == 4 for n in resumed)
+
+
+def test_n_samples_share_prompt_blocks_once():
+    sched = make_scheduler(num_blocks=64, block_size=4, budget=64)
+    prompt = list(range(2, 16))  # 14 tokens: 3 full blocks + 2 tokens
+    group = make_group("g", prompt, n=4, max_tokens=4)
+    for m in group.members:
+        sched.add_request(m)
+    first = sched.schedule()
+    assert list(first.num_scheduled_tokens) == ["g-0"]  # siblings wait for the prompt's blocks
+    sched.update(first, fake_run(sched, first))
+    second = sched.schedule()
+    # the siblings hit the 3 cached prompt blocks and compute only the 2-token tail
+    for rid in ("g-1", "g-2", "g-3"):
+        assert second.num_scheduled_tokens[rid] == 2
+    sched.update(second, fake_run(sched, second))
+    blocks = [m.block_ids for m in group.members]
+    assert all(b[:3] == blocks[0][:3] for b in blocks)
+    pool = sched.kv.pool
+    assert all(pool.ref_cnt[b] == 4 for b in blocks[0][:3])
+    # 3 shared prompt blocks + one own block per sample (prompt tail and first outputs)
+    assert pool.num_used_blocks == 3 + 4
+    assert sum(m.num_cached_prompt_tokens for m in group.members) == 3 * 12
+
+
+def test_freed_cached_blocks_are_reused_lru():
+    pool = BlockPool(4)
+    a, b = pool.allocate(2)
+    pool.register(a, ("ka",))
+    pool.register(b, ("kb",))
+    pool.free([a, b])  # b (the tail) is freed first, so it is evicted first
+    assert pool.lookup(("ka",)) == a
+    c = pool.allocate(3)  # two never-used blocks, then the least recently freed cached block
+    assert c[2] == b and pool.lookup(("kb",)) is None and pool.lookup(("ka",)) == a
+    pool.share([a])
+    assert pool.ref_cnt[a] == 1 and pool.num_free_blocks == 0
+
+
+def test_prefix_cache_reset_on_weight_update():
+    sched = make_scheduler(block_size=4)
+    for m in make_group("a", list(range(2, 11)), max_tokens=2).members:
+        sched.add_request(m)
+    run_to_completion(sched)
+    for m in make_group("b", list(range(2, 11)), max_tokens=2).members:
+        sched.add_request(m)
+    out = sched.schedule()
+    assert out.num_scheduled_tokens == {"b-0": 1}  # two cached blocks, only the last token runs
+    sched.update(out, fake_run(sched, out))
+    run_to_completion(sched)
+    sched.on_weights_updated(1)
+    for m in make_group("c", list(range(2, 11)), max_tokens=2).members:
+        sched.add_request(m)
+    out = sched.schedule()
+    assert out.num_scheduled_tokens == {"c-0": 9}  # nothing reused across weight versions
+    sched.update(out, fake_run(sched, out))
+    assert sched.requests["c-0"].policy_versions == [1]
+
+
+def test_abort_frees_blocks_and_reports_to_runner():
+    sched = make_scheduler()
+    for m in make_group("a", [3, 4, 5, 6, 7]).members:
+        sched.add_request(m)
+    out = sched.schedule()
+    sched.update(out, fake_run(sched, out))
+    sched.abort(["a-0"])
+    assert sched.kv.pool.num_used_blocks == 0
+    nxt = sched.schedule()
+    assert nxt.finished_req_ids == {"a-0"} and nxt.is_empty
+
+
+@pytest.mark.parametrize("token,reason", [(1, "stop"), (9, "stop"), (5, "length")])
+def test_stop_conditions(token, reason):
+    sched = make_scheduler()
+    group = make_group("a", [3, 4], max_tokens=3, ignore_eos=False, stop_token_ids=[9])
+    for m in group.members:
+        sched.add_request(m)
+    for _ in range(5):
+        if not sched.has_unfinished():
+            break
+        out = sched.schedule()
+        sched.update(out, fake_run(sched, out, token=token))
+    req = sched.requests["a-0"]
+    assert req.status.value == reason
+    assert req.num_output_tokens == (1 if reason == "stop" else 3)
