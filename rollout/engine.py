@@ -61,6 +61,7 @@ class Engine:
         self._rng = random.Random(config.seed)
         self._groups: dict[str, RequestGroup] = {}
         self._ids = itertools.count()
+        self._receiver = None
 
     # ---- properties ---------------------------------------------------------------------------------
     @property
@@ -157,6 +158,30 @@ class Engine:
         return [self._output(self._groups.pop(i)) for i in ids]
 
     # ---- weights ----------------------------------------------------------------------------------------
+    @property
+    def weight_receiver(self):
+        """The rollout side of weight updates (validate -> apply in place -> verify), created on first use."""
+        if self._receiver is None:
+            from weight_updates import WeightReceiver
+
+            self._receiver = WeightReceiver(self.runner.weights, version=self.policy_version)
+        return self._receiver
+
+    def weight_specs(self) -> dict:
+        """Checkpoint name -> (shape, dtype) of every tensor a weight update may carry."""
+        return self.runner.weights.checkpoint_specs()
+
+    def apply_weight_update(self, version: int, updates) -> "UpdateResult":  # noqa: F821
+        """Apply Dense/Patch records between steps; on success `policy_version` becomes `version`.
+
+        Nothing is written unless every record validates; a failed update raises (a ValueError naming the
+        problem) and leaves the weights and the version as they were. Running requests keep going; their
+        later tokens record the new version, and no new request reuses prefix-cache blocks of older weights.
+        """
+        result = self.weight_receiver.apply(version, updates)
+        self.on_weights_updated(result.version)
+        return result
+
     def on_weights_updated(self, version: int) -> None:
         """Record a new policy version (weights were written in place between steps)."""
         self.scheduler.on_weights_updated(version)

@@ -11,13 +11,13 @@ from __future__ import annotations
 
 import json
 import logging
-from dataclasses import dataclass
 from pathlib import Path
 
 import torch
 
 from runner.model_config import ModelConfig
 from runner.models.llama import CheckpointSlot, DecoderForCausalLM
+from weight_updates.target import ParamSpec
 
 logger = logging.getLogger(__name__)
 
@@ -96,12 +96,6 @@ def load_model(
         raise ValueError(f"checkpoint {model_dir} is missing tensor(s) {missing[:5]}{more}")
     model.eval()
     return model
-
-
-@dataclass(frozen=True, slots=True)
-class ParamSpec:
-    shape: tuple[int, ...]  # checkpoint shape
-    dtype: torch.dtype  # runtime dtype
 
 
 class CheckpointWeights:

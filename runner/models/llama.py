@@ -58,19 +58,33 @@ class Attention(nn.Module):
         self.k_cache: torch.Tensor | None = None  # [num_blocks, block_size, Hkv, D]
         self.v_cache: torch.Tensor | None = None
 
-    def forward(self, rope: tuple[torch.Tensor, torch.Tensor], hidden, meta: AttentionMetadata) -> torch.Tensor:
-        num_tokens = hidden.shape[0]
+    def forward(self, rope: tuple[torch.Tensor, torch.Tensor], hidden, meta: AttentionMetadata | None) -> torch.Tensor:
+        """Paged: hidden [T, H] with `meta`. Dense (training): hidden [B, T, H], meta None, causal per row."""
+        lead = hidden.shape[:-1]
         qkv = self.qkv_proj(hidden)
         q, k, v = qkv.split([self.q_size, self.kv_size, self.kv_size], dim=-1)
-        q = q.reshape(num_tokens, self.num_heads, self.head_dim)
-        k = k.reshape(num_tokens, self.num_kv_heads, self.head_dim)
-        v = v.reshape(num_tokens, self.num_kv_heads, self.head_dim)
+        q = q.reshape(*lead, self.num_heads, self.head_dim)
+        k = k.reshape(*lead, self.num_kv_heads, self.head_dim)
+        v = v.reshape(*lead, self.num_kv_heads, self.head_dim)
         if self.q_norm is not None:
             q, k = self.q_norm(q), self.k_norm(k)
         q, k = apply_rotary_cos_sin(q, k, *rope)
-        self.backend.store(k, v, self.k_cache, self.v_cache, meta)
-        out = self.backend.attend(q, self.k_cache, self.v_cache, meta, self.scale)
-        return self.o_proj(out.reshape(num_tokens, self.q_size))
+        if meta is None:
+            out = self._dense_attention(q, k, v)
+        else:
+            self.backend.store(k, v, self.k_cache, self.v_cache, meta)
+            out = self.backend.attend(q, self.k_cache, self.v_cache, meta, self.scale)
+        return self.o_proj(out.reshape(*lead, self.q_size))
+
+    def _dense_attention(self, q, k, v) -> torch.Tensor:
+        """q [B, T, Hq, D], k/v [B, T, Hkv, D] -> [B, T, Hq, D], causal, no cache."""
+        group = self.num_heads // self.num_kv_heads
+        k = k.repeat_interleave(group, dim=2) if group > 1 else k
+        v = v.repeat_interleave(group, dim=2) if group > 1 else v
+        out = F.scaled_dot_product_attention(
+            q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), is_causal=True, scale=self.scale
+        )
+        return out.transpose(1, 2)
 
 
 class MLP(nn.Module):
@@ -141,6 +155,20 @@ class DecoderForCausalLM(nn.Module):
         residual = None
         for layer in self.model.layers:
             hidden, residual = layer(rope, hidden, residual, meta)
+        hidden, _ = self.model.norm(hidden, residual)
+        return hidden
+
+    def forward_dense(self, input_ids: torch.Tensor) -> torch.Tensor:
+        """Full-sequence forward without a KV cache (training): input_ids [B, T] -> hidden [B, T, hidden].
+
+        Rows are causal and independent; pad on the right so padding never precedes real tokens.
+        """
+        hidden = self.model.embed_tokens(input_ids)
+        positions = torch.arange(input_ids.shape[1], device=input_ids.device)
+        rope = rotary_cos_sin(positions, self.cos_sin_cache, hidden.dtype)  # [T, 1, D] broadcast over B
+        residual = None
+        for layer in self.model.layers:
+            hidden, residual = layer(rope, hidden, residual, None)
         hidden, _ = self.model.norm(hidden, residual)
         return hidden
 
