@@ -50,6 +50,8 @@ class Engine:
         self.runner = ModelRunner(config, self.model_config, self.max_model_len)
         num_blocks = self.runner.determine_num_kv_blocks()
         self.runner.allocate_kv_cache(num_blocks)
+        if self.runner.device.type == "cuda" and not config.enforce_eager:
+            self.runner.capture_graphs()
         self.kv_manager = KVCacheManager(num_blocks, config.block_size, config.enable_prefix_caching)
         self.scheduler = Scheduler(
             kv_manager=self.kv_manager,

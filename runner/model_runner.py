@@ -101,6 +101,7 @@ class ModelRunner:
         )
         self.num_kv_blocks = 0
         self.kv_caches: list[tuple[torch.Tensor, torch.Tensor]] = []
+        self.graphs = None  # DecodeGraphs once captured (CUDA, enforce_eager=False)
 
     # ---- KV cache ------------------------------------------------------------------------------------
     def kv_bytes_per_block(self) -> int:
@@ -115,18 +116,80 @@ class ModelRunner:
         if self.device.type == "cpu":
             wanted = self.config.max_num_seqs * math.ceil(self.max_model_len / self.block_size)
             return max(1, min(wanted, self.config.kv_cache_bytes // per_block))
+        activation_bytes, graph_bytes = self._profile_memory()
         free, total = torch.cuda.mem_get_info(self.device)
-        used = total - free
-        budget = total * self.config.gpu_memory_utilization - used
+        used = total - free  # weights, CUDA context, other processes
+        budget = total * self.config.gpu_memory_utilization - used - activation_bytes - graph_bytes
         num = int(budget // per_block)
+        logger.info(
+            "GPU memory: total %.1f GiB, in use %.2f GiB, activation peak %.2f GiB, graphs %.2f GiB -> KV cache "
+            "%.2f GiB (%d blocks) at gpu_memory_utilization=%.2f",
+            total / 2**30, used / 2**30, activation_bytes / 2**30, graph_bytes / 2**30,
+            max(num, 0) * per_block / 2**30, max(num, 0), self.config.gpu_memory_utilization,
+        )
         if num < 1:
             raise ValueError(
                 f"no GPU memory left for the KV cache: total {total / 2**30:.1f} GiB, in use {used / 2**30:.1f} GiB, "
-                f"gpu_memory_utilization={self.config.gpu_memory_utilization}"
+                f"activations {activation_bytes / 2**30:.2f} GiB, graphs {graph_bytes / 2**30:.2f} GiB at "
+                f"gpu_memory_utilization={self.config.gpu_memory_utilization}; raise it or use a smaller max_num_batched_tokens"
             )
         return num
 
-    def allocate_kv_cache(self, num_blocks: int) -> None:
+    @torch.inference_mode()
+    def _profile_memory(self) -> tuple[int, int]:
+        """Peak activation bytes of a max_num_batched_tokens step, and the bytes of the largest decode graph.
+
+        Both run over a small temporary KV cache that is freed afterwards.
+        """
+        cfg = self.config
+        num_tokens = cfg.max_num_batched_tokens
+        seq_len = min(self.max_model_len, num_tokens)
+        num_seqs = max(1, min(num_tokens // seq_len, cfg.max_num_seqs))
+        blocks_per_seq = -(-seq_len // self.block_size)
+        self.allocate_kv_cache(blocks_per_seq * num_seqs + 1, quiet=True)
+        torch.cuda.synchronize()
+        base = torch.cuda.memory_allocated(self.device)
+        torch.cuda.reset_peak_memory_stats(self.device)
+        b, dev = self.buffers, self.device
+        T = num_seqs * seq_len
+        b.input_ids[:T] = 0
+        b.positions[:T] = torch.arange(seq_len, device=dev).repeat(num_seqs)
+        b.slot_mapping[:T] = torch.arange(T, device=dev)
+        b.query_start_loc[: num_seqs + 1] = torch.arange(num_seqs + 1, device=dev, dtype=torch.int32) * seq_len
+        b.seq_lens[:num_seqs] = seq_len
+        b.block_tables[:num_seqs, :blocks_per_seq] = torch.arange(
+            num_seqs * blocks_per_seq, device=dev, dtype=torch.int32
+        ).view(num_seqs, blocks_per_seq)
+        meta = AttentionMetadata(
+            query_start_loc=b.query_start_loc[: num_seqs + 1], seq_lens=b.seq_lens[:num_seqs],
+            block_tables=b.block_tables[:num_seqs, :blocks_per_seq], slot_mapping=b.slot_mapping[:T],
+            max_query_len=seq_len, max_seq_len=seq_len, deterministic=cfg.deterministic,
+        )
+        hidden = self.model(b.input_ids[:T], b.positions[:T], meta)
+        rows = cfg.max_num_seqs
+        idx = torch.arange(rows, device=dev) % T
+        logits = self.model.compute_logits(hidden[idx])
+        self.sampler(logits, b.temperature[:rows].fill_(1.0), b.top_k[:rows].zero_(), b.top_p[:rows].fill_(0.9),
+                     b.min_p[:rows].zero_(), b.seeds[:rows], b.sample_positions[:rows])
+        del hidden, logits
+        torch.cuda.synchronize()
+        activation_bytes = torch.cuda.max_memory_allocated(self.device) - base
+        graph_bytes = 0
+        if not cfg.enforce_eager:
+            from runner.cuda_graph import DecodeGraphs
+
+            b.seq_lens.zero_()
+            before = torch.cuda.memory_reserved(self.device)
+            probe = DecodeGraphs(self, [cfg.max_num_seqs])
+            probe.capture()
+            graph_bytes = torch.cuda.memory_reserved(self.device) - before
+            probe.release()
+        self.kv_caches = []
+        self.model.bind_kv_cache([(None, None)] * self.model_config.num_layers)
+        torch.cuda.empty_cache()
+        return activation_bytes, graph_bytes
+
+    def allocate_kv_cache(self, num_blocks: int, quiet: bool = False) -> None:
         cfg = self.model_config
         shape = (num_blocks, self.block_size, cfg.num_kv_heads, cfg.head_dim)
         self.kv_caches = [
@@ -135,10 +198,11 @@ class ModelRunner:
         ]
         self.model.bind_kv_cache(self.kv_caches)
         self.num_kv_blocks = num_blocks
-        logger.info(
-            "KV cache: %d blocks x %d tokens (%.1f MiB)", num_blocks, self.block_size,
-            num_blocks * self.kv_bytes_per_block() / 2**20,
-        )
+        if not quiet:
+            logger.info(
+                "KV cache: %d blocks x %d tokens (%.1f MiB)", num_blocks, self.block_size,
+                num_blocks * self.kv_bytes_per_block() / 2**20,
+            )
 
     # ---- one step ------------------------------------------------------------------------------------
     @torch.inference_mode()
@@ -147,6 +211,20 @@ class ModelRunner:
         if sched.is_empty:
             return RunnerOutput(req_ids=[], sampled_token_ids=[])
         inputs = self.input_batch.gather(sched)
+        top_n = int(self.input_batch.top_logprobs[inputs.slots[inputs.sample_rows]].max(initial=0))
+        num_reqs = inputs.slots.shape[0]
+        if (
+            self.graphs is not None
+            and inputs.max_query_len == 1
+            and inputs.sample_rows.shape[0] == num_reqs
+            and num_reqs <= self.graphs.max_size
+            and top_n == 0
+        ):
+            size = self.graphs.padded_size(num_reqs)
+            self._prepare(inputs)
+            self.fill_padding_rows(num_reqs, size)
+            tokens, logprobs = self.graphs.replay(size)
+            return self._finish(inputs, tokens[:num_reqs], logprobs[:num_reqs], None)
         meta = self._prepare(inputs)
         b = self.buffers
         T = inputs.input_ids.shape[0]
@@ -155,12 +233,53 @@ class ModelRunner:
         if R == 0:
             return RunnerOutput(req_ids=[], sampled_token_ids=[])
         logits = self.model.compute_logits(hidden[b.logits_indices[:R]])
-        top_n = int(self.input_batch.top_logprobs[inputs.slots[inputs.sample_rows]].max())
         tokens, logprobs, top = self.sampler(
             logits, b.temperature[:R], b.top_k[:R], b.top_p[:R], b.min_p[:R], b.seeds[:R],
             b.sample_positions[:R], top_n,
         )
         return self._finish(inputs, tokens, logprobs, top)
+
+    # ---- CUDA graphs -----------------------------------------------------------------------------------
+    def decode_forward(self, size: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """One pure-decode step over the first `size` rows of the step buffers (what a graph captures)."""
+        b = self.buffers
+        meta = AttentionMetadata(
+            query_start_loc=b.query_start_loc[: size + 1],
+            seq_lens=b.seq_lens[:size],
+            block_tables=b.block_tables[:size],
+            slot_mapping=b.slot_mapping[:size],
+            max_query_len=1,
+            max_seq_len=self.max_model_len,
+            deterministic=self.config.deterministic,
+        )
+        hidden = self.model(b.input_ids[:size], b.positions[:size], meta)
+        logits = self.model.compute_logits(hidden)
+        tokens, logprobs, _ = self.sampler(
+            logits, b.temperature[:size], b.top_k[:size], b.top_p[:size], b.min_p[:size], b.seeds[:size],
+            b.sample_positions[:size],
+        )
+        return tokens, logprobs
+
+    def fill_padding_rows(self, start: int, end: int) -> None:
+        """Make rows [start, end) of the step buffers inert padding: one query token, no context, no KV write."""
+        if end <= start:
+            return
+        b = self.buffers
+        b.query_start_loc[start + 1 : end + 1] = torch.arange(start + 1, end + 1, dtype=torch.int32, device=self.device)
+        b.seq_lens[start:end] = 0
+        b.slot_mapping[start:end] = -1
+        b.input_ids[start:end] = 0
+        b.positions[start:end] = 0
+        b.temperature[start:end] = 1.0
+        b.top_k[start:end] = 0
+        b.top_p[start:end] = 1.0
+        b.min_p[start:end] = 0.0
+
+    def capture_graphs(self) -> None:
+        from runner.cuda_graph import DecodeGraphs, capture_sizes
+
+        self.graphs = DecodeGraphs(self, capture_sizes(self.config.max_num_seqs))
+        self.graphs.capture()
 
     def _prepare(self, inputs: StepInputs) -> AttentionMetadata:
         b, ib = self.buffers, self.input_batch

@@ -1,0 +1,81 @@
+"""CUDA-graph capture and replay of pure-decode steps.
+
+A pure-decode batch (every request computes one token and samples it) of B requests is padded up to the
+next captured size P and replayed: the graph reads the runner's persistent step buffers, runs the model,
+the LM head and the sampler, and writes tokens and logprobs into static output tensors. Padded rows have
+seq_len 0 and KV slot -1, so they read nothing, write nothing and their outputs are ignored. The graph's
+attention grid is sized for `max_model_len`, so one graph serves every context length.
+
+Not here: mixed prefill/decode steps and steps that want top-N logprobs — those run eagerly.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+
+import torch
+
+logger = logging.getLogger(__name__)
+
+
+def capture_sizes(max_num_seqs: int) -> list[int]:
+    """1, 2, 4, 8, multiples of 16 up to 256, multiples of 64 beyond, and max_num_seqs itself."""
+    sizes = [s for s in (1, 2, 4, 8) if s <= max_num_seqs]
+    sizes += list(range(16, min(max_num_seqs, 256) + 1, 16))
+    sizes += list(range(320, max_num_seqs + 1, 64))
+    if max_num_seqs not in sizes:
+        sizes.append(max_num_seqs)
+    return sizes
+
+
+class DecodeGraphs:
+    def __init__(self, runner, sizes: list[int]) -> None:
+        self.runner = runner
+        self.sizes = sorted(sizes)
+        self.graphs: dict[int, torch.cuda.CUDAGraph] = {}
+        self.outputs: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}  # size -> (tokens [P], logprobs [P])
+        self.pool = None
+
+    @property
+    def max_size(self) -> int:
+        return self.sizes[-1]
+
+    def padded_size(self, num_reqs: int) -> int:
+        return next(s for s in self.sizes if s >= num_reqs)
+
+    def capture(self) -> float:
+        """Capture every size, largest first (smaller graphs reuse its memory pool). Returns seconds."""
+        start = time.perf_counter()
+        self.runner.fill_padding_rows(0, self.max_size)
+        torch.cuda.synchronize()
+        for size in reversed(self.sizes):
+            self._capture_one(size)
+        torch.cuda.synchronize()
+        elapsed = time.perf_counter() - start
+        logger.info("captured %d decode graphs (sizes %s) in %.1f s", len(self.sizes), self.sizes, elapsed)
+        return elapsed
+
+    def _capture_one(self, size: int) -> None:
+        stream = torch.cuda.Stream()
+        stream.wait_stream(torch.cuda.current_stream())
+        with torch.cuda.stream(stream):
+            for _ in range(2):  # warm-up: Triton autotuning / compilation outside the capture
+                self.runner.decode_forward(size)
+        torch.cuda.current_stream().wait_stream(stream)
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph, pool=self.pool):
+            tokens, logprobs = self.runner.decode_forward(size)
+        if self.pool is None:
+            self.pool = graph.pool()
+        self.graphs[size] = graph
+        self.outputs[size] = (tokens, logprobs)
+
+    def replay(self, size: int) -> tuple[torch.Tensor, torch.Tensor]:
+        self.graphs[size].replay()
+        return self.outputs[size]
+
+    def release(self) -> None:
+        self.graphs.clear()
+        self.outputs.clear()
+        self.pool = None
