@@ -40,11 +40,14 @@ def row_keys(seeds: torch.Tensor, positions: torch.Tensor, salt: int = 0) -> tor
 
 
 def counter_uniform(seeds: torch.Tensor, positions: torch.Tensor, vocab_size: int, salt: int = 0) -> torch.Tensor:
-    """Uniforms in (0, 1), float32 [B, vocab_size], each a function of (seed, position, token id) only."""
+    """Uniforms strictly inside (0, 1), float32 [B, vocab_size], each a function of (seed, position, token id).
+
+    23 bits of the hash: (k + 0.5) / 2^23 is exact in float32 and never rounds to 1.
+    """
     keys = row_keys(seeds, positions, salt)  # [B]
     token_ids = torch.arange(vocab_size, dtype=torch.int64, device=seeds.device)
     h = mix32(keys[:, None] ^ token_ids[None, :])  # [B, V]
-    return ((h >> 8).to(torch.float32) + 0.5) * (1.0 / (1 << 24))
+    return ((h >> 9).to(torch.float32) + 0.5) * (1.0 / (1 << 23))
 
 
 def gumbel_noise(seeds: torch.Tensor, positions: torch.Tensor, vocab_size: int) -> torch.Tensor:
@@ -124,7 +127,8 @@ def sample_ref(
     greedy = temperature <= 0
     raw_logprobs = torch.log_softmax(logits.to(torch.float32), dim=-1)
     logprobs_all = torch.where(greedy[:, None], raw_logprobs, torch.log_softmax(processed, dim=-1))
-    noisy = processed + gumbel_noise(seeds, positions, logits.shape[-1])
+    noise = gumbel_noise(seeds, positions, logits.shape[-1])
+    noisy = torch.where(processed > float("-inf"), processed + noise, processed)
     sampled = torch.argmax(noisy, dim=-1)
     greedy_ids = torch.argmax(logits, dim=-1)
     token_ids = torch.where(greedy, greedy_ids, sampled)

@@ -102,12 +102,18 @@ class ModelRunner:
         self.num_kv_blocks = 0
         self.kv_caches: list[tuple[torch.Tensor, torch.Tensor]] = []
         self.graphs = None  # DecodeGraphs once captured (CUDA, enforce_eager=False)
+        self.spec = None  # SpeculativeRunner when config.speculative is set
+        if config.speculative is not None:
+            from runner.spec_decode.spec_runner import SpeculativeRunner
+
+            self.spec = SpeculativeRunner(self)
 
     # ---- KV cache ------------------------------------------------------------------------------------
     def kv_bytes_per_block(self) -> int:
         cfg = self.model_config
         elem = torch.finfo(self.dtype).bits // 8
-        return 2 * cfg.num_layers * self.block_size * cfg.num_kv_heads * cfg.head_dim * elem
+        drafter = 0 if self.spec is None else self.spec.kv_bytes_per_block()
+        return 2 * cfg.num_layers * self.block_size * cfg.num_kv_heads * cfg.head_dim * elem + drafter
 
     def determine_num_kv_blocks(self) -> int:
         if self.config.num_kv_blocks is not None:
@@ -197,6 +203,8 @@ class ModelRunner:
             for _ in range(cfg.num_layers)
         ]
         self.model.bind_kv_cache(self.kv_caches)
+        if self.spec is not None:
+            self.spec.allocate_kv_cache(num_blocks)
         self.num_kv_blocks = num_blocks
         if not quiet:
             logger.info(
@@ -210,6 +218,8 @@ class ModelRunner:
         self.input_batch.apply(sched)
         if sched.is_empty:
             return RunnerOutput(req_ids=[], sampled_token_ids=[])
+        if self.spec is not None:
+            return self.spec.execute(sched)
         inputs = self.input_batch.gather(sched)
         top_n = int(self.input_batch.top_logprobs[inputs.slots[inputs.sample_rows]].max(initial=0))
         num_reqs = inputs.slots.shape[0]
@@ -240,6 +250,7 @@ class ModelRunner:
         return self._finish(inputs, tokens, logprobs, top)
 
     # ---- CUDA graphs -----------------------------------------------------------------------------------
+    @torch.inference_mode()
     def decode_forward(self, size: int) -> tuple[torch.Tensor, torch.Tensor]:
         """One pure-decode step over the first `size` rows of the step buffers (what a graph captures)."""
         b = self.buffers

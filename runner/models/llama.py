@@ -32,15 +32,45 @@ class CheckpointSlot:
 
 
 class RMSNorm(nn.Module):
+    """RMSNorm, optionally fused with the residual add. Triton on CUDA (inference), torch otherwise."""
+
     def __init__(self, size: int, eps: float) -> None:
         super().__init__()
         self.weight = nn.Parameter(torch.ones(size))
         self.eps = eps
 
     def forward(self, x: torch.Tensor, residual: torch.Tensor | None = None):
+        if x.is_cuda and not torch.is_grad_enabled():
+            from kernels.norm import fused_add_rms_norm, rms_norm
+
+            if residual is None:
+                return rms_norm(x, self.weight, self.eps)
+            return fused_add_rms_norm(x, residual, self.weight, self.eps)
         if residual is None:
             return rms_norm_ref(x, self.weight, self.eps)
         return fused_add_rms_norm_ref(x, residual, self.weight, self.eps)
+
+
+@dataclass(slots=True)
+class Rotary:
+    """Rotary inputs of one forward, shared by all layers: positions and, off CUDA, their cos/sin."""
+
+    positions: torch.Tensor  # [T] int64
+    cos_sin_cache: torch.Tensor  # [max_pos, D] float32
+    cos_sin: tuple[torch.Tensor, torch.Tensor] | None  # [T, 1, D] each (torch path), else None
+
+    @classmethod
+    def make(cls, positions: torch.Tensor, cos_sin_cache: torch.Tensor, dtype: torch.dtype, dense: bool) -> "Rotary":
+        use_kernel = positions.is_cuda and not dense and not torch.is_grad_enabled()
+        cos_sin = None if use_kernel else rotary_cos_sin(positions, cos_sin_cache, dtype)
+        return cls(positions, cos_sin_cache, cos_sin)
+
+    def apply(self, q: torch.Tensor, k: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        if self.cos_sin is None:
+            from kernels.rotary import apply_rotary
+
+            return apply_rotary(q, k, self.positions, self.cos_sin_cache)
+        return apply_rotary_cos_sin(q, k, *self.cos_sin)
 
 
 class Attention(nn.Module):
@@ -58,7 +88,7 @@ class Attention(nn.Module):
         self.k_cache: torch.Tensor | None = None  # [num_blocks, block_size, Hkv, D]
         self.v_cache: torch.Tensor | None = None
 
-    def forward(self, rope: tuple[torch.Tensor, torch.Tensor], hidden, meta: AttentionMetadata | None) -> torch.Tensor:
+    def forward(self, rope: Rotary, hidden, meta: AttentionMetadata | None) -> torch.Tensor:
         """Paged: hidden [T, H] with `meta`. Dense (training): hidden [B, T, H], meta None, causal per row."""
         lead = hidden.shape[:-1]
         qkv = self.qkv_proj(hidden)
@@ -68,7 +98,7 @@ class Attention(nn.Module):
         v = v.reshape(*lead, self.num_kv_heads, self.head_dim)
         if self.q_norm is not None:
             q, k = self.q_norm(q), self.k_norm(k)
-        q, k = apply_rotary_cos_sin(q, k, *rope)
+        q, k = rope.apply(q, k)
         if meta is None:
             out = self._dense_attention(q, k, v)
         else:
@@ -150,27 +180,40 @@ class DecoderForCausalLM(nn.Module):
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor:
         """input_ids [T], positions [T] -> final hidden states [T, hidden]."""
-        hidden = self.model.embed_tokens(input_ids)
-        rope = rotary_cos_sin(positions, self.cos_sin_cache, hidden.dtype)  # [T, 1, D] each, shared by layers
-        residual = None
-        for layer in self.model.layers:
-            hidden, residual = layer(rope, hidden, residual, meta)
-        hidden, _ = self.model.norm(hidden, residual)
-        return hidden
+        return self.forward_with_aux(input_ids, positions, meta)[0]
 
-    def forward_dense(self, input_ids: torch.Tensor) -> torch.Tensor:
+    def forward_with_aux(
+        self, input_ids: torch.Tensor, positions: torch.Tensor, meta: AttentionMetadata, aux_layers: tuple[int, ...] = ()
+    ) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """`forward`, plus the residual stream after each layer in `aux_layers`, in layer order (for drafters).
+
+        Returns (final hidden [T, hidden], aux [T, len(aux_layers) * hidden] or None when aux_layers is empty).
+        """
+        hidden = self.model.embed_tokens(input_ids)
+        rope = Rotary.make(positions, self.cos_sin_cache, hidden.dtype, dense=False)
+        return self._run_layers(hidden, rope, meta, aux_layers)
+
+    def forward_dense(self, input_ids: torch.Tensor, aux_layers: tuple[int, ...] = ()):
         """Full-sequence forward without a KV cache (training): input_ids [B, T] -> hidden [B, T, hidden].
 
-        Rows are causal and independent; pad on the right so padding never precedes real tokens.
+        Rows are causal and independent; pad on the right so padding never precedes real tokens. With
+        `aux_layers`, returns (hidden, aux [B, T, len(aux_layers) * hidden]) as `forward_with_aux` does.
         """
         hidden = self.model.embed_tokens(input_ids)
         positions = torch.arange(input_ids.shape[1], device=input_ids.device)
-        rope = rotary_cos_sin(positions, self.cos_sin_cache, hidden.dtype)  # [T, 1, D] broadcast over B
+        rope = Rotary.make(positions, self.cos_sin_cache, hidden.dtype, dense=True)  # cos/sin broadcast over B
+        hidden, aux = self._run_layers(hidden, rope, None, aux_layers)
+        return (hidden, aux) if aux_layers else hidden
+
+    def _run_layers(self, hidden, rope, meta, aux_layers: tuple[int, ...]):
         residual = None
-        for layer in self.model.layers:
-            hidden, residual = layer(rope, hidden, residual, None)
+        aux = []
+        for i, layer in enumerate(self.model.layers):
+            hidden, residual = layer(rope, hidden, residual, meta)
+            if i in aux_layers:
+                aux.append(hidden + residual)
         hidden, _ = self.model.norm(hidden, residual)
-        return hidden
+        return hidden, (torch.cat(aux, dim=-1) if aux else None)
 
     def lm_head_weight(self) -> torch.Tensor:
         return self.model.embed_tokens.weight if self.lm_head is None else self.lm_head.weight
