@@ -48,6 +48,7 @@ class DecodeGraphs:
         """Capture every size, largest first (smaller graphs reuse its memory pool). Returns seconds."""
         start = time.perf_counter()
         self.runner.fill_padding_rows(0, self.max_size)
+        self.runner.buffers.upload(self.max_size)
         torch.cuda.synchronize()
         for size in reversed(self.sizes):
             self._capture_one(size)

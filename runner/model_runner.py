@@ -3,7 +3,7 @@
     execute(sched)
       input_batch.apply(sched)          persistent slots: free finished, add new, apply diffs
       inputs = input_batch.gather()     flat tokens, positions, KV slots, query offsets (host)
-      copy into persistent device buffers (one non-blocking copy per field)
+      stage into pinned host buffers, then three non-blocking copies to the persistent device buffers
       hidden = model(...)               paged attention over the bound KV cache
       logits = lm_head(hidden[rows that sample])
       tokens, logprobs = sampler(...)   counter-based noise, no host sync
@@ -17,7 +17,6 @@ from __future__ import annotations
 
 import logging
 import math
-from dataclasses import dataclass
 
 import numpy as np
 import torch
@@ -29,56 +28,9 @@ from runner.input_batch import InputBatch, StepInputs
 from runner.loader import CheckpointWeights, load_model
 from runner.model_config import ModelConfig, parse_dtype
 from runner.sampler import Sampler
+from runner.step_buffers import StepBuffers
 
 logger = logging.getLogger(__name__)
-
-
-@dataclass(slots=True)
-class StepBuffers:
-    """Persistent device buffers every step writes into (and a captured graph reads)."""
-
-    input_ids: torch.Tensor  # [max_tokens] int64
-    positions: torch.Tensor  # [max_tokens] int64
-    slot_mapping: torch.Tensor  # [max_tokens] int64
-    query_start_loc: torch.Tensor  # [max_num_seqs + 1] int32
-    seq_lens: torch.Tensor  # [max_num_seqs] int32
-    block_tables: torch.Tensor  # [max_num_seqs, max_blocks] int32
-    logits_indices: torch.Tensor  # [max_num_seqs] int64
-    temperature: torch.Tensor  # [max_num_seqs] f32
-    top_k: torch.Tensor  # [max_num_seqs] int64
-    top_p: torch.Tensor  # [max_num_seqs] f32
-    min_p: torch.Tensor  # [max_num_seqs] f32
-    seeds: torch.Tensor  # [max_num_seqs] int64
-    sample_positions: torch.Tensor  # [max_num_seqs] int64
-
-    @classmethod
-    def allocate(cls, max_tokens: int, max_num_seqs: int, max_blocks: int, device: torch.device) -> "StepBuffers":
-        def z(*shape, dtype):
-            return torch.zeros(*shape, dtype=dtype, device=device)
-
-        return cls(
-            input_ids=z(max_tokens, dtype=torch.int64),
-            positions=z(max_tokens, dtype=torch.int64),
-            slot_mapping=z(max_tokens, dtype=torch.int64),
-            query_start_loc=z(max_num_seqs + 1, dtype=torch.int32),
-            seq_lens=z(max_num_seqs, dtype=torch.int32),
-            block_tables=z(max_num_seqs, max_blocks, dtype=torch.int32),
-            logits_indices=z(max_num_seqs, dtype=torch.int64),
-            temperature=z(max_num_seqs, dtype=torch.float32),
-            top_k=z(max_num_seqs, dtype=torch.int64),
-            top_p=z(max_num_seqs, dtype=torch.float32),
-            min_p=z(max_num_seqs, dtype=torch.float32),
-            seeds=z(max_num_seqs, dtype=torch.int64),
-            sample_positions=z(max_num_seqs, dtype=torch.int64),
-        )
-
-
-def _copy_in(dst: torch.Tensor, src: np.ndarray) -> torch.Tensor:
-    """Copy a host array into the head of a persistent buffer; returns that head (a view)."""
-    n = src.shape[0]
-    view = dst[:n]
-    view.copy_(torch.from_numpy(src), non_blocking=True)
-    return view
 
 
 class ModelRunner:
@@ -96,7 +48,7 @@ class ModelRunner:
         self.input_batch = InputBatch(
             max_num_seqs=config.max_num_seqs, max_model_len=max_model_len, block_size=config.block_size
         )
-        self.buffers = StepBuffers.allocate(
+        self.buffers = StepBuffers(
             config.max_num_batched_tokens, config.max_num_seqs, self.input_batch.max_blocks_per_seq, self.device
         )
         self.num_kv_blocks = 0
@@ -231,11 +183,14 @@ class ModelRunner:
             and top_n == 0
         ):
             size = self.graphs.padded_size(num_reqs)
-            self._prepare(inputs)
+            self._stage(inputs)
             self.fill_padding_rows(num_reqs, size)
+            self.buffers.upload(size)
             tokens, logprobs = self.graphs.replay(size)
             return self._finish(inputs, tokens[:num_reqs], logprobs[:num_reqs], None)
-        meta = self._prepare(inputs)
+        self._stage(inputs)
+        self.buffers.upload(num_reqs)
+        meta = self._metadata(inputs)
         b = self.buffers
         T = inputs.input_ids.shape[0]
         hidden = self.model(b.input_ids[:T], b.positions[:T], meta)
@@ -272,19 +227,20 @@ class ModelRunner:
         return tokens, logprobs
 
     def fill_padding_rows(self, start: int, end: int) -> None:
-        """Make rows [start, end) of the step buffers inert padding: one query token, no context, no KV write."""
+        """Make rows [start, end) inert padding in the host staging: one query token, no context, no KV write."""
         if end <= start:
             return
-        b = self.buffers
-        b.query_start_loc[start + 1 : end + 1] = torch.arange(start + 1, end + 1, dtype=torch.int32, device=self.device)
-        b.seq_lens[start:end] = 0
-        b.slot_mapping[start:end] = -1
-        b.input_ids[start:end] = 0
-        b.positions[start:end] = 0
-        b.temperature[start:end] = 1.0
-        b.top_k[start:end] = 0
-        b.top_p[start:end] = 1.0
-        b.min_p[start:end] = 0.0
+        h = self.buffers.host
+        h.query_start_loc[start + 1 : end + 1] = np.arange(start + 1, end + 1)
+        h.seq_lens[start:end] = 0
+        h.slot_mapping[start:end] = -1
+        h.input_ids[start:end] = 0
+        h.positions[start:end] = 0
+        h.temperature[start:end] = 1.0
+        h.top_k[start:end] = 0
+        h.top_p[start:end] = 1.0
+        h.min_p[start:end] = 0.0
+        h.sample_positions[start:end] = 0
 
     def capture_graphs(self) -> None:
         from runner.cuda_graph import DecodeGraphs, capture_sizes
@@ -292,31 +248,35 @@ class ModelRunner:
         self.graphs = DecodeGraphs(self, capture_sizes(self.config.max_num_seqs))
         self.graphs.capture()
 
-    def _prepare(self, inputs: StepInputs) -> AttentionMetadata:
-        b, ib = self.buffers, self.input_batch
-        _copy_in(b.input_ids, inputs.input_ids)
-        _copy_in(b.positions, inputs.positions)
-        _copy_in(b.slot_mapping, inputs.slot_mapping)
-        qsl = _copy_in(b.query_start_loc, inputs.query_start_loc)
-        seq_lens = _copy_in(b.seq_lens, inputs.seq_lens)
-        B = inputs.slots.shape[0]
+    def _stage(self, inputs: StepInputs) -> None:
+        """Write the step's inputs into the host staging views (uploaded by `StepBuffers.upload`)."""
+        h, ib, put = self.buffers.host, self.input_batch, StepBuffers.put
+        put(h.input_ids, inputs.input_ids)
+        put(h.positions, inputs.positions)
+        put(h.slot_mapping, inputs.slot_mapping)
+        put(h.query_start_loc, inputs.query_start_loc)
+        put(h.seq_lens, inputs.seq_lens)
+        num_reqs = inputs.slots.shape[0]
         max_blocks = -(-inputs.max_seq_len // self.block_size)
-        block_tables = b.block_tables[:B, :max_blocks]
-        block_tables.copy_(torch.from_numpy(ib.block_table[inputs.slots, :max_blocks]), non_blocking=True)
+        h.block_tables[:num_reqs, :max_blocks] = ib.block_table[inputs.slots, :max_blocks]
         rows = inputs.slots[inputs.sample_rows]
-        _copy_in(b.logits_indices, inputs.logits_indices)
-        _copy_in(b.temperature, ib.temperature[rows])
-        _copy_in(b.top_k, ib.top_k[rows])
-        _copy_in(b.top_p, ib.top_p[rows])
-        _copy_in(b.min_p, ib.min_p[rows])
-        _copy_in(b.seeds, ib.seed[rows])
-        _copy_in(b.sample_positions, ib.num_tokens[rows] - ib.num_prompt_tokens[rows])
-        T = inputs.input_ids.shape[0]
+        put(h.logits_indices, inputs.logits_indices)
+        put(h.temperature, ib.temperature[rows])
+        put(h.top_k, ib.top_k[rows])
+        put(h.top_p, ib.top_p[rows])
+        put(h.min_p, ib.min_p[rows])
+        put(h.seeds, ib.seed[rows])
+        put(h.sample_positions, ib.num_tokens[rows] - ib.num_prompt_tokens[rows])
+
+    def _metadata(self, inputs: StepInputs) -> AttentionMetadata:
+        b = self.buffers
+        num_reqs, num_tokens = inputs.slots.shape[0], inputs.input_ids.shape[0]
+        max_blocks = -(-inputs.max_seq_len // self.block_size)
         return AttentionMetadata(
-            query_start_loc=qsl,
-            seq_lens=seq_lens,
-            block_tables=block_tables,
-            slot_mapping=b.slot_mapping[:T],
+            query_start_loc=b.query_start_loc[: num_reqs + 1],
+            seq_lens=b.seq_lens[:num_reqs],
+            block_tables=b.block_tables[:num_reqs, :max_blocks],
+            slot_mapping=b.slot_mapping[:num_tokens],
             max_query_len=inputs.max_query_len,
             max_seq_len=inputs.max_seq_len,
             deterministic=self.config.deterministic,

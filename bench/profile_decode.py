@@ -1,0 +1,92 @@
+"""Where a decode step's time goes: host phases (schedule, input prep, replay, copy-out, update) and the
+device time of one captured decode graph, on a random model of a real shape. Prints JSON lines.
+
+    python bench/profile_decode.py --device cuda --batch 1 --batch 64
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+import tempfile
+import time
+from collections import defaultdict
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+import torch  # noqa: E402
+
+from bench.generate import SHAPES  # noqa: E402
+from rollout import Engine, EngineConfig, SamplingParams  # noqa: E402
+from runner.testing import write_random_checkpoint  # noqa: E402
+
+
+def profile(path: str, device: str, dtype: str, batch: int, prompt_len: int, steps: int, eager: bool) -> dict:
+    engine = Engine(EngineConfig(model=path, device=device, dtype=dtype, max_num_seqs=batch,
+                                 max_model_len=prompt_len + steps + 64, enforce_eager=eager))
+    g = torch.Generator().manual_seed(0)
+    prompts = torch.randint(2, engine.model_config.vocab_size, (batch, prompt_len), generator=g).tolist()
+    for p in prompts:
+        engine.add_request(p, SamplingParams(max_tokens=steps + 32, ignore_eos=True, seed=0))
+    for _ in range(8):  # prefill + warm-up decode steps
+        engine.step()
+    sched, runner = engine.scheduler, engine.runner
+    times = defaultdict(float)
+    sync = torch.cuda.synchronize if device.startswith("cuda") else (lambda: None)
+    sync()
+    t_all = time.perf_counter()
+    for _ in range(steps):
+        t0 = time.perf_counter()
+        out = sched.schedule()
+        t1 = time.perf_counter()
+        res = runner.execute(out)
+        t2 = time.perf_counter()
+        sched.update(out, res)
+        t3 = time.perf_counter()
+        times["schedule_ms"] += t1 - t0
+        times["execute_ms"] += t2 - t1
+        times["update_ms"] += t3 - t2
+    total = time.perf_counter() - t_all
+    row = {k: round(v / steps * 1e3, 4) for k, v in times.items()}
+    row.update(batch=batch, eager=eager, step_ms=round(total / steps * 1e3, 4),
+               tokens_per_s=round(batch * steps / total, 1))
+    if device.startswith("cuda") and runner.graphs is not None:
+        size = runner.graphs.padded_size(batch)
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        for _ in range(20):
+            runner.graphs.graphs[size].replay()
+        end.record()
+        sync()
+        row["graph_replay_ms"] = round(start.elapsed_time(end) / 20, 4)
+        with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CUDA]) as prof:
+            for _ in range(5):
+                runner.graphs.graphs[size].replay()
+            sync()
+        kernels = sorted(((e.key, e.device_time_total / 5) for e in prof.key_averages()), key=lambda x: -x[1])[:8]
+        row["top_kernels_us"] = [(k[:60], round(t, 1)) for k, t in kernels]
+    return row
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
+    ap.add_argument("--shape", default="qwen2.5-0.5b", choices=sorted(SHAPES))
+    ap.add_argument("--dtype", default="bfloat16")
+    ap.add_argument("--batch", type=int, action="append")
+    ap.add_argument("--prompt-len", type=int, default=128)
+    ap.add_argument("--steps", type=int, default=64)
+    ap.add_argument("--eager", action="store_true")
+    args = ap.parse_args()
+    spec = dict(SHAPES[args.shape])
+    family = spec.pop("family")
+    with tempfile.TemporaryDirectory() as d:
+        write_random_checkpoint(d, family=family, dtype=args.dtype, std=0.02, **spec)
+        for b in args.batch or [1, 64]:
+            print(json.dumps(profile(d, args.device, args.dtype, b, args.prompt_len, args.steps, args.eager)), flush=True)
+
+
+if __name__ == "__main__":
+    main()
