@@ -75,6 +75,28 @@ def plan_paged_attention(
     return AttentionPlan(gather, q_index, q_valid, mask.reshape(num_reqs, 1, group * max_query_len, max_seq_len))
 
 
+def rowwise_attention_ref(
+    queries: torch.Tensor,  # [B, Hkv, R, D] (R query rows per KV head)
+    keys: torch.Tensor,  # [B, Hkv, S, D]
+    values: torch.Tensor,  # [B, Hkv, S, D]
+    mask: torch.Tensor,  # [B, 1, R, S] bool, True = attend
+    scale: float,
+) -> torch.Tensor:
+    """Attention whose result for a query row depends on that row's visible keys only (deterministic mode).
+
+    Dot products reduce over the fixed head dimension; the softmax denominator and the weighted sum of
+    values are sequential sums over key positions (cumsum), so masked positions past a row's context add
+    exact zeros and the row's result does not depend on S, on the batch or on how many other query rows
+    there are. Returns [B, Hkv, R, D].
+    """
+    scores = (queries[..., :, None, :] * keys[..., None, :, :]).sum(-1) * scale  # [B, Hkv, R, S]
+    scores = scores.masked_fill(~mask, float("-inf"))
+    weights = torch.exp(scores - scores.amax(-1, keepdim=True))  # [B, Hkv, R, S]
+    denom = torch.cumsum(weights, -1)[..., -1:]  # [B, Hkv, R, 1]
+    weighted = weights[..., None, :] * values.transpose(-1, -2)[..., None, :, :]  # [B, Hkv, R, D, S]
+    return torch.cumsum(weighted, -1)[..., -1] / denom
+
+
 def paged_attention_ref(
     query: torch.Tensor,  # [T, Hq, D]
     k_cache: torch.Tensor,  # [num_blocks, block_size, Hkv, D]
@@ -86,6 +108,7 @@ def paged_attention_ref(
     max_query_len: int,
     max_seq_len: int,
     plan: AttentionPlan | None = None,  # from plan_paged_attention, shared by all layers of a step
+    deterministic: bool = False,  # batch-invariant reduction (rowwise_attention_ref) instead of SDPA
 ) -> torch.Tensor:
     """Causal attention of each request's query tokens over its paged context. Returns [T, Hq, D]."""
     num_tokens, num_heads, head_dim = query.shape
@@ -104,7 +127,10 @@ def paged_attention_ref(
     # [B, Qm, Hkv, G, D] -> [B, Hkv, G*Qm, D]: one KV head serves its G query heads
     queries = queries.view(num_reqs, max_query_len, num_kv_heads, group, head_dim)
     queries = queries.permute(0, 2, 3, 1, 4).reshape(num_reqs, num_kv_heads, group * max_query_len, head_dim)
-    out = F.scaled_dot_product_attention(queries, keys, values, attn_mask=plan.mask, scale=scale)
+    if deterministic:
+        out = rowwise_attention_ref(queries, keys, values, plan.mask, scale)
+    else:
+        out = F.scaled_dot_product_attention(queries, keys, values, attn_mask=plan.mask, scale=scale)
     out = out.view(num_reqs, num_kv_heads, group, max_query_len, head_dim).permute(0, 3, 1, 2, 4)
     out = out.reshape(num_reqs, max_query_len, num_heads, head_dim)  # [B, Qm, Hq, D]
     if plan.q_index is None:

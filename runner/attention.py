@@ -53,5 +53,5 @@ class AttentionBackend:
             )
         return paged_attention_ref(
             query, k_cache, v_cache, meta.query_start_loc, meta.seq_lens, meta.block_tables, scale,
-            meta.max_query_len, meta.max_seq_len, plan=meta.plan,
+            meta.max_query_len, meta.max_seq_len, plan=meta.plan, deterministic=meta.deterministic,
         )

@@ -62,7 +62,8 @@ def _iter_checkpoint(files: list[Path]):
 
 
 def load_model(
-    model_dir: str | Path, cfg: ModelConfig, dtype: torch.dtype, device: torch.device, backend, max_position: int
+    model_dir: str | Path, cfg: ModelConfig, dtype: torch.dtype, device: torch.device, backend, max_position: int,
+    deterministic: bool = False,
 ) -> DecoderForCausalLM:
     """Build on meta, allocate once on `device` in `dtype`, fill from the checkpoint, check completeness."""
     with torch.device("meta"):
@@ -94,6 +95,7 @@ def load_model(
     if missing:
         more = f" (+{len(missing) - 5} more)" if len(missing) > 5 else ""
         raise ValueError(f"checkpoint {model_dir} is missing tensor(s) {missing[:5]}{more}")
+    model.set_deterministic(deterministic)
     model.eval()
     return model
 

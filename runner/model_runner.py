@@ -42,7 +42,9 @@ class ModelRunner:
         self.max_model_len = max_model_len
         self.block_size = config.block_size
         self.backend = AttentionBackend(self.device)
-        self.model = load_model(config.model, model_config, self.dtype, self.device, self.backend, max_model_len)
+        self.model = load_model(
+            config.model, model_config, self.dtype, self.device, self.backend, max_model_len, config.deterministic
+        )
         self.weights = CheckpointWeights(self.model)
         self.sampler = Sampler(self.device)
         self.input_batch = InputBatch(
@@ -267,6 +269,12 @@ class ModelRunner:
         put(h.min_p, ib.min_p[rows])
         put(h.seeds, ib.seed[rows])
         put(h.sample_positions, ib.num_tokens[rows] - ib.num_prompt_tokens[rows])
+
+    def prepare(self, inputs: StepInputs) -> AttentionMetadata:
+        """Stage and upload one step's inputs into the step buffers; returns its attention metadata."""
+        self._stage(inputs)
+        self.buffers.upload(inputs.slots.shape[0])
+        return self._metadata(inputs)
 
     def _metadata(self, inputs: StepInputs) -> AttentionMetadata:
         b = self.buffers

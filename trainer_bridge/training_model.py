@@ -2,7 +2,9 @@
 
 `TrainingModel` wraps the same `DecoderForCausalLM` the engine serves, with a full-sequence forward (no
 KV cache) and autograd. Because the code is shared, rollout logprobs and trainer logprobs differ only by
-kernel numerics (zero in deterministic mode, a later addition). `checkpoint_state()` gives views of the
+kernel numerics; with `deterministic=True` on both sides they are bitwise equal (batch-invariant kernels,
+see `runner/layers.py` and `kernels/attention_ref.rowwise_attention_ref`). The backward pass differentiates
+through the same ops. `checkpoint_state()` gives views of the
 parameters under Hugging Face names — exactly what `TrainerBridge.push_weights` sends.
 """
 
@@ -29,11 +31,9 @@ class TrainingModel(nn.Module):
         cls, path: str | Path, *, dtype: str = "float32", device: str = "cpu", max_position: int | None = None,
         deterministic: bool = False,
     ) -> "TrainingModel":
-        if deterministic:
-            raise ValueError("deterministic=True is not available yet")
         cfg = ModelConfig.from_dir(path)
         max_position = max_position or min(cfg.max_position_embeddings, 8192)
-        model = load_model(path, cfg, parse_dtype(dtype), torch.device(device), None, max_position)
+        model = load_model(path, cfg, parse_dtype(dtype), torch.device(device), None, max_position, deterministic)
         model.train()
         return cls(model)
 

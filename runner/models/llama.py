@@ -17,7 +17,9 @@ from torch import nn
 
 from kernels.norm_ref import fused_add_rms_norm_ref, rms_norm_ref
 from kernels.rotary_ref import apply_rotary_cos_sin, build_cos_sin_cache, rope_inv_freq, rotary_cos_sin
+from kernels.attention_ref import rowwise_attention_ref
 from runner.attention import AttentionBackend, AttentionMetadata
+from runner.layers import Linear, linear
 from runner.model_config import ModelConfig
 
 
@@ -79,12 +81,13 @@ class Attention(nn.Module):
         self.num_heads, self.num_kv_heads, self.head_dim = cfg.num_heads, cfg.num_kv_heads, cfg.head_dim
         self.q_size = self.num_heads * self.head_dim
         self.kv_size = self.num_kv_heads * self.head_dim
-        self.qkv_proj = nn.Linear(cfg.hidden_size, self.q_size + 2 * self.kv_size, bias=cfg.attention_bias)
-        self.o_proj = nn.Linear(self.q_size, cfg.hidden_size, bias=cfg.o_proj_bias)
+        self.qkv_proj = Linear(cfg.hidden_size, self.q_size + 2 * self.kv_size, bias=cfg.attention_bias)
+        self.o_proj = Linear(self.q_size, cfg.hidden_size, bias=cfg.o_proj_bias)
         self.q_norm = RMSNorm(self.head_dim, cfg.rms_norm_eps) if cfg.qk_norm else None
         self.k_norm = RMSNorm(self.head_dim, cfg.rms_norm_eps) if cfg.qk_norm else None
         self.scale = self.head_dim**-0.5
         self.backend = backend
+        self.deterministic = False
         self.k_cache: torch.Tensor | None = None  # [num_blocks, block_size, Hkv, D]
         self.v_cache: torch.Tensor | None = None
 
@@ -109,6 +112,16 @@ class Attention(nn.Module):
     def _dense_attention(self, q, k, v) -> torch.Tensor:
         """q [B, T, Hq, D], k/v [B, T, Hkv, D] -> [B, T, Hq, D], causal, no cache."""
         group = self.num_heads // self.num_kv_heads
+        if self.deterministic:  # the same row-local reduction the engine's paged path uses in this mode
+            b, t = q.shape[:2]
+            queries = q.view(b, t, self.num_kv_heads, group, self.head_dim).permute(0, 2, 3, 1, 4)
+            queries = queries.reshape(b, self.num_kv_heads, group * t, self.head_dim)
+            pos = torch.arange(t, device=q.device)
+            causal = (pos[None, :] <= pos[:, None])[None, None, None].expand(b, 1, group, t, t)
+            out = rowwise_attention_ref(queries, k.transpose(1, 2), v.transpose(1, 2),
+                                        causal.reshape(b, 1, group * t, t), self.scale)
+            out = out.view(b, self.num_kv_heads, group, t, self.head_dim).permute(0, 3, 1, 2, 4)
+            return out.reshape(b, t, self.num_heads, self.head_dim)
         k = k.repeat_interleave(group, dim=2) if group > 1 else k
         v = v.repeat_interleave(group, dim=2) if group > 1 else v
         out = F.scaled_dot_product_attention(
@@ -121,8 +134,8 @@ class MLP(nn.Module):
     def __init__(self, cfg: ModelConfig) -> None:
         super().__init__()
         self.intermediate = cfg.intermediate_size
-        self.gate_up_proj = nn.Linear(cfg.hidden_size, 2 * cfg.intermediate_size, bias=False)
-        self.down_proj = nn.Linear(cfg.intermediate_size, cfg.hidden_size, bias=False)
+        self.gate_up_proj = Linear(cfg.hidden_size, 2 * cfg.intermediate_size, bias=False)
+        self.down_proj = Linear(cfg.intermediate_size, cfg.hidden_size, bias=False)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         gate, up = self.gate_up_proj(x).split(self.intermediate, dim=-1)
@@ -163,8 +176,9 @@ class DecoderForCausalLM(nn.Module):
         super().__init__()
         self.config = cfg
         self.model = DecoderModel(cfg, backend)
-        self.lm_head = None if cfg.tie_word_embeddings else nn.Linear(cfg.hidden_size, cfg.vocab_size, bias=False)
+        self.lm_head = None if cfg.tie_word_embeddings else Linear(cfg.hidden_size, cfg.vocab_size, bias=False)
         self.register_buffer("cos_sin_cache", torch.empty(0), persistent=False)  # [max_pos, head_dim] f32
+        self.deterministic = False
 
     def init_rotary(self, max_position: int, device: torch.device) -> None:
         """Fill the rotary table (a buffer outside the checkpoint) for positions < max_position."""
@@ -215,12 +229,19 @@ class DecoderForCausalLM(nn.Module):
         hidden, _ = self.model.norm(hidden, residual)
         return hidden, (torch.cat(aux, dim=-1) if aux else None)
 
+    def set_deterministic(self, deterministic: bool) -> None:
+        """Batch-invariant kernels everywhere (linears, LM head, dense attention) when True."""
+        self.deterministic = deterministic
+        for module in self.modules():
+            if isinstance(module, (Linear, Attention)):
+                module.deterministic = deterministic
+
     def lm_head_weight(self) -> torch.Tensor:
         return self.model.embed_tokens.weight if self.lm_head is None else self.lm_head.weight
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """hidden [N, hidden] -> logits [N, vocab] in the model dtype."""
-        return F.linear(hidden, self.lm_head_weight())
+        return linear(hidden, self.lm_head_weight(), None, self.deterministic)
 
     def checkpoint_layout(self) -> dict[str, CheckpointSlot]:
         """Every checkpoint (Hugging Face) tensor name -> its rows in a runtime parameter."""
