@@ -72,7 +72,12 @@ class EngineConfig:
     seed: int = 0
     """Seeds the engine's generator for requests without their own seed."""
     tensor_parallel_size: int = 1
-    """Ranks the model is sharded over."""
+    """Ranks the model is sharded over (rank 0 is the engine's process; the engine spawns the others)."""
+    tp_sampling: str = "sharded"
+    """With tensor_parallel_size > 1: "sharded" (batch-sharded sampling: one all-to-all turns each rank's
+    vocabulary shard of all rows into all of the vocabulary for its share of the rows; per-rank logits memory
+    falls by the group size) or "allgather" (every rank gathers all logits and samples every row). Both
+    sample the same tokens."""
     deterministic: bool = False
     """Batch-invariant kernels: per-token results independent of batch composition and chunking."""
     speculative: SpeculativeConfig | None = None
@@ -100,6 +105,10 @@ class EngineConfig:
             )
         if isinstance(self.speculative, Mapping):
             self.speculative = from_mapping(SpeculativeConfig, self.speculative, "EngineConfig.speculative")
+        if self.tp_sampling not in ("sharded", "allgather"):
+            raise ValueError(f"EngineConfig.tp_sampling must be 'sharded' or 'allgather', got {self.tp_sampling!r}")
+        if self.tensor_parallel_size > 1 and self.speculative is not None:
+            raise ValueError("speculative decoding does not support tensor_parallel_size > 1 yet")
 
 
 def _resolve_type(tp: Any) -> Any:

@@ -10,6 +10,10 @@
 Weight updates apply between steps only (`apply_weight_update`), and bump `policy_version`; every token
 records the version it was sampled under. A bad request is refused at `add_request` with a ValueError
 and never reaches the scheduler, so it cannot disturb the requests already running.
+
+With `tensor_parallel_size=P > 1` this process is rank 0: it runs the scheduler, and the runner
+(runner/parallel/worker.py) spawns P - 1 worker ranks and sends them each step's scheduler output as
+plain data. Call `close()` (or use the engine as a context manager) to stop them; exit does it too.
 """
 
 from __future__ import annotations
@@ -18,14 +22,17 @@ import itertools
 import logging
 import random
 import time
+from collections import deque
 from typing import Iterable, Sequence
+
+import torch
 
 from rollout.config import EngineConfig
 from rollout.kv_cache_manager import KVCacheManager
 from rollout.outputs import CompletionOutput, RequestOutput
 from rollout.request import Request, RequestGroup, RequestStatus
 from rollout.sampling_params import SamplingParams
-from rollout.scheduler import Scheduler
+from rollout.scheduler import Scheduler, new_spec_stats, record_spec_step, spec_stats_summary
 from rollout.tokenizer import Tokenizer
 
 logger = logging.getLogger(__name__)
@@ -47,10 +54,15 @@ class Engine:
             raise ValueError(f"max_model_len={config.max_model_len} exceeds the model's max_position_embeddings={max_pos}")
         self.max_model_len = config.max_model_len or min(max_pos, 8192)
         self.tokenizer = Tokenizer.find(config.tokenizer or config.model)
-        self.runner = ModelRunner(config, self.model_config, self.max_model_len)
+        if config.tensor_parallel_size > 1:
+            from runner.parallel.worker import TensorParallelRunner
+
+            self.runner = TensorParallelRunner(config, self.model_config, self.max_model_len)
+        else:
+            self.runner = ModelRunner(config, self.model_config, self.max_model_len)
         num_blocks = self.runner.determine_num_kv_blocks()
         self.runner.allocate_kv_cache(num_blocks)
-        if self.runner.device.type == "cuda" and not config.enforce_eager:
+        if self.runner.device.type == "cuda" and not config.enforce_eager and config.speculative is None:
             self.runner.capture_graphs()
         self.kv_manager = KVCacheManager(num_blocks, config.block_size, config.enable_prefix_caching)
         self.scheduler = Scheduler(
@@ -64,6 +76,14 @@ class Engine:
         self._groups: dict[str, RequestGroup] = {}
         self._ids = itertools.count()
         self._receiver = None
+        self.spec_controller = None  # SpecController (auto-off) when speculating
+        if config.speculative is not None:
+            from runner.spec_decode.controller import SpecController
+
+            self.spec_controller = SpecController(config.speculative.num_speculative_tokens)
+            self._spec_totals = new_spec_stats(config.speculative.num_speculative_tokens)
+        self.recent_sequences: deque[list[int]] = deque(maxlen=1024)
+        """Token ids (prompt + completion) of recently finished samples, for online drafter training."""
 
     # ---- properties ---------------------------------------------------------------------------------
     @property
@@ -98,6 +118,7 @@ class Engine:
                 eos_token_ids=self.eos_token_ids,
                 token_ids=list(token_ids),
                 num_prompt_tokens=len(token_ids),
+                spec_stats=new_spec_stats(self.config.speculative.num_speculative_tokens) if self.config.speculative else None,
             )
             group.members.append(req)
         self._groups[request_id] = group
@@ -115,9 +136,15 @@ class Engine:
 
     def step(self) -> list[RequestOutput]:
         """Run one engine step; returns the current output of every prompt that changed."""
+        batch_size = len(self.scheduler.running)
+        if self.spec_controller is not None:
+            self.scheduler.num_lookahead_tokens = self.spec_controller.lookahead(batch_size)
+        start = time.perf_counter()
         sched = self.scheduler.schedule()
         out = self.runner.execute(sched)
         changed = self.scheduler.update(sched, out)
+        if self.spec_controller is not None:
+            self._after_spec_step(batch_size, sched, out, changed, time.perf_counter() - start)
         groups = {id(r.group): r.group for r in changed}
         return [self._output(g) for g in groups.values()]
 
@@ -159,10 +186,17 @@ class Engine:
             bar.close()
         return [self._output(self._groups.pop(i)) for i in ids]
 
+    def close(self) -> None:
+        """Release device memory (graphs, KV cache, weights); the engine cannot be used afterwards."""
+        self.runner.release()
+        self.runner = None
+
     # ---- weights ----------------------------------------------------------------------------------------
     @property
     def weight_receiver(self):
         """The rollout side of weight updates (validate -> apply in place -> verify), created on first use."""
+        if self.config.tensor_parallel_size > 1:
+            raise ValueError("with tensor_parallel_size > 1, weight updates go through apply_weight_update (every rank)")
         if self._receiver is None:
             from weight_updates import WeightReceiver
 
@@ -180,13 +214,44 @@ class Engine:
         problem) and leaves the weights and the version as they were. Running requests keep going; their
         later tokens record the new version, and no new request reuses prefix-cache blocks of older weights.
         """
-        result = self.weight_receiver.apply(version, updates)
+        if self.config.tensor_parallel_size > 1:
+            result = self.runner.apply_weight_update(version, updates, self.policy_version)
+        else:
+            result = self.weight_receiver.apply(version, updates)
         self.on_weights_updated(result.version)
         return result
 
     def on_weights_updated(self, version: int) -> None:
         """Record a new policy version (weights were written in place between steps)."""
         self.scheduler.on_weights_updated(version)
+
+    # ---- lifetime ---------------------------------------------------------------------------------------
+    def __enter__(self) -> "Engine":
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
+
+    # ---- speculative decoding ---------------------------------------------------------------------------
+    @property
+    def spec_decode_stats(self) -> dict | None:
+        """Engine totals (counters as in each output's spec_decode_stats) and, under "auto_off", per batch-size
+        bucket the measured tokens/s with and without speculation and whether it speculates there now."""
+        if self.spec_controller is None:
+            return None
+        return {**spec_stats_summary(self._spec_totals), "auto_off": self.spec_controller.stats()}
+
+    def _after_spec_step(self, batch_size: int, sched, out, changed: list[Request], seconds: float) -> None:
+        drafts = out.num_draft_tokens or [0] * len(out.req_ids)
+        for d, tokens in zip(drafts, out.sampled_token_ids):
+            if d > 0:
+                record_spec_step(self._spec_totals, d, len(tokens) - 1)
+        if len(out.req_ids) == len(sched.num_scheduled_tokens) and sched.total_num_scheduled_tokens == len(drafts) + sum(drafts):
+            num_tokens = sum(len(t) for t in out.sampled_token_ids)  # a pure decode step
+            self.spec_controller.record(batch_size, self.scheduler.num_lookahead_tokens > 0, num_tokens, seconds)
+        for req in changed:
+            if req.status.finished:
+                self.recent_sequences.append(list(req.token_ids))
 
     # ---- helpers ----------------------------------------------------------------------------------------
     def _tokenize(self, prompt: Prompt) -> tuple[str | None, list[int]]:
@@ -238,7 +303,7 @@ class Engine:
                     text=text,
                     top_logprobs=[t[:n_top] for t in r.top_logprobs] if n_top else None,
                     num_preemptions=r.num_preemptions,
-                    spec_decode_stats=r.spec_stats,
+                    spec_decode_stats=None if r.spec_stats is None else spec_stats_summary(r.spec_stats),
                 )
             )
         return RequestOutput(

@@ -46,6 +46,9 @@ class SamplingParams:
     """Also return the top-N (token id, logprob) pairs of each position's sampling distribution."""
     skip_special_tokens: bool = True
     """Passed to the tokenizer when detokenizing."""
+    speculative: bool = True
+    """Let the engine speculate for this request when it has a drafter (outputs are distributed the same
+    either way); False always decodes one token per step."""
 
     def __post_init__(self) -> None:
         if not isinstance(self.n, int) or self.n < 1:

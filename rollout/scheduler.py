@@ -13,6 +13,11 @@ request fits in the cache alone (checked when a request is added). Then waiting 
 first come first served, while budget, slots and blocks last; a sample of an n>1 prompt waits while a
 sibling is still computing the prompt, so the n samples share the prompt's blocks.
 
+Speculation: a decoding request (one uncomputed token) of a speculating request gets up to
+`num_lookahead_tokens` extra slots (and their blocks) for draft tokens; the runner says how many it
+drafted (`RunnerOutput.num_draft_tokens`) and `update` rolls the computed count back past the rejected
+ones. Their blocks stay with the request and are overwritten by later steps.
+
 Input and output are small typed dataclasses: new requests travel to the runner in full, running ones as
 diffs, and finished or preempted ids tell the runner to free slots. Pure Python; testable with no model.
 """
@@ -103,6 +108,7 @@ class Scheduler:
         self._finished_ids: set[str] = set()
         self._preempted_ids: set[str] = set()
         self._in_runner: set[str] = set()
+        self.num_lookahead_tokens = 0  # draft slots per decoding request this step (set by the engine; 0 = off)
 
     # ---- requests in and out -------------------------------------------------------------------
     def add_request(self, req: Request) -> None:
@@ -144,7 +150,7 @@ class Scheduler:
         i = 0
         while i < len(self.running) and budget > 0:
             req = self.running[i]
-            num_new = min(req.num_tokens - req.num_computed_tokens, budget)
+            num_new = min(req.num_tokens - req.num_computed_tokens + self._lookahead(req), budget)
             assert num_new > 0, (req.req_id, req.num_tokens, req.num_computed_tokens)
             while not self.kv.can_allocate(req, req.num_computed_tokens + num_new):
                 victim = self.running.pop()
@@ -225,6 +231,8 @@ class Scheduler:
             if out.num_draft_tokens is not None:
                 # rejected draft positions were computed but hold no accepted token: roll back
                 req.num_computed_tokens -= out.num_draft_tokens[idx] + 1 - len(tokens)
+                if out.num_draft_tokens[idx] > 0 and req.spec_stats is not None:
+                    record_spec_step(req.spec_stats, out.num_draft_tokens[idx], len(tokens) - 1)
             for pos, token in enumerate(tokens):
                 req.token_ids.append(token)
                 req.policy_versions.append(self.policy_version)
@@ -242,6 +250,13 @@ class Scheduler:
         return changed
 
     # ---- helpers -------------------------------------------------------------------------------------
+    def _lookahead(self, req: Request) -> int:
+        """Draft slots for a decoding request: none while prefilling, and never past max_tokens / max_model_len."""
+        if self.num_lookahead_tokens == 0 or not req.params.speculative or req.num_tokens - req.num_computed_tokens != 1:
+            return 0
+        room = min(req.max_tokens - req.num_output_tokens, self.max_model_len - req.num_tokens) - 1
+        return max(0, min(self.num_lookahead_tokens, room))
+
     def _check_stop(self, req: Request, token: int) -> RequestStatus | None:
         params = req.params
         if req.num_output_tokens > params.min_tokens:
@@ -287,3 +302,32 @@ class Scheduler:
         if req.req_id in self._in_runner:
             self._in_runner.discard(req.req_id)
             self._finished_ids.add(req.req_id)
+
+
+def new_spec_stats(num_speculative_tokens: int) -> dict:
+    """Empty speculative-decoding counters (per request, and the engine's totals).
+
+    num_draft_tokens / num_accepted_tokens: drafts proposed / accepted; num_spec_steps: verification steps
+    (steps with at least one draft); acceptance_histogram[a]: steps that accepted a drafts (each step adds
+    a + 1 tokens, the last one resampled or a bonus).
+    """
+    return {"num_draft_tokens": 0, "num_accepted_tokens": 0, "num_spec_steps": 0,
+            "acceptance_histogram": [0] * (num_speculative_tokens + 1)}
+
+
+def spec_stats_summary(stats: dict) -> dict:
+    """A copy of the counters plus mean_acceptance_length: tokens added per verification step (1 + accepted)."""
+    out = {**stats, "acceptance_histogram": list(stats["acceptance_histogram"])}
+    steps = stats["num_spec_steps"]
+    out["mean_acceptance_length"] = 1.0 + stats["num_accepted_tokens"] / steps if steps else 0.0
+    return out
+
+
+def record_spec_step(stats: dict, num_drafts: int, num_accepted: int) -> None:
+    """Add one verification step to counters made by `new_spec_stats`."""
+    stats["num_draft_tokens"] += num_drafts
+    stats["num_accepted_tokens"] += num_accepted
+    stats["num_spec_steps"] += 1
+    hist = stats["acceptance_histogram"]
+    hist.extend([0] * (num_accepted + 1 - len(hist)))
+    hist[num_accepted] += 1

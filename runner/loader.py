@@ -2,9 +2,10 @@
 
 `load_model` builds the model on the meta device, allocates its parameters once on the target device, and
 copies each safetensors tensor (read one at a time, memory-mapped) into its rows of the fused runtime
-parameter — never two copies of the weights. `CheckpointWeights` exposes the same map to weight updates:
-read, overwrite or patch a checkpoint tensor in place, by its Hugging Face name and flat coordinates.
-Not here: tensor-parallel sharding of the views (a later layer narrows each view to the rank's slice).
+parameter — never two copies of the weights. Under tensor parallelism each rank reads only its slice of
+each tensor (`get_slice`), as its `checkpoint_layout` says. `CheckpointWeights` exposes the same map to
+weight updates: read, overwrite or patch a checkpoint tensor in place, by its Hugging Face name and flat
+coordinates. Not here: filtering full-tensor updates to a rank's slice (runner/parallel/weights.py).
 """
 
 from __future__ import annotations
@@ -45,6 +46,7 @@ def safetensors_files(model_dir: str | Path) -> list[Path]:
 
 
 def _iter_checkpoint(files: list[Path]):
+    """(file, name, lazy slice) of every tensor; the slice reads only what is indexed."""
     from safetensors import safe_open
 
     for file in files:
@@ -55,25 +57,37 @@ def _iter_checkpoint(files: list[Path]):
             raise ValueError(f"cannot read safetensors file {file}: {e}") from None
         for name in names:
             try:
-                tensor = handle.get_tensor(name)
+                yield file, name, handle.get_slice(name)
             except Exception as e:
                 raise ValueError(f"cannot read tensor {name!r} from {file}: {e}") from None
-            yield file, name, tensor
+
+
+def _read_shard(file: Path, name: str, lazy, slot: CheckpointSlot) -> torch.Tensor:
+    """The rank's part of a checkpoint tensor (all of it without tensor parallelism)."""
+    start, end = slot.shard
+    index = tuple(slice(start, end) if d == slot.dim else slice(None) for d in range(len(slot.shape)))
+    try:
+        return lazy[index]
+    except Exception as e:
+        raise ValueError(f"cannot read tensor {name!r} from {file}: {e}") from None
 
 
 def load_model(
     model_dir: str | Path, cfg: ModelConfig, dtype: torch.dtype, device: torch.device, backend, max_position: int,
-    deterministic: bool = False,
+    deterministic: bool = False, tp=None,
 ) -> DecoderForCausalLM:
-    """Build on meta, allocate once on `device` in `dtype`, fill from the checkpoint, check completeness."""
+    """Build on meta, allocate once on `device` in `dtype`, fill from the checkpoint, check completeness.
+
+    With `tp` (a `runner.parallel.group.TPGroup`) the model is the rank's shard and only its slices are read.
+    """
     with torch.device("meta"):
-        model = DecoderForCausalLM(cfg, backend)
+        model = DecoderForCausalLM(cfg, backend, tp)
     model = model.to(dtype=dtype).to_empty(device=device)
     model.init_rotary(max_position, device)
     weights = CheckpointWeights(model)
     loaded: set[str] = set()
     with torch.no_grad():
-        for file, name, tensor in _iter_checkpoint(safetensors_files(model_dir)):
+        for file, name, lazy in _iter_checkpoint(safetensors_files(model_dir)):
             if name.endswith(_IGNORED_SUFFIXES):
                 continue
             if name == "lm_head.weight" and cfg.tie_word_embeddings:
@@ -81,15 +95,16 @@ def load_model(
             if name not in weights.layout:
                 logger.warning("ignoring checkpoint tensor %s (%s): not part of the model", name, file.name)
                 continue
-            if not tensor.is_floating_point():
-                raise ValueError(f"checkpoint tensor {name} in {file} has non-float dtype {tensor.dtype}")
-            view = weights.view(name)
-            if tuple(tensor.shape) != tuple(view.shape):
+            dtype = lazy.get_dtype()
+            if not dtype.startswith(("F", "BF")):
+                raise ValueError(f"checkpoint tensor {name} in {file} has non-float dtype {dtype}")
+            slot = weights.layout[name]
+            if tuple(lazy.get_shape()) != slot.shape:
                 raise ValueError(
-                    f"shape mismatch for {name} in {file}: checkpoint {tuple(tensor.shape)}, "
-                    f"config.json implies {tuple(view.shape)}"
+                    f"shape mismatch for {name} in {file}: checkpoint {tuple(lazy.get_shape())}, "
+                    f"config.json implies {slot.shape}"
                 )
-            view.copy_(tensor)
+            weights.view(name).copy_(_read_shard(file, name, lazy, slot))
             loaded.add(name)
     missing = sorted(set(weights.layout) - loaded)
     if missing:
@@ -101,7 +116,8 @@ def load_model(
 
 
 class CheckpointWeights:
-    """The live model seen through checkpoint names: each name is a contiguous row range of a parameter.
+    """The live model seen through checkpoint names: each name is a contiguous row range of a parameter
+    (under tensor parallelism `view` is the rank's part, a row or column range; see `CheckpointSlot`).
 
     Writes are in place (`copy_` / `index_put_`), so parameters keep their storage and captured CUDA
     graphs stay valid. Callers validate before writing; this class only asserts its own invariants.
@@ -115,8 +131,8 @@ class CheckpointWeights:
     def view(self, name: str) -> torch.Tensor:
         slot = self.layout[name]
         data = self._params[slot.param].data
-        view = data[slot.row_start : slot.row_end]
-        assert tuple(view.shape) == slot.shape, (name, tuple(view.shape), slot.shape)
+        view = data.narrow(slot.dim, slot.row_start, slot.row_end - slot.row_start)
+        assert tuple(view.shape) == slot.shard_shape, (name, tuple(view.shape), slot.shard_shape)
         return view
 
     def checkpoint_specs(self) -> dict[str, ParamSpec]:

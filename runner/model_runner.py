@@ -10,11 +10,14 @@
       one copy of results to the host   the step's only sync
 
 The device buffers (`[max_num_batched_tokens]`, `[max_num_seqs, ...]`) are allocated once, so a CUDA
-graph can capture a step that reads them. Not here: scheduling decisions (rollout/), tokenization.
+graph can capture a step that reads them. Under tensor parallelism (`tp` given) the runner is one rank's:
+its model shard, its KV heads, and a sampler that takes the rank's vocabulary shard of the logits
+(runner/parallel/). Not here: scheduling decisions (rollout/), tokenization.
 """
 
 from __future__ import annotations
 
+import gc
 import logging
 import math
 
@@ -34,19 +37,28 @@ logger = logging.getLogger(__name__)
 
 
 class ModelRunner:
-    def __init__(self, config: EngineConfig, model_config: ModelConfig, max_model_len: int) -> None:
+    def __init__(self, config: EngineConfig, model_config: ModelConfig, max_model_len: int, tp=None) -> None:
         self.config = config
         self.model_config = model_config
-        self.device = torch.device(config.device)
+        self.tp = tp  # runner.parallel.group.TPGroup, or None
+        self.device = torch.device(config.device) if tp is None else tp.device
         self.dtype = parse_dtype(config.dtype if config.dtype != "auto" else (model_config.checkpoint_dtype or "float32"))
         self.max_model_len = max_model_len
         self.block_size = config.block_size
         self.backend = AttentionBackend(self.device)
         self.model = load_model(
-            config.model, model_config, self.dtype, self.device, self.backend, max_model_len, config.deterministic
+            config.model, model_config, self.dtype, self.device, self.backend, max_model_len, config.deterministic, tp
         )
-        self.weights = CheckpointWeights(self.model)
-        self.sampler = Sampler(self.device)
+        self.num_kv_heads = self.model.model.layers[0].self_attn.num_kv_heads  # this rank's
+        if tp is None:
+            self.weights = CheckpointWeights(self.model)
+            self.sampler = Sampler(self.device)
+        else:
+            from runner.parallel.sampling import TensorParallelSampler
+            from runner.parallel.weights import ShardedCheckpointWeights
+
+            self.weights = ShardedCheckpointWeights(self.model, tp)
+            self.sampler = TensorParallelSampler(Sampler(self.device), tp, config.tp_sampling)
         self.input_batch = InputBatch(
             max_num_seqs=config.max_num_seqs, max_model_len=max_model_len, block_size=config.block_size
         )
@@ -67,7 +79,7 @@ class ModelRunner:
         cfg = self.model_config
         elem = torch.finfo(self.dtype).bits // 8
         drafter = 0 if self.spec is None else self.spec.kv_bytes_per_block()
-        return 2 * cfg.num_layers * self.block_size * cfg.num_kv_heads * cfg.head_dim * elem + drafter
+        return 2 * cfg.num_layers * self.block_size * self.num_kv_heads * cfg.head_dim * elem + drafter
 
     def determine_num_kv_blocks(self) -> int:
         if self.config.num_kv_blocks is not None:
@@ -139,10 +151,11 @@ class ModelRunner:
             from runner.cuda_graph import DecodeGraphs
 
             b.seq_lens.zero_()
-            before = torch.cuda.memory_reserved(self.device)
+            torch.cuda.synchronize()
+            free_before = torch.cuda.mem_get_info(self.device)[0]
             probe = DecodeGraphs(self, [cfg.max_num_seqs])
             probe.capture()
-            graph_bytes = torch.cuda.memory_reserved(self.device) - before
+            graph_bytes = max(0, free_before - torch.cuda.mem_get_info(self.device)[0])
             probe.release()
         self.kv_caches = []
         self.model.bind_kv_cache([(None, None)] * self.model_config.num_layers)
@@ -151,7 +164,7 @@ class ModelRunner:
 
     def allocate_kv_cache(self, num_blocks: int, quiet: bool = False) -> None:
         cfg = self.model_config
-        shape = (num_blocks, self.block_size, cfg.num_kv_heads, cfg.head_dim)
+        shape = (num_blocks, self.block_size, self.num_kv_heads, cfg.head_dim)
         self.kv_caches = [
             (torch.zeros(shape, dtype=self.dtype, device=self.device), torch.zeros(shape, dtype=self.dtype, device=self.device))
             for _ in range(cfg.num_layers)
@@ -244,6 +257,18 @@ class ModelRunner:
         h.min_p[start:end] = 0.0
         h.sample_positions[start:end] = 0
 
+    def release(self) -> None:
+        """Drop graphs, KV cache and weights so their device memory can be freed."""
+        if self.graphs is not None:
+            self.graphs.release()
+            self.graphs = None
+        self.kv_caches = []
+        self.model = None
+        self.weights = None
+        gc.collect()
+        if self.device.type == "cuda":
+            torch.cuda.empty_cache()
+
     def capture_graphs(self) -> None:
         from runner.cuda_graph import DecodeGraphs, capture_sizes
 
@@ -310,7 +335,8 @@ class ModelRunner:
 
 
 def full_sequence_logits(runner: ModelRunner, token_ids: list[int]) -> torch.Tensor:
-    """Logits [len(token_ids), vocab] of one sequence in a single prefill over the first cache blocks.
+    """Logits [len(token_ids), vocab] of one sequence in a single prefill over the first cache blocks
+    (under tensor parallelism a collective: every rank calls it and gets the full vocabulary).
 
     For tests and scoring on an idle engine only: it overwrites KV blocks 0..n, so no request may be running.
     """
@@ -332,4 +358,9 @@ def full_sequence_logits(runner: ModelRunner, token_ids: list[int]) -> torch.Ten
     with torch.inference_mode():
         ids = torch.tensor(token_ids, dtype=torch.int64, device=dev)
         hidden = runner.model(ids, torch.arange(n, device=dev), meta)
-        return runner.model.compute_logits(hidden)
+        logits = runner.model.compute_logits(hidden)
+        if runner.tp is None:
+            return logits
+        from runner.parallel.sampling import gather_vocab
+
+        return gather_vocab(runner.tp, logits)

@@ -4,12 +4,19 @@ Projections are fused (q|k|v rows in `qkv_proj`, gate|up rows in `gate_up_proj`)
 is reached from checkpoint names through `checkpoint_layout()`: a checkpoint tensor is a row range of one
 runtime parameter, so the loader, the weight-update sessions and the trainer all write through the same
 map. Inputs are flat token lists `[T]` with positions `[T]`; attention reads and writes the paged cache
-bound to each layer (`bind_kv_cache`). Not here: tensor parallelism, sampling.
+bound to each layer (`bind_kv_cache`).
+
+Under tensor parallelism (`tp` given) each rank builds only its shard: its query / kv heads in `qkv_proj`
+and `o_proj`, its intermediate rows in `gate_up_proj` / `down_proj`, its vocabulary rows in the embedding
+and the LM head, and `compute_logits` returns the rank's vocabulary shard. `checkpoint_layout` then maps
+each checkpoint tensor's rows or columns to the rank's parameter. Not here: the collectives themselves
+(runner/parallel/), sampling.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 import torch
 import torch.nn.functional as F
@@ -22,15 +29,33 @@ from runner.attention import AttentionBackend, AttentionMetadata
 from runner.layers import Linear, linear
 from runner.model_config import ModelConfig
 
+if TYPE_CHECKING:
+    from runner.parallel.group import TPGroup
+
 
 @dataclass(frozen=True, slots=True)
 class CheckpointSlot:
-    """Where a checkpoint tensor lives: rows [row_start, row_end) of runtime parameter `param`."""
+    """Where a checkpoint tensor lives: its range [shard_start, shard_end) along `dim` (rows for 0, columns
+    for 1; all of the other dimension) is the range [row_start, row_end) along `dim` of runtime parameter
+    `param`. Without tensor parallelism dim is 0 and the shard is the whole tensor."""
 
     param: str
     row_start: int
     row_end: int
-    shape: tuple[int, ...]  # the checkpoint tensor's shape
+    shape: tuple[int, ...]  # the checkpoint tensor's (full) shape
+    dim: int = 0
+    shard_start: int = 0
+    shard_end: int | None = None  # None: shape[dim]
+
+    @property
+    def shard(self) -> tuple[int, int]:
+        return self.shard_start, self.shape[self.dim] if self.shard_end is None else self.shard_end
+
+    @property
+    def shard_shape(self) -> tuple[int, ...]:
+        """The shape of this rank's part of the checkpoint tensor."""
+        start, end = self.shard
+        return tuple(end - start if d == self.dim else n for d, n in enumerate(self.shape))
 
 
 class RMSNorm(nn.Module):
@@ -76,13 +101,18 @@ class Rotary:
 
 
 class Attention(nn.Module):
-    def __init__(self, cfg: ModelConfig, backend: AttentionBackend | None) -> None:
+    def __init__(self, cfg: ModelConfig, backend: AttentionBackend | None, tp: TPGroup | None = None) -> None:
         super().__init__()
         self.num_heads, self.num_kv_heads, self.head_dim = cfg.num_heads, cfg.num_kv_heads, cfg.head_dim
+        if tp is not None:  # this rank's heads
+            from runner.parallel.layers import head_partition
+
+            part = head_partition(cfg.num_heads, cfg.num_kv_heads, tp.rank, tp.size)
+            self.num_heads, self.num_kv_heads = part.num_heads, part.num_kv_heads
         self.q_size = self.num_heads * self.head_dim
         self.kv_size = self.num_kv_heads * self.head_dim
         self.qkv_proj = Linear(cfg.hidden_size, self.q_size + 2 * self.kv_size, bias=cfg.attention_bias)
-        self.o_proj = Linear(self.q_size, cfg.hidden_size, bias=cfg.o_proj_bias)
+        self.o_proj = _row_linear(self.q_size, cfg.hidden_size, cfg.o_proj_bias, tp)
         self.q_norm = RMSNorm(self.head_dim, cfg.rms_norm_eps) if cfg.qk_norm else None
         self.k_norm = RMSNorm(self.head_dim, cfg.rms_norm_eps) if cfg.qk_norm else None
         self.scale = self.head_dim**-0.5
@@ -130,12 +160,21 @@ class Attention(nn.Module):
         return out.transpose(1, 2)
 
 
+def _row_linear(in_features: int, out_features: int, bias: bool, tp: TPGroup | None) -> Linear:
+    """A Linear over the rank's input columns whose outputs are summed over ranks (plain Linear without TP)."""
+    if tp is None:
+        return Linear(in_features, out_features, bias=bias)
+    from runner.parallel.layers import RowParallelLinear
+
+    return RowParallelLinear(in_features, out_features, bias, tp)
+
+
 class MLP(nn.Module):
-    def __init__(self, cfg: ModelConfig) -> None:
+    def __init__(self, cfg: ModelConfig, tp: TPGroup | None = None) -> None:
         super().__init__()
-        self.intermediate = cfg.intermediate_size
-        self.gate_up_proj = Linear(cfg.hidden_size, 2 * cfg.intermediate_size, bias=False)
-        self.down_proj = Linear(cfg.intermediate_size, cfg.hidden_size, bias=False)
+        self.intermediate = cfg.intermediate_size if tp is None else cfg.intermediate_size // tp.size
+        self.gate_up_proj = Linear(cfg.hidden_size, 2 * self.intermediate, bias=False)
+        self.down_proj = _row_linear(self.intermediate, cfg.hidden_size, False, tp)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         gate, up = self.gate_up_proj(x).split(self.intermediate, dim=-1)
@@ -143,12 +182,12 @@ class MLP(nn.Module):
 
 
 class DecoderLayer(nn.Module):
-    def __init__(self, cfg: ModelConfig, backend: AttentionBackend | None) -> None:
+    def __init__(self, cfg: ModelConfig, backend: AttentionBackend | None, tp: TPGroup | None = None) -> None:
         super().__init__()
         self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
-        self.self_attn = Attention(cfg, backend)
+        self.self_attn = Attention(cfg, backend, tp)
         self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
-        self.mlp = MLP(cfg)
+        self.mlp = MLP(cfg, tp)
 
     def forward(self, rope, hidden, residual, meta):
         if residual is None:
@@ -162,21 +201,28 @@ class DecoderLayer(nn.Module):
 
 
 class DecoderModel(nn.Module):
-    def __init__(self, cfg: ModelConfig, backend: AttentionBackend | None) -> None:
+    def __init__(self, cfg: ModelConfig, backend: AttentionBackend | None, tp: TPGroup | None = None) -> None:
         super().__init__()
-        self.embed_tokens = nn.Embedding(cfg.vocab_size, cfg.hidden_size)
-        self.layers = nn.ModuleList(DecoderLayer(cfg, backend) for _ in range(cfg.num_layers))
+        if tp is None:
+            self.embed_tokens = nn.Embedding(cfg.vocab_size, cfg.hidden_size)
+        else:
+            from runner.parallel.layers import VocabParallelEmbedding
+
+            self.embed_tokens = VocabParallelEmbedding(cfg.vocab_size, cfg.hidden_size, tp)
+        self.layers = nn.ModuleList(DecoderLayer(cfg, backend, tp) for _ in range(cfg.num_layers))
         self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
 
 
 class DecoderForCausalLM(nn.Module):
     """The whole model. Build it on the meta device, then `runner.loader.load_weights` fills it."""
 
-    def __init__(self, cfg: ModelConfig, backend: AttentionBackend | None = None) -> None:
+    def __init__(self, cfg: ModelConfig, backend: AttentionBackend | None = None, tp: TPGroup | None = None) -> None:
         super().__init__()
         self.config = cfg
-        self.model = DecoderModel(cfg, backend)
-        self.lm_head = None if cfg.tie_word_embeddings else Linear(cfg.hidden_size, cfg.vocab_size, bias=False)
+        self.tp = tp
+        self.model = DecoderModel(cfg, backend, tp)
+        vocab = cfg.vocab_size if tp is None else cfg.vocab_size // tp.size  # the embedding checked divisibility
+        self.lm_head = None if cfg.tie_word_embeddings else Linear(cfg.hidden_size, vocab, bias=False)
         self.register_buffer("cos_sin_cache", torch.empty(0), persistent=False)  # [max_pos, head_dim] f32
         self.deterministic = False
 
@@ -240,11 +286,14 @@ class DecoderForCausalLM(nn.Module):
         return self.model.embed_tokens.weight if self.lm_head is None else self.lm_head.weight
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
-        """hidden [N, hidden] -> logits [N, vocab] in the model dtype."""
+        """hidden [N, hidden] -> logits [N, vocab] in the model dtype; under TP the rank's shard [N, vocab / P]."""
         return linear(hidden, self.lm_head_weight(), None, self.deterministic)
 
     def checkpoint_layout(self) -> dict[str, CheckpointSlot]:
-        """Every checkpoint (Hugging Face) tensor name -> its rows in a runtime parameter."""
+        """Every checkpoint (Hugging Face) tensor name -> its rows in a runtime parameter (under TP: the
+        rank's rows or columns of it -> their place in the rank's parameter)."""
+        if self.tp is not None:
+            return self._sharded_checkpoint_layout(self.tp.rank, self.tp.size)
         cfg = self.config
         layout: dict[str, CheckpointSlot] = {}
 
@@ -275,4 +324,52 @@ class DecoderForCausalLM(nn.Module):
             add(p + "mlp.down_proj.weight", p + "mlp.down_proj.weight", 0, h, (inter,))
             add(p + "input_layernorm.weight", p + "input_layernorm.weight", 0, h, ())
             add(p + "post_attention_layernorm.weight", p + "post_attention_layernorm.weight", 0, h, ())
+        return layout
+
+    def _sharded_checkpoint_layout(self, rank: int, size: int) -> dict[str, CheckpointSlot]:
+        """`checkpoint_layout` of rank `rank` of `size`: what it loads and what weight updates write on it."""
+        from runner.parallel.layers import even_partition, head_partition
+
+        cfg = self.config
+        hd, h = cfg.head_dim, cfg.hidden_size
+        q_full, kv_full, inter = cfg.num_heads * hd, cfg.num_kv_heads * hd, cfg.intermediate_size
+        part = head_partition(cfg.num_heads, cfg.num_kv_heads, rank, size)
+        q0, q = part.q_start * hd, part.num_heads * hd
+        kv0, kv = part.kv_start * hd, part.num_kv_heads * hd
+        i0, i1 = even_partition(inter, rank, size, "intermediate_size")
+        v0, v1 = even_partition(cfg.vocab_size, rank, size, "vocab_size")
+        i_loc = i1 - i0
+        layout: dict[str, CheckpointSlot] = {}
+
+        def add(name, param, dst, src, shape, dim=0):
+            """checkpoint[src range along dim] (full shape `shape`) -> param[dst range along dim]."""
+            layout[name] = CheckpointSlot(param, dst[0], dst[1], shape, dim, src[0], src[1])
+
+        def full(name, n, tail=()):  # replicated on every rank
+            add(name, name, (0, n), (0, n), (n, *tail))
+
+        add("model.embed_tokens.weight", "model.embed_tokens.weight", (0, v1 - v0), (v0, v1), (cfg.vocab_size, h))
+        full("model.norm.weight", h)
+        if not cfg.tie_word_embeddings:
+            add("lm_head.weight", "lm_head.weight", (0, v1 - v0), (v0, v1), (cfg.vocab_size, h))
+        for i in range(cfg.num_layers):
+            p = f"model.layers.{i}."
+            qkv = p + "self_attn.qkv_proj."
+            for kind in ("weight", "bias") if cfg.attention_bias else ("weight",):
+                tail = (h,) if kind == "weight" else ()
+                add(p + f"self_attn.q_proj.{kind}", qkv + kind, (0, q), (q0, q0 + q), (q_full, *tail))
+                add(p + f"self_attn.k_proj.{kind}", qkv + kind, (q, q + kv), (kv0, kv0 + kv), (kv_full, *tail))
+                add(p + f"self_attn.v_proj.{kind}", qkv + kind, (q + kv, q + 2 * kv), (kv0, kv0 + kv), (kv_full, *tail))
+            add(p + "self_attn.o_proj.weight", p + "self_attn.o_proj.weight", (0, q), (q0, q0 + q), (h, q_full), dim=1)
+            if cfg.o_proj_bias:
+                full(p + "self_attn.o_proj.bias", h)
+            if cfg.qk_norm:
+                full(p + "self_attn.q_norm.weight", hd)
+                full(p + "self_attn.k_norm.weight", hd)
+            gate_up = p + "mlp.gate_up_proj.weight"
+            add(p + "mlp.gate_proj.weight", gate_up, (0, i_loc), (i0, i1), (inter, h))
+            add(p + "mlp.up_proj.weight", gate_up, (i_loc, 2 * i_loc), (i0, i1), (inter, h))
+            add(p + "mlp.down_proj.weight", p + "mlp.down_proj.weight", (0, i_loc), (i0, i1), (h, inter), dim=1)
+            full(p + "input_layernorm.weight", h)
+            full(p + "post_attention_layernorm.weight", h)
         return layout

@@ -1,0 +1,97 @@
+"""Speculative decoding: acceptance length and tokens/s with and without speculation, EAGLE and MTP.
+
+Trains a toy target on a learnable counting corpus (runner/spec_decode/toy_target.py), then for each
+drafter method starts a speculating engine from a fresh drafter, fills its rollout buffer, trains the
+drafter online (`train_drafter`), and measures decode throughput at each batch size with speculation
+(auto-off disabled) and without (the same engine with look-ahead 0, so both pay the same bookkeeping).
+Prints one JSON line per measurement.
+
+    python bench/spec_decode.py --quick                 # CPU, a couple of minutes
+    python bench/spec_decode.py --device cuda           # bigger toy target, batches 1,16,64,256
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+import tempfile
+import time
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+import torch  # noqa: E402
+
+from rollout import Engine, EngineConfig, SamplingParams, SpeculativeConfig  # noqa: E402
+from runner.spec_decode.toy_target import counting_corpus, train_toy_target  # noqa: E402
+from runner.spec_decode.training import train_drafter  # noqa: E402
+
+
+def emit(**row) -> None:
+    print(json.dumps(row), flush=True)
+
+
+def measure(engine, batch: int, new_tokens: int, vocab: int, speculate: bool, seed: int) -> dict:
+    """Decode `batch` prompts once (warm-up excluded); tokens/s and the acceptance of this run only."""
+    ctl = engine.spec_controller
+    ctl.auto_off = False
+    ctl.k = engine.config.speculative.num_speculative_tokens if speculate else 0
+    gen = torch.Generator().manual_seed(seed)
+    params = SamplingParams(temperature=1.0, max_tokens=new_tokens, ignore_eos=True, seed=seed)
+    engine.generate([r[:3].tolist() for r in counting_corpus(batch, 3, vocab, gen)], params)  # warm-up
+    prompts = [r[:3].tolist() for r in counting_corpus(batch, 3, vocab, gen)]
+    if engine.config.device.startswith("cuda"):
+        torch.cuda.synchronize()
+    start = time.perf_counter()
+    outs = engine.generate(prompts, params)
+    seconds = time.perf_counter() - start
+    stats = [o.outputs[0].spec_decode_stats for o in outs]
+    steps = sum(s["num_spec_steps"] for s in stats)
+    accepted = sum(s["num_accepted_tokens"] for s in stats)
+    return dict(tokens_per_s=round(batch * new_tokens / seconds, 1),
+                mean_acceptance_length=round(1 + accepted / steps, 3) if steps else None)
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--device", default="cpu")
+    ap.add_argument("--quick", action="store_true", help="small target, short training, batches 1,16")
+    ap.add_argument("--batches", default=None, help="comma-separated batch sizes (default 1,16,64,256)")
+    ap.add_argument("--k", type=int, default=4)
+    ap.add_argument("--new-tokens", type=int, default=None)
+    ap.add_argument("--methods", default="eagle,mtp")
+    args = ap.parse_args()
+    if args.device == "cpu":
+        torch.set_num_threads(max(1, min(4, os.cpu_count() or 1)))
+    quick = args.quick
+    vocab, hidden, layers = (32, 64, 2) if quick else (256, 256, 4)
+    batches = [int(b) for b in (args.batches or ("1,16" if quick else "1,16,64,256")).split(",")]
+    new_tokens = args.new_tokens or (24 if quick else 128)
+    tmp = tempfile.mkdtemp(prefix="spec_bench_")
+    start = time.perf_counter()
+    path, loss = train_toy_target(tmp, seconds=12.0 if quick else 180.0, vocab_size=vocab, hidden_size=hidden,
+                                  num_layers=layers, seq_len=32 if quick else 64, device=args.device)
+    emit(stage="target", loss=round(loss, 4), seconds=round(time.perf_counter() - start, 1), vocab=vocab,
+         hidden=hidden, layers=layers)
+    for method in args.methods.split(","):
+        engine = Engine(EngineConfig(
+            model=str(path), device=args.device, dtype="float32", max_num_seqs=max(batches),
+            max_num_batched_tokens=max(batches) * (args.k + 1) + 512, block_size=16,
+            num_kv_blocks=max(batches) * (-(-(new_tokens + 3 + args.k) // 16)) + 64,
+            speculative=SpeculativeConfig(method=method, num_speculative_tokens=args.k),
+        ))
+        gen = torch.Generator().manual_seed(0)
+        rollouts = [r[:3].tolist() for r in counting_corpus(64, 3, vocab, gen)]
+        engine.generate(rollouts, SamplingParams(temperature=1.0, max_tokens=new_tokens, ignore_eos=True, seed=1))
+        train = train_drafter(engine, num_steps=80 if quick else 400, batch_size=16, lr=5e-3)
+        emit(stage="train_drafter", method=method, **{k: round(v, 4) for k, v in train.items()})
+        for batch in batches:
+            for speculate in (True, False):
+                row = measure(engine, batch, new_tokens, vocab, speculate, seed=batch)
+                emit(stage="decode", method=method, k=args.k if speculate else 0, batch=batch,
+                     new_tokens=new_tokens, device=args.device, **row)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,131 @@
+"""Draft sampling and the rejection sampler of speculative decoding (plain torch, CPU and GPU).
+
+    drafts:  t_j ~ q_j           Gumbel-max over the drafter's processed logits, noise salt DRAFT_SALT
+    verify:  accept t_j  iff  u_j * q_j(t_j) <= p_j(t_j)     u_j uniform, salt ACCEPT_SALT
+             first rejection at j: y ~ norm(max(0, p_j - q_j))   Gumbel-max, salt RESAMPLE_SALT
+             all d drafts accepted: bonus y ~ p_d              the ordinary sampler's noise (salt 0)
+    greedy rows: accept iff t_j == argmax(target logits_j); y = argmax(target logits at the stop)
+
+p is the target's distribution after temperature / top-k / top-p / min-p (`processed_logits_ref`), and q
+the drafter's after the same processing: drafts are drawn from q, so accepted tokens are distributed
+exactly as the target's samples (Leviathan et al. 2023; Chen et al. 2023). Every random number is a pure
+function of (seed, output position, salt[, token id]): a seeded request's speculative output does not
+depend on the batch, and the noise of an output position is never reused for a decision that was kept.
+A row with no drafts draws its one token exactly as `sample_ref` does.
+
+Reported logprobs are under the target's processed distribution p (the distribution the output is
+distributed as), for greedy rows the log-softmax of the raw target logits, as in `sample_ref`.
+Not here: choosing how many tokens to draft, the drafter itself, KV rollback.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from kernels.sampling_ref import counter_uniform, gumbel_noise, processed_logits_ref
+
+DRAFT_SALT = 0x0D2AF7ED
+ACCEPT_SALT = 0x0ACCE97E
+RESAMPLE_SALT = 0x0E5A3F1E
+
+
+def salted_gumbel(seeds: torch.Tensor, positions: torch.Tensor, vocab_size: int, salt: int) -> torch.Tensor:
+    """Gumbel noise float32 [B, V] keyed by (seed, position, salt, token id)."""
+    return -torch.log(-torch.log(counter_uniform(seeds, positions, vocab_size, salt)))
+
+
+def sample_draft(
+    logits: torch.Tensor,  # [B, V] drafter logits
+    temperature: torch.Tensor,  # [B] f32, 0 = greedy
+    top_k: torch.Tensor,  # [B] int
+    top_p: torch.Tensor,  # [B] f32
+    min_p: torch.Tensor,  # [B] f32
+    seeds: torch.Tensor,  # [B] int64 uint32 values
+    positions: torch.Tensor,  # [B] int64 output position of the drafted token
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """One draft token per row and the distribution q it was drawn from.
+
+    Returns (token_ids int64 [B], q float32 [B, V]); greedy rows take the argmax of the raw logits (their q
+    is not used by the verifier).
+    """
+    processed = processed_logits_ref(logits, temperature, top_k, top_p, min_p)  # [B, V]
+    q = torch.softmax(processed, dim=-1)
+    noisy = processed + salted_gumbel(seeds, positions, logits.shape[-1], DRAFT_SALT)
+    tokens = torch.where(temperature <= 0, torch.argmax(logits, dim=-1), torch.argmax(noisy, dim=-1))
+    return tokens, q
+
+
+def rejection_sample(
+    target_logits: torch.Tensor,  # [R, K + 1, V] target logits at the last token and each draft
+    draft_token_ids: torch.Tensor,  # [R, K] int64
+    draft_probs: torch.Tensor,  # [R, K, V] f32, q each draft was drawn from
+    num_drafts: torch.Tensor,  # [R] int64 in [0, K]: drafts of each row (the rest is padding)
+    temperature: torch.Tensor,  # [R] f32
+    top_k: torch.Tensor,  # [R] int
+    top_p: torch.Tensor,  # [R] f32
+    min_p: torch.Tensor,  # [R] f32
+    seeds: torch.Tensor,  # [R] int64 uint32 values
+    positions: torch.Tensor,  # [R] int64 output position of the first new token
+    num_top_logprobs: int = 0,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, tuple[torch.Tensor, torch.Tensor] | None]:
+    """Verify drafts against the target; no host sync.
+
+    Returns (output_ids int64 [R, K + 1] with -1 after the last new token, num_accepted int64 [R] drafts
+    accepted, logprobs f32 [R, K + 1], top) where row r's new tokens are output_ids[r, : num_accepted[r] + 1]
+    and top is None or (ids int64 [R, K + 1, N], logprobs f32 [R, K + 1, N]) of p at each position.
+    """
+    R, K1, V = target_logits.shape
+    K = K1 - 1
+    assert draft_token_ids.shape == (R, K) and draft_probs.shape == (R, K, V), (draft_token_ids.shape, draft_probs.shape)
+    device = target_logits.device
+
+    def per_pos(x: torch.Tensor) -> torch.Tensor:
+        return x.repeat_interleave(K1)
+
+    flat = target_logits.reshape(R * K1, V)
+    processed = processed_logits_ref(flat, per_pos(temperature), per_pos(top_k), per_pos(top_p), per_pos(min_p))
+    processed = processed.view(R, K1, V)
+    p = torch.softmax(processed, dim=-1)  # [R, K1, V]
+    greedy = temperature <= 0  # [R]
+    raw_logprobs = torch.log_softmax(target_logits.to(torch.float32), dim=-1)
+    logprobs_all = torch.where(greedy[:, None, None], raw_logprobs, torch.log_softmax(processed, dim=-1))
+    argmax_ids = torch.argmax(target_logits, dim=-1)  # [R, K1]
+    offsets = torch.arange(K1, device=device)
+    out_pos = positions[:, None] + offsets[None, :]  # [R, K1] output position of each slot
+
+    if K > 0:
+        p_draft = p[:, :K].gather(-1, draft_token_ids[..., None]).squeeze(-1)  # [R, K]
+        q_draft = draft_probs.gather(-1, draft_token_ids[..., None]).squeeze(-1)  # [R, K]
+        u = counter_uniform(seeds.repeat_interleave(K), out_pos[:, :K].reshape(-1), 1, ACCEPT_SALT).view(R, K)
+        accept = (u * q_draft <= p_draft) & (p_draft > 0)
+        accept = torch.where(greedy[:, None], draft_token_ids == argmax_ids[:, :K], accept)
+        accept &= offsets[None, :K] < num_drafts[:, None]
+        num_accepted = torch.cumprod(accept.to(torch.int64), dim=1).sum(dim=1)  # [R]
+        q_pad = torch.cat([draft_probs, torch.zeros(R, 1, V, dtype=draft_probs.dtype, device=device)], dim=1)
+    else:
+        num_accepted = torch.zeros(R, dtype=torch.int64, device=device)
+        q_pad = torch.zeros(R, 1, V, dtype=torch.float32, device=device)
+
+    stop = num_accepted[:, None, None].expand(R, 1, V)
+    p_stop = p.gather(1, stop).squeeze(1)  # [R, V]
+    q_stop = q_pad.gather(1, stop).squeeze(1)  # [R, V]
+    processed_stop = processed.gather(1, stop).squeeze(1)  # [R, V]
+    stop_pos = positions + num_accepted  # [R]
+    rejected = num_accepted < num_drafts  # [R]
+    residual = torch.clamp(p_stop - q_stop, min=0.0)
+    # p == q up to rounding can reject with an all-zero residual; p itself is then the right fallback
+    residual = torch.where(residual.sum(-1, keepdim=True) > 0, residual, p_stop)
+    resampled = torch.argmax(torch.log(residual) + salted_gumbel(seeds, stop_pos, V, RESAMPLE_SALT), dim=-1)
+    bonus = torch.argmax(processed_stop + gumbel_noise(seeds, stop_pos, V), dim=-1)
+    final = torch.where(rejected, resampled, bonus)
+    final = torch.where(greedy, argmax_ids.gather(1, num_accepted[:, None]).squeeze(1), final)  # [R]
+
+    drafts_pad = torch.cat([draft_token_ids, torch.zeros(R, 1, dtype=torch.int64, device=device)], dim=1)
+    output_ids = torch.where(offsets[None, :] < num_accepted[:, None], drafts_pad, final[:, None])
+    output_ids = torch.where(offsets[None, :] <= num_accepted[:, None], output_ids, torch.full_like(output_ids, -1))
+    logprobs = logprobs_all.gather(-1, output_ids.clamp(min=0)[..., None]).squeeze(-1)  # [R, K1]
+    top = None
+    if num_top_logprobs > 0:
+        vals, ids = torch.topk(logprobs_all, num_top_logprobs, dim=-1)
+        top = (ids, vals)
+    return output_ids, num_accepted, logprobs, top

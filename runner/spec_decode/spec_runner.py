@@ -1,0 +1,213 @@
+"""One speculative engine step on the device: draft, verify in one target forward, catch the drafter up.
+
+    execute(sched)                        (ModelRunner.execute hands over after applying the diffs)
+      inputs = input_batch.gather()       a drafting row has 1 + d scheduled tokens: its last token and
+                                          d look-ahead slots (the scheduler gave it the blocks)
+      propose: d draft tokens per row     drafter steps from the slot's saved drafter state; drafts are
+                                          written into the device input ids (never to the host)
+      hidden, aux = target(inputs)        verifies every row's k + 1 positions at once (q_len = d + 1)
+      rejection_sample(...)               accepted drafts + one resampled / bonus token per row
+      catch-up: drafter over every token  input (next token, target hidden) at each computed position;
+                of the step               saves each sampling slot's state at its last accepted position
+      one copy of results to the host     the step's only sync
+
+KV of rejected positions stays in the request's blocks; the scheduler rolls the computed count back
+(`RunnerOutput.num_draft_tokens`), so the next step overwrites it. The drafter's own one-layer KV uses
+the target's block tables and slot mapping. Drafter KV in prefix-cache blocks shared from another request
+is reused as is (its entry at a block's last position may have seen a different next token); that can
+only lower acceptance, never change outputs. Not here: how many tokens to draft (the scheduler and the
+engine's auto-off controller), CUDA-graph capture.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import torch
+
+from rollout.scheduler import RunnerOutput, SchedulerOutput
+from runner.attention import AttentionMetadata
+from runner.spec_decode.drafter import Drafter, load_drafter, new_drafter, rope_for
+from runner.spec_decode.rejection import rejection_sample, sample_draft
+
+
+class SpeculativeRunner:
+    def __init__(self, runner) -> None:
+        cfg = runner.config.speculative
+        assert cfg is not None
+        self.runner = runner
+        self.k = cfg.num_speculative_tokens
+        if cfg.drafter is not None:
+            self.drafter: Drafter = load_drafter(cfg.drafter, runner.model_config, runner.dtype, runner.device,
+                                                 runner.backend)
+            if self.drafter.config.method != cfg.method:
+                raise ValueError(f"{cfg.drafter} holds a {self.drafter.config.method!r} drafter, config asks for {cfg.method!r}")
+        else:
+            self.drafter = new_drafter(cfg.method, runner.model_config, runner.dtype, runner.device, runner.backend,
+                                       seed=runner.config.seed)
+        self.drafter.eval()
+        S, H = runner.config.max_num_seqs, runner.model_config.hidden_size
+        self.draft_hidden = torch.zeros(S, H, dtype=runner.dtype, device=runner.device)  # [S, H] state after the last accepted position
+        self.enabled = np.zeros(S, dtype=bool)  # [S] the slot's request speculates
+
+    # ---- KV cache ------------------------------------------------------------------------------------
+    def kv_bytes_per_block(self) -> int:
+        cfg, r = self.runner.model_config, self.runner
+        return 2 * r.block_size * cfg.num_kv_heads * cfg.head_dim * (torch.finfo(r.dtype).bits // 8)
+
+    def allocate_kv_cache(self, num_blocks: int) -> None:
+        cfg, r = self.runner.model_config, self.runner
+        shape = (num_blocks, r.block_size, cfg.num_kv_heads, cfg.head_dim)
+        self.kv_cache = tuple(torch.zeros(shape, dtype=r.dtype, device=r.device) for _ in range(2))
+        self.drafter.bind_kv_cache(*self.kv_cache)
+
+    def replace_drafter(self, drafter: Drafter) -> None:
+        """Serve `drafter` from the next step on (it takes over the existing drafter KV cache)."""
+        drafter.bind_kv_cache(*self.kv_cache)
+        self.drafter = drafter.eval()
+
+    # ---- one step ------------------------------------------------------------------------------------
+    def execute(self, sched: SchedulerOutput) -> RunnerOutput:
+        r, ib, b = self.runner, self.runner.input_batch, self.runner.buffers
+        target, dev = r.model, r.device
+        for new in sched.new_reqs:
+            self.enabled[ib.slot_of[new.req_id]] = new.params.speculative
+        inputs = ib.gather(sched)
+        meta = r.prepare(inputs)
+        T = inputs.input_ids.shape[0]
+        cu = inputs.query_start_loc.astype(np.int64)  # [B + 1]
+        rows = inputs.sample_rows  # [R] batch rows that sample
+        R = rows.shape[0]
+        slots_r = inputs.slots[rows]  # [R]
+        n_sched = cu[1:] - cu[:-1]  # [B]
+        num_drafts = n_sched[rows] - (ib.num_tokens[slots_r] - ib.num_computed_tokens[slots_r])  # [R]
+        assert (num_drafts >= 0).all() and self.enabled[slots_r[num_drafts > 0]].all()
+        K = int(num_drafts.max()) if R else 0
+
+        if K > 0:
+            drafts, q = self._propose(inputs, num_drafts, R, K)  # [R, K], [R, K, V]
+            d_rows, d_j = np.nonzero(np.arange(K)[None, :] < num_drafts[:, None])
+            flat = torch.from_numpy(cu[rows[d_rows]] + 1 + d_j).to(dev)
+            b.input_ids[flat] = drafts[torch.from_numpy(d_rows).to(dev), torch.from_numpy(d_j).to(dev)]
+
+        hidden, aux = target.forward_with_aux(b.input_ids[:T], b.positions[:T], meta, self.drafter.aux_layers)
+
+        last = cu[rows + 1] - 1  # [R] flat index of each sampling row's last token
+        base = torch.from_numpy(last - num_drafts).to(dev)  # [R] flat index of the row's last accepted token
+        if R:
+            top_n = int(ib.top_logprobs[slots_r].max())
+            if K == 0:
+                tokens, logprobs, top = r.sampler(
+                    target.compute_logits(hidden[b.logits_indices[:R]]), b.temperature[:R], b.top_k[:R],
+                    b.top_p[:R], b.min_p[:R], b.seeds[:R], b.sample_positions[:R], top_n,
+                )
+                output_ids, logprobs = tokens[:, None], logprobs[:, None]  # [R, 1]
+                num_accepted = torch.zeros(R, dtype=torch.int64, device=dev)
+                top = None if top is None else (top[0][:, None], top[1][:, None])
+            else:
+                idx = np.minimum((last - num_drafts)[:, None] + np.arange(K + 1)[None, :], last[:, None])  # [R, K + 1]
+                logits = target.compute_logits(hidden[torch.from_numpy(idx.reshape(-1)).to(dev)])
+                output_ids, num_accepted, logprobs, top = rejection_sample(
+                    logits.view(R, K + 1, -1), drafts, q, torch.from_numpy(num_drafts).to(dev), b.temperature[:R],
+                    b.top_k[:R], b.top_p[:R], b.min_p[:R], b.seeds[:R], b.sample_positions[:R], top_n,
+                )
+        self._catch_up(inputs, meta, hidden, aux, base, output_ids if R else None, num_accepted if R else None)
+        if R == 0:
+            return RunnerOutput(req_ids=[], sampled_token_ids=[])
+        return self._finish(inputs, output_ids, num_accepted, logprobs, top, num_drafts)
+
+    def _propose(self, inputs, num_drafts: np.ndarray, R: int, K: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """Draft up to K tokens for each sampling row (row r: num_drafts[r]); returns ([R, K], q [R, K, V])."""
+        r, ib, b = self.runner, self.runner.input_batch, self.runner.buffers
+        target, dev = r.model, r.device
+        V = r.model_config.vocab_size
+        slots_r = inputs.slots[inputs.sample_rows]  # [R]
+        drafts = torch.zeros(R, K, dtype=torch.int64, device=dev)
+        q = torch.zeros(R, K, V, dtype=torch.float32, device=dev)
+        h = self.draft_hidden[torch.from_numpy(slots_r).to(dev)]  # [R, H]
+        last_pos = ib.num_tokens[slots_r] - 1  # [R] position of each row's last token
+        for j in range(K):
+            act = np.nonzero(num_drafts > j)[0]
+            act_t = torch.from_numpy(act).to(dev)
+            tokens, q_j = sample_draft(
+                target.compute_logits(h[act_t]), b.temperature[:R][act_t], b.top_k[:R][act_t], b.top_p[:R][act_t],
+                b.min_p[:R][act_t], b.seeds[:R][act_t], b.sample_positions[:R][act_t] + j,
+            )
+            drafts[act_t, j] = tokens
+            q[act_t, j] = q_j
+            nxt = np.nonzero(num_drafts > j + 1)[0]
+            if nxt.shape[0] == 0:
+                continue
+            # the drafter reads its own output as h at the positions the target has not verified yet
+            nxt_t = torch.from_numpy(nxt).to(dev)
+            positions = last_pos[nxt] + j  # [A]
+            meta = self._single_token_meta(slots_r[nxt], positions)
+            pos_t = torch.from_numpy(positions).to(dev)
+            h[nxt_t] = self.drafter(target.model.embed_tokens(drafts[nxt_t, j]), h[nxt_t],
+                                    rope_for(target, pos_t, h.dtype), meta)
+        return drafts, q
+
+    def _single_token_meta(self, slots: np.ndarray, positions: np.ndarray) -> AttentionMetadata:
+        """Attention metadata of one query token per row at `positions` [A] (drafter look-ahead steps)."""
+        ib, dev, bs = self.runner.input_batch, self.runner.device, self.runner.block_size
+        n = slots.shape[0]
+        seq_lens = positions + 1
+        max_blocks = -(-int(seq_lens.max()) // bs)
+        slot_mapping = ib.block_table[slots, positions // bs].astype(np.int64) * bs + positions % bs
+        return AttentionMetadata(
+            query_start_loc=torch.arange(n + 1, dtype=torch.int32).to(dev),
+            seq_lens=torch.from_numpy(seq_lens.astype(np.int32)).to(dev),
+            block_tables=torch.from_numpy(np.ascontiguousarray(ib.block_table[slots, :max_blocks])).to(dev),
+            slot_mapping=torch.from_numpy(slot_mapping).to(dev),
+            max_query_len=1,
+            max_seq_len=int(seq_lens.max()),
+            deterministic=self.runner.config.deterministic,
+        )
+
+    def _catch_up(self, inputs, meta, hidden, aux, base, output_ids, num_accepted) -> None:
+        """Run the drafter over every token of the step with the true next token; save sampling slots' state.
+
+        Positions after a row's last accepted token get a wrong next token; their drafter KV is rolled back
+        with the target's. base [R] flat index of each sampling row's first verified position.
+        """
+        r, ib, b = self.runner, self.runner.input_batch, self.runner.buffers
+        target, dev = r.model, r.device
+        T = inputs.input_ids.shape[0]
+        cu = inputs.query_start_loc.astype(np.int64)
+        next_ids = torch.zeros(T, dtype=torch.int64, device=dev)  # [T] token after each position
+        next_ids[:-1] = b.input_ids[1:T]
+        pending = np.setdiff1d(np.arange(cu.shape[0] - 1), inputs.sample_rows)  # rows still prefilling
+        if pending.shape[0]:
+            slots = inputs.slots[pending]
+            known = ib.token_ids[slots, inputs.seq_lens[pending].astype(np.int64)]  # the next prompt token
+            next_ids[torch.from_numpy(cu[pending + 1] - 1).to(dev)] = torch.from_numpy(known).to(dev)
+        if output_ids is not None:
+            stop = base + num_accepted  # [R] flat index of each row's last accepted position
+            next_ids[stop] = output_ids.gather(1, num_accepted[:, None]).squeeze(1)
+        features = self.drafter.target_features(hidden, aux)
+        out = self.drafter(target.model.embed_tokens(next_ids), features,
+                           rope_for(target, b.positions[:T], hidden.dtype), meta)  # [T, H]
+        if output_ids is not None:
+            slots_t = torch.from_numpy(inputs.slots[inputs.sample_rows]).to(dev)
+            self.draft_hidden[slots_t] = out[stop]
+
+    def _finish(self, inputs, output_ids, num_accepted, logprobs, top, num_drafts) -> RunnerOutput:
+        R, K1 = output_ids.shape
+        # the step's one device -> host copy (token ids < 2**24 are exact in float32)
+        packed = torch.cat([output_ids.float(), num_accepted[:, None].float(), logprobs.float()], dim=1).cpu()
+        ids = packed[:, :K1].to(torch.int64).tolist()
+        counts = packed[:, K1].to(torch.int64).tolist()
+        lps = packed[:, K1 + 1 :].tolist()
+        top_list = None
+        if top is not None:
+            top_ids, top_vals = top[0].cpu().tolist(), top[1].float().cpu().tolist()
+            top_list = [[list(zip(top_ids[i][j], top_vals[i][j])) for j in range(counts[i] + 1)] for i in range(R)]
+        sampled = [ids[i][: counts[i] + 1] for i in range(R)]
+        rows = inputs.sample_rows
+        self.runner.input_batch.append_sampled(inputs.slots[rows], sampled)
+        return RunnerOutput(
+            req_ids=[inputs.req_ids[i] for i in rows.tolist()],
+            sampled_token_ids=sampled,
+            logprobs=[lps[i][: counts[i] + 1] for i in range(R)],
+            top_logprobs=top_list,
+            num_draft_tokens=num_drafts.tolist(),
+        )

@@ -1,0 +1,266 @@
+"""Speculative decoding: exact rejection sampling, engine integration, drafters, stats and auto-off.
+
+Statistical tests use fixed seeds (so they are deterministic); each states the false-positive rate it
+would have under fresh randomness: a chi-square p-value threshold of 1e-3 (FPR 0.1% per test).
+"""
+
+from __future__ import annotations
+
+import math
+from collections import Counter
+
+import pytest
+import torch
+
+from rollout import Engine, EngineConfig, SamplingParams, SpeculativeConfig
+from runner.spec_decode.controller import SpecController
+from runner.spec_decode.drafter import load_drafter, save_drafter
+from runner.spec_decode.rejection import rejection_sample, sample_draft
+from runner.testing import write_random_checkpoint
+
+P_THRESHOLD = 1e-3  # false-positive rate of each chi-square test
+
+
+def chi2_sf(stat: float, dof: int) -> float:
+    return float(torch.special.gammaincc(torch.tensor(dof / 2, dtype=torch.float64), torch.tensor(stat / 2, dtype=torch.float64)))
+
+
+def chi2_vs_probs(counts: torch.Tensor, probs: torch.Tensor) -> float:
+    """p-value of counts [V] against probabilities [V] (cells with expected count < 5 pooled)."""
+    n = counts.sum()
+    expected = probs.double() * n
+    big = expected >= 5
+    obs = torch.cat([counts.double()[big], counts.double()[~big].sum()[None]])
+    exp = torch.cat([expected[big], expected[~big].sum()[None]])
+    keep = exp > 0
+    stat = float(((obs[keep] - exp[keep]) ** 2 / exp[keep]).sum())
+    return chi2_sf(stat, int(keep.sum()) - 1)
+
+
+def chi2_two_sample(a: Counter, b: Counter) -> float:
+    """p-value of the chi-square homogeneity test of two samples over the same outcomes (rare cells pooled)."""
+    keys = sorted(set(a) | set(b))
+    na, nb = sum(a.values()), sum(b.values())
+    rows, rare = [], [0, 0]
+    for k in keys:
+        if a[k] + b[k] >= 10:
+            rows.append((a[k], b[k]))
+        else:
+            rare[0] += a[k]
+            rare[1] += b[k]
+    if sum(rare):
+        rows.append(tuple(rare))
+    stat = 0.0
+    for x, y in rows:
+        tot = x + y
+        for obs, n in ((x, na), (y, nb)):
+            exp = tot * n / (na + nb)
+            stat += (obs - exp) ** 2 / exp
+    return chi2_sf(stat, len(rows) - 1)
+
+
+# ---- the rejection sampler alone ------------------------------------------------------------------------
+def _synthetic(V=6, K=2, seed=0):
+    g = torch.Generator().manual_seed(seed)
+    p_logits = torch.randn(K + 1, V, generator=g) * 1.5
+    q_logits = torch.randn(K, V, generator=g) * 1.5
+    return p_logits, q_logits
+
+
+@pytest.mark.parametrize("temperature,top_p", [(1.0, 1.0), (0.7, 0.9)])
+def test_rejection_sampler_matches_target_distribution(temperature, top_p):
+    V, K, N = 6, 2, 20000
+    p_logits, q_logits = _synthetic(V, K)
+    seeds = torch.arange(N, dtype=torch.int64) * 7919 + 11
+    positions = torch.full((N,), 5, dtype=torch.int64)
+    temp, top_k, tp, min_p = (torch.full((N,), temperature), torch.zeros(N, dtype=torch.int64),
+                              torch.full((N,), top_p), torch.zeros(N))
+    drafts, qs = [], []
+    for j in range(K):
+        tok, q = sample_draft(q_logits[j].expand(N, V), temp, top_k, tp, min_p, seeds, positions + j)
+        drafts.append(tok)
+        qs.append(q)
+    out, num_acc, logprobs, _ = rejection_sample(
+        p_logits.expand(N, K + 1, V), torch.stack(drafts, 1), torch.stack(qs, 1), torch.full((N,), K),
+        temp, top_k, tp, min_p, seeds, positions,
+    )
+    from kernels.sampling_ref import processed_logits_ref
+
+    p = torch.softmax(processed_logits_ref(p_logits, torch.full((K + 1,), temperature), torch.zeros(K + 1, dtype=torch.int64),
+                                           torch.full((K + 1,), top_p), torch.zeros(K + 1)), -1)
+    assert chi2_vs_probs(torch.bincount(out[:, 0], minlength=V), p[0]) > P_THRESHOLD
+    second = out[num_acc >= 1, 1]  # produced whenever the first draft was accepted; independent of it here
+    assert chi2_vs_probs(torch.bincount(second, minlength=V), p[1]) > P_THRESHOLD
+    # acceptance rate of the first draft is sum_x min(p, q)
+    q0 = qs[0][0]
+    assert abs(float((num_acc >= 1).float().mean()) - float(torch.minimum(p[0], q0).sum())) < 0.02
+    # logprobs are under p
+    assert torch.allclose(logprobs[:, 0], torch.log(p[0][out[:, 0]]), atol=1e-5)
+    assert (out[torch.arange(N), num_acc] >= 0).all() and (num_acc <= K).all()
+
+
+def test_rejection_sampler_greedy_and_no_drafts():
+    V, K = 8, 3
+    logits = torch.randn(2, K + 1, V)
+    argmax = logits.argmax(-1)
+    drafts = argmax[:, :K].clone()
+    drafts[1, 1] = (drafts[1, 1] + 1) % V  # row 1: second draft wrong
+    ones = torch.ones(2)
+    zeros_i = torch.zeros(2, dtype=torch.int64)
+    out, num_acc, _, _ = rejection_sample(logits, drafts, torch.full((2, K, V), 1.0 / V), torch.tensor([K, K]),
+                                          torch.zeros(2), zeros_i, ones, torch.zeros(2), zeros_i, zeros_i)
+    assert num_acc.tolist() == [K, 1]
+    assert out[0].tolist() == argmax[0].tolist()
+    assert out[1, :2].tolist() == argmax[1, :2].tolist() and out[1, 2:].tolist() == [-1, -1]
+    # no drafts: exactly the ordinary sampler
+    from kernels.sampling_ref import sample_ref
+
+    seeds, pos = torch.tensor([3, 4]), torch.tensor([0, 9])
+    out, num_acc, lp, _ = rejection_sample(logits[:, :1], drafts[:, :0], torch.zeros(2, 0, V), zeros_i,
+                                           ones, zeros_i, ones, torch.zeros(2), seeds, pos)
+    ref_tok, ref_lp, _ = sample_ref(logits[:, 0], ones, zeros_i, ones, torch.zeros(2), seeds, pos)
+    assert out[:, 0].tolist() == ref_tok.tolist() and torch.allclose(lp[:, 0], ref_lp)
+
+
+# ---- the engine ----------------------------------------------------------------------------------------------
+@pytest.fixture(scope="module")
+def small_vocab_model(tmp_path_factory):
+    """Vocabulary 4, so the distribution of whole 4-token completions (256 outcomes) can be tested."""
+    return write_random_checkpoint(tmp_path_factory.mktemp("v4"), vocab_size=4, hidden_size=32, intermediate_size=64,
+                                   num_hidden_layers=2, num_attention_heads=2, num_key_value_heads=1, std=0.5)
+
+
+@pytest.fixture(scope="module")
+def model64(tmp_path_factory):
+    return write_random_checkpoint(tmp_path_factory.mktemp("v64"), vocab_size=64, hidden_size=64, intermediate_size=128,
+                                   num_hidden_layers=2, std=0.3)
+
+
+def make_engine(path, spec: SpeculativeConfig | None = None, **kw):
+    args = dict(model=str(path), dtype="float32", max_num_seqs=64, num_kv_blocks=256, block_size=4)
+    args.update(kw)
+    engine = Engine(EngineConfig(**args, speculative=spec))
+    if engine.spec_controller is not None:
+        engine.spec_controller.auto_off = False
+    return engine
+
+
+def sample_sequences(engine, params_kw: dict, num: int) -> Counter:
+    params = [SamplingParams(seed=1000 + i, max_tokens=4, ignore_eos=True, **params_kw) for i in range(num)]
+    outs = engine.generate([[2, 3, 1]] * num, params)
+    return Counter(tuple(o.outputs[0].token_ids) for o in outs)
+
+
+@pytest.mark.parametrize("params_kw", [dict(temperature=1.0), dict(temperature=0.7, top_p=0.9)])
+def test_speculative_sequences_have_the_target_distribution(small_vocab_model, params_kw):
+    torch.set_num_threads(1)
+    num = 3000
+    plain = sample_sequences(make_engine(small_vocab_model), params_kw, num)
+    engine = make_engine(small_vocab_model, SpeculativeConfig(method="eagle", num_speculative_tokens=3))
+    spec = sample_sequences(engine, params_kw, num)
+    stats = engine.spec_decode_stats
+    hist = stats["acceptance_histogram"]
+    assert hist[0] > 0 and sum(hist[1:]) > 0  # both rejections and acceptances were exercised
+    assert chi2_two_sample(plain, spec) > P_THRESHOLD
+
+
+@pytest.mark.parametrize("method", ["eagle", "mtp"])
+def test_greedy_equals_plain_greedy(model64, method):
+    prompts = [[3, 4, 5, 6, 7], [9, 10], [11] * 9]
+    params = SamplingParams(temperature=0, max_tokens=20, ignore_eos=True, n=2)
+    plain = make_engine(model64).generate(prompts, params)
+    spec = make_engine(model64, SpeculativeConfig(method=method, num_speculative_tokens=3)).generate(prompts, params)
+    for a, b in zip(plain, spec):
+        for x, y in zip(a.outputs, b.outputs):
+            assert x.token_ids == y.token_ids
+            assert max(abs(u - v) for u, v in zip(x.logprobs, y.logprobs)) < 1e-4
+
+
+def test_seeded_output_is_batch_invariant_and_reproducible(model64):
+    engine = make_engine(model64, SpeculativeConfig(method="eagle", num_speculative_tokens=4))
+    params = SamplingParams(temperature=1.0, max_tokens=12, ignore_eos=True, n=3, seed=5)
+    alone = engine.generate([[7, 8, 9]], params)[0]
+    crowd = engine.generate([[1, 2], [7, 8, 9], [4] * 6], params)[1]
+    assert [o.token_ids for o in alone.outputs] == [o.token_ids for o in crowd.outputs]
+    assert len({tuple(o.token_ids) for o in alone.outputs}) == 3  # the n samples differ
+    assert engine.kv_manager.pool.num_used_blocks == 0
+
+
+def test_preemption_and_prefix_sharing_keep_greedy_output(model64):
+    prompts = [list(range(5, 5 + 10)), list(range(20, 27))]
+    params = SamplingParams(temperature=0, max_tokens=24, ignore_eos=True, n=3)
+    want = make_engine(model64).generate(prompts, params)
+    engine = make_engine(model64, SpeculativeConfig(method="eagle", num_speculative_tokens=4), num_kv_blocks=20)
+    got = engine.generate(prompts, params)
+    assert engine.scheduler.stats.num_preemptions > 0
+    assert [[o.token_ids for o in r.outputs] for r in got] == [[o.token_ids for o in r.outputs] for r in want]
+    assert got[0].num_cached_prompt_tokens > 0
+
+
+def test_stats_opt_out_and_top_logprobs(model64):
+    engine = make_engine(model64, SpeculativeConfig(method="mtp", num_speculative_tokens=2))
+    on, off = engine.generate([[3, 4], [3, 4]], [SamplingParams(max_tokens=10, ignore_eos=True, top_logprobs=2, seed=1),
+                                                  SamplingParams(max_tokens=10, ignore_eos=True, speculative=False)])
+    s = on.outputs[0].spec_decode_stats
+    # k = 2 drafts per step, fewer only near max_tokens
+    assert s["num_spec_steps"] > 0 and s["num_spec_steps"] < s["num_draft_tokens"] <= 2 * s["num_spec_steps"]
+    assert sum(s["acceptance_histogram"]) == s["num_spec_steps"]
+    assert s["mean_acceptance_length"] == 1 + s["num_accepted_tokens"] / s["num_spec_steps"]
+    assert off.outputs[0].spec_decode_stats["num_spec_steps"] == 0
+    tops = on.outputs[0].top_logprobs
+    assert len(tops) == 10 and all(len(t) == 2 for t in tops)
+    for tok, lp, top in zip(on.outputs[0].token_ids, on.outputs[0].logprobs, tops):
+        assert dict(top).get(tok, lp) == pytest.approx(lp, abs=1e-5)
+    total = engine.spec_decode_stats
+    assert total["num_spec_steps"] == s["num_spec_steps"] and "auto_off" in total
+
+
+def test_drafter_save_load_roundtrip_and_errors(model64, tmp_path):
+    engine = make_engine(model64, SpeculativeConfig(method="eagle", num_speculative_tokens=2))
+    drafter = engine.runner.spec.drafter
+    with torch.no_grad():
+        drafter.fc.weight.mul_(1.5)
+    path = save_drafter(drafter, tmp_path / "d")
+    loaded = make_engine(model64, SpeculativeConfig(method="eagle", num_speculative_tokens=2, drafter=str(path)))
+    assert torch.equal(loaded.runner.spec.drafter.fc.weight, drafter.fc.weight)
+    with pytest.raises(ValueError, match="mtp"):
+        make_engine(model64, SpeculativeConfig(method="mtp", drafter=str(path)))
+    with pytest.raises(ValueError, match="config.json"):
+        make_engine(model64, SpeculativeConfig(drafter=str(tmp_path / "missing")))
+
+
+def test_eagle3_aux_layers(model64):
+    from runner.spec_decode.drafter import new_drafter
+
+    engine = make_engine(model64, SpeculativeConfig(method="eagle", num_speculative_tokens=3))
+    r = engine.runner
+    r.spec.replace_drafter(new_drafter("eagle", r.model_config, r.dtype, r.device, r.backend, aux_layers=[0, 1]))
+    params = SamplingParams(temperature=0, max_tokens=10, ignore_eos=True)
+    want = make_engine(model64).generate([[5, 6, 7]], params)[0].outputs[0].token_ids
+    assert engine.generate([[5, 6, 7]], params)[0].outputs[0].token_ids == want
+    assert engine.spec_decode_stats["num_spec_steps"] > 0
+
+
+def test_auto_off_controller():
+    ctl = SpecController(4, probe_steps=2, reprobe_interval=100)
+    assert ctl.lookahead(64) == 4  # no measurements yet: speculate
+    for _ in range(2):
+        ctl.record(64, True, num_tokens=64 * 2, seconds=1.0)  # 128 tok/s with speculation
+    assert ctl.lookahead(64) == 0  # now measure without
+    for _ in range(2):
+        ctl.record(64, False, num_tokens=64, seconds=0.25)  # 256 tok/s without
+    assert ctl.lookahead(64) == 0 and ctl.lookahead(100) == 0  # same bucket [64, 128)
+    assert ctl.stats()[64]["speculating"] is False
+    assert ctl.lookahead(1) == 4  # other buckets unaffected
+    ctl.auto_off = False
+    assert ctl.lookahead(64) == 4
+
+
+def test_engine_auto_off_turns_speculation_off_when_it_loses(model64):
+    engine = make_engine(model64, SpeculativeConfig(method="eagle", num_speculative_tokens=3))
+    engine.spec_controller = SpecController(3, probe_steps=2)
+    engine.generate([[3, 4, 5]] * 4, SamplingParams(max_tokens=30, ignore_eos=True, seed=0))
+    bucket = engine.spec_decode_stats["auto_off"][4]
+    # an untrained drafter accepts almost nothing, so plain decoding is faster
+    assert bucket["tokens_per_s_plain"] > 0 and bucket["tokens_per_s_spec"] > 0
+    assert bucket["speculating"] is (bucket["tokens_per_s_spec"] >= bucket["tokens_per_s_plain"])
