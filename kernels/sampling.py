@@ -20,9 +20,7 @@ essentially never produce). The returned logprob is that of the sampled token un
 it was drawn from (tempered, truncated, renormalized); greedy rows (temperature 0) take the first argmax
 of the raw logits and its raw log_softmax. Rows never synchronize with the host.
 
-The uniform is the reference's bit for bit, including its one flaw: for one hash value in 2**24 it rounds
-to exactly 1.0 and the noise is +inf. A kept token with such noise wins (as in the reference); a
-truncated one is never sampled here, while the reference's -inf + inf = nan makes its argmax pick it.
+The uniform is the reference's bit for bit: 23 hash bits, (k + 0.5) / 2**23, strictly inside (0, 1).
 
 Not here: penalties, logit bias, structured output, speculative rejection sampling.
 """
