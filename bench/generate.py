@@ -90,26 +90,29 @@ def bench_engine(path, device, dtype, batch, prompt_len, new_tokens, n=1, max_nu
 
 
 def bench_hf(path, device, dtype, batch, prompt_len, new_tokens, static=False):
+    """transformers `generate`, sampling at temperature 1 with every new token forced.
+
+    static=True uses `cache_implementation="static"`, which transformers compiles; the warm-up runs the
+    same shapes so the compilation stays out of the timed run.
+    """
     import transformers
 
-    torch_dtype = getattr(torch, dtype)
-    model = transformers.AutoModelForCausalLM.from_pretrained(path, dtype=torch_dtype).to(device).eval()
-    vocab = model.config.vocab_size
+    model = transformers.AutoModelForCausalLM.from_pretrained(path, dtype=getattr(torch, dtype)).to(device).eval()
     g = torch.Generator().manual_seed(0)
-    ids = torch.randint(2, vocab, (batch, prompt_len), generator=g).to(device)
+    ids = torch.randint(2, model.config.vocab_size, (batch, prompt_len), generator=g).to(device)
     kw = dict(do_sample=True, temperature=1.0, top_k=0, top_p=1.0, max_new_tokens=new_tokens,
-              min_new_tokens=new_tokens, pad_token_id=0)
+              min_new_tokens=new_tokens, pad_token_id=0, eos_token_id=None, attention_mask=torch.ones_like(ids))
     if static:
         kw["cache_implementation"] = "static"
-        model.forward = torch.compile(model.forward, mode="reduce-overhead", fullgraph=True)
-    with torch.no_grad():
-        model.generate(ids, **{**kw, "max_new_tokens": 4 if not static else new_tokens, "min_new_tokens": 4 if not static else new_tokens})
+    with torch.inference_mode():
+        warm = kw if static else {**kw, "max_new_tokens": 4, "min_new_tokens": 4}
+        model.generate(ids, **warm)
         sync(device)
         t = time.perf_counter()
-        out = model.generate(ids, **kw)
+        model.generate(ids, **kw)
         sync(device)
     elapsed = time.perf_counter() - t
-    del model, out
+    del model
     release_memory()
     return batch * new_tokens / elapsed, elapsed
 
@@ -145,36 +148,43 @@ def main() -> None:
         elem = torch.finfo(getattr(torch, dtype)).bits // 8
         weight_bytes = sum(os.path.getsize(os.path.join(d, f)) for f in os.listdir(d) if f.endswith(".safetensors"))
         kv_per_token = 2 * mc.num_layers * mc.num_kv_heads * mc.head_dim * elem
+        common = dict(device=args.device, shape=shape, dtype=dtype)
+        engine_tps: dict[str, float] = {}
+        # 1. this engine, every workload (the rows that matter most come first)
         for batch in batches:
             tps, secs = bench_engine(d, args.device, dtype, batch, prompt_len, new_tokens,
                                      enforce_eager=args.enforce_eager)
-            row = dict(kind="generate", system="engine", device=args.device, shape=shape, dtype=dtype, batch=batch,
-                       prompt_len=prompt_len, new_tokens=new_tokens, tokens_per_s=round(tps, 1), seconds=round(secs, 3))
-            # decode step: read all weights once plus each sequence's KV at mean context
+            # a decode step reads all weights once plus each sequence's KV at its mean context
             step_bytes = weight_bytes + batch * kv_per_token * (prompt_len + new_tokens / 2)
-            row["roofline_fraction"] = round((step_bytes / bw) / (batch / tps), 3)
-            if not args.no_hf:
-                hf_tps, _ = bench_hf(d, args.device, dtype, batch, prompt_len, new_tokens)
-                row["hf_tokens_per_s"] = round(hf_tps, 1)
-                row["speedup_vs_hf"] = round(tps / hf_tps, 2)
-                if args.hf_static:
-                    st_tps, _ = bench_hf(d, args.device, dtype, batch, prompt_len, new_tokens, static=True)
-                    row["hf_static_tokens_per_s"] = round(st_tps, 1)
-                    row["speedup_vs_hf_static"] = round(tps / st_tps, 2)
-            emit(**row)
+            engine_tps[f"batch{batch}"] = tps
+            emit(kind="generate", system="engine", workload=f"batch{batch}", batch=batch, prompt_len=prompt_len,
+                 new_tokens=new_tokens, tokens_per_s=round(tps, 1), seconds=round(secs, 3),
+                 roofline_fraction=round((step_bytes / bw) / (batch / tps), 3), **common)
         if args.grpo:
             tps, secs = bench_engine(d, args.device, dtype, 64, 256, 1024, n=16, max_num_seqs=1024,
-                                        enforce_eager=args.enforce_eager)
-            row = dict(kind="generate", system="engine", shape=shape, dtype=dtype, workload="grpo_64x16",
-                       prompt_len=256, new_tokens=1024, tokens_per_s=round(tps, 1), seconds=round(secs, 2))
-            if not args.no_hf:
-                # transformers has no n-way prefix sharing: the same 1024 sequences as one batch of 1024 rows,
-                # dynamic cache, timed over the first 128 new tokens only (its per-token cost grows with the
-                # context, so this flatters transformers)
-                hf_tps, _ = bench_hf(d, args.device, dtype, 1024, 256, 128)
-                row["hf_tokens_per_s_first128"] = round(hf_tps, 1)
-                row["speedup_vs_hf"] = round(tps / hf_tps, 2)
-            emit(**row)
+                                     enforce_eager=args.enforce_eager)
+            engine_tps["grpo_64x16"] = tps
+            emit(kind="generate", system="engine", workload="grpo_64x16", prompts=64, n=16, prompt_len=256,
+                 new_tokens=1024, tokens_per_s=round(tps, 1), seconds=round(secs, 2), **common)
+        if args.no_hf:
+            return
+        # 2. transformers on the same model and workloads
+        for batch in batches:
+            # static cache + compile at batch 1 spends minutes compiling for a baseline that is not in question
+            systems = [("hf_dynamic", False)] + ([("hf_static", True)] if args.hf_static and batch > 1 else [])
+            for system, static in systems:
+                hf_tps, secs = bench_hf(d, args.device, dtype, batch, prompt_len, new_tokens, static=static)
+                ratio = engine_tps[f"batch{batch}"] / hf_tps
+                emit(kind="generate", system=system, workload=f"batch{batch}", batch=batch, tokens_per_s=round(hf_tps, 1),
+                     seconds=round(secs, 3), engine_speedup=round(ratio, 2), **common)
+        if args.grpo:
+            # transformers has no n-way prefix sharing: the same 1024 sequences as one batch of 1024 rows, dynamic
+            # cache, timed over the first 128 new tokens only (its per-token cost grows with the context, so this
+            # flatters transformers)
+            hf_tps, secs = bench_hf(d, args.device, dtype, 1024, 256, 128)
+            emit(kind="generate", system="hf_dynamic", workload="grpo_64x16", note="first 128 new tokens",
+                 tokens_per_s=round(hf_tps, 1), seconds=round(secs, 2),
+                 engine_speedup=round(engine_tps["grpo_64x16"] / hf_tps, 2), **common)
 
 
 if __name__ == "__main__":

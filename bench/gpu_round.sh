@@ -19,7 +19,7 @@ case "${1:-tests}" in
     grep '^{' "$OUT/bench.log"; grep -v '^{' "$OUT/bench.log" | grep -i -A3 "error\|traceback" | tail -20
     ;;
   full)
-    timeout 580 python3 bench/generate.py --batches 1,64,256 --hf-static --grpo > "$OUT/bench.log" 2>&1
+    timeout 540 python3 bench/generate.py --batches 1,64,256 --hf-static --grpo > "$OUT/bench.log" 2>&1
     grep '^{' "$OUT/bench.log"; grep -v '^{' "$OUT/bench.log" | grep -i -A3 "error\|traceback" | tail -20
     ;;
 esac

@@ -1,7 +1,7 @@
 """Command line: `python -m rollout generate ...` and `python -m rollout demo`.
 
 `generate` prints one JSON line per sample and a final throughput line; the progress bar goes to stderr.
-`demo` runs the toy demo (see trainer_bridge.demo when present, else a tiny random model).
+`demo` runs the toy GRPO demo (`trainer_bridge.demo`); its options follow the subcommand.
 """
 
 from __future__ import annotations
@@ -46,29 +46,9 @@ def _generate(args: argparse.Namespace) -> int:
 
 
 def _demo(args: argparse.Namespace) -> int:
-    try:
-        from trainer_bridge.demo import main as demo_main
-    except ImportError:
-        demo_main = None
-    if demo_main is not None:
-        return demo_main(args.rest)
-    import tempfile
+    from trainer_bridge.demo import main as demo_main
 
-    import torch
-
-    from rollout import Engine, EngineConfig, SamplingParams
-    from runner.testing import write_random_checkpoint
-
-    with tempfile.TemporaryDirectory() as d:
-        write_random_checkpoint(d, seed=0)
-        engine = Engine(EngineConfig(model=d, dtype="float32", max_num_seqs=64))
-        prompts = torch.randint(2, 256, (32, 16), generator=torch.Generator().manual_seed(0)).tolist()
-        start = time.perf_counter()
-        outs = engine.generate(prompts, SamplingParams(n=4, max_tokens=64, seed=0, ignore_eos=True), use_tqdm=True)
-        n = sum(len(c.token_ids) for o in outs for c in o.outputs)
-        print(json.dumps({"prompts": len(prompts), "samples": 4 * len(prompts), "generated_tokens": n,
-                          "tokens_per_s": round(n / (time.perf_counter() - start), 1)}))
-    return 0
+    return demo_main(args.rest)
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -93,7 +73,11 @@ def main(argv: list[str] | None = None) -> int:
     g.add_argument("--enforce-eager", action="store_true")
     d = sub.add_parser("demo", help="the toy demo")
     d.add_argument("rest", nargs=argparse.REMAINDER)
-    args = parser.parse_args(argv)
+    args, extra = parser.parse_known_args(argv)
+    if args.cmd == "demo":
+        args.rest = list(args.rest) + extra
+    elif extra:
+        parser.error(f"unrecognized arguments: {' '.join(extra)}")
     try:
         return _generate(args) if args.cmd == "generate" else _demo(args)
     except ValueError as e:
