@@ -172,7 +172,12 @@ def _row_linear(in_features: int, out_features: int, bias: bool, tp: TPGroup | N
 class MLP(nn.Module):
     def __init__(self, cfg: ModelConfig, tp: TPGroup | None = None) -> None:
         super().__init__()
-        self.intermediate = cfg.intermediate_size if tp is None else cfg.intermediate_size // tp.size
+        self.intermediate = cfg.intermediate_size
+        if tp is not None:  # this rank's rows of gate and up, columns of down
+            from runner.parallel.layers import even_partition
+
+            start, end = even_partition(cfg.intermediate_size, tp.rank, tp.size, "intermediate_size")
+            self.intermediate = end - start
         self.gate_up_proj = Linear(cfg.hidden_size, 2 * self.intermediate, bias=False)
         self.down_proj = _row_linear(self.intermediate, cfg.hidden_size, False, tp)
 

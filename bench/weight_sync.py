@@ -1,0 +1,247 @@
+"""Weight-sync benchmark: dense vs sparse patch vs rank-local IPC, on Qwen2.5 shapes. JSON lines.
+
+::
+
+    bf16 weights w0 (HF names, plain dict)  --AdamW step (lr 1e-6) on fp32 master, cast-->  w1
+    both sides start from w0 with their checksums known (as after any earlier push), then
+    in-process:  v1 patch(w0 -> w1), v2 dense(w1)    (receiver in this process)
+    IPC:         v1 patch(w0 -> w1), v2 dense(w1)    to a spawned rollout process (/dev/shm or CUDA IPC)
+
+Per push: changed fraction, payload bytes, and seconds for encode (sender), transfer (sender's
+total minus the receiver's work), validate / apply / verify (receiver). Also the device's copy
+bandwidth from a big clone in the same run, and the three target ratios. No model code: the
+weights are random tensors of the checkpoint's shapes (norms = 1), which is all the sync path sees.
+
+Usage: python bench/weight_sync.py [--model 0.5b|1.5b] [--device cpu|cuda] [--quick]
+"""
+
+import argparse
+import json
+import multiprocessing as mp
+import os
+import sys
+import time
+
+import torch
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+from weight_updates import ParamSpec, TensorDictTarget, WeightDiffer, WeightReceiver  # noqa: E402
+from weight_updates.transports.inprocess import InProcessSender  # noqa: E402
+from weight_updates.transports.ipc import IpcReceiver, IpcSender  # noqa: E402
+
+MODELS = {
+    # hidden, layers, heads, kv heads, head_dim, intermediate, vocab (tied embeddings)
+    "0.5b": (896, 24, 14, 2, 64, 4864, 151936),
+    "1.5b": (1536, 28, 12, 2, 128, 8960, 151936),
+    "quick": (64, 2, 4, 2, 16, 128, 1000),
+}
+
+
+def qwen2_shapes(model: str) -> dict[str, tuple[int, ...]]:
+    hidden, layers, heads, kv_heads, head_dim, inter, vocab = MODELS[model]
+    shapes: dict[str, tuple[int, ...]] = {"model.embed_tokens.weight": (vocab, hidden), "model.norm.weight": (hidden,)}
+    for i in range(layers):
+        p = f"model.layers.{i}."
+        shapes |= {
+            p + "input_layernorm.weight": (hidden,),
+            p + "post_attention_layernorm.weight": (hidden,),
+            p + "self_attn.q_proj.weight": (heads * head_dim, hidden),
+            p + "self_attn.q_proj.bias": (heads * head_dim,),
+            p + "self_attn.k_proj.weight": (kv_heads * head_dim, hidden),
+            p + "self_attn.k_proj.bias": (kv_heads * head_dim,),
+            p + "self_attn.v_proj.weight": (kv_heads * head_dim, hidden),
+            p + "self_attn.v_proj.bias": (kv_heads * head_dim,),
+            p + "self_attn.o_proj.weight": (hidden, heads * head_dim),
+            p + "mlp.gate_proj.weight": (inter, hidden),
+            p + "mlp.up_proj.weight": (inter, hidden),
+            p + "mlp.down_proj.weight": (hidden, inter),
+        }
+    return shapes
+
+
+def sync(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+def emit(**fields) -> None:
+    print(json.dumps(fields), flush=True)
+
+
+def init_weights(shapes: dict[str, tuple[int, ...]], device: torch.device) -> dict[str, torch.Tensor]:
+    """bf16 weights: norms 1, the rest U(-a, a) with std 0.02 (Qwen2's initializer_range)."""
+    gen = torch.Generator(device=device).manual_seed(0)
+    bound = 0.02 * 3**0.5
+    weights = {}
+    for name, shape in shapes.items():
+        w = torch.empty(shape, dtype=torch.bfloat16, device=device)
+        weights[name] = w.fill_(1.0) if name.endswith("norm.weight") else w.uniform_(-bound, bound, generator=gen)
+    return weights
+
+
+def adamw_step(weights: dict[str, torch.Tensor], *, block: int = 1 << 22) -> dict[str, torch.Tensor]:
+    """One real AdamW step (``torch.optim.adamw.adamw``: lr 1e-6, weight decay 0.01, fresh state)
+    with U(-1, 1) gradients on fp32 master copies, cast back to bf16. Runs in blocks through four
+    reused fp32 buffers, so the benchmark does not spend its time allocating optimizer state."""
+    from torch.optim.adamw import adamw
+
+    device = next(iter(weights.values())).device
+    gen = torch.Generator(device=device).manual_seed(1)
+    master, grad, exp_avg, exp_avg_sq = (torch.empty(block, device=device) for _ in range(4))  # [block] fp32
+    new = {}
+    for name, w in weights.items():
+        out = torch.empty_like(w)
+        flat_w, flat_out = w.view(-1), out.view(-1)
+        for start in range(0, flat_w.numel(), block):
+            n = min(block, flat_w.numel() - start)
+            p, g, m, v = master[:n], grad[:n], exp_avg[:n], exp_avg_sq[:n]
+            p.copy_(flat_w[start : start + n])
+            g.uniform_(-1.0, 1.0, generator=gen)
+            m.zero_()
+            v.zero_()
+            adamw([p], [g], [m], [v], [], [torch.zeros(())], foreach=False, amsgrad=False, beta1=0.9, beta2=0.999, lr=1e-6, weight_decay=0.01, eps=1e-8, maximize=False)
+            flat_out[start : start + n].copy_(p)
+        new[name] = out
+    return new
+
+
+def copy_bandwidth(device: torch.device) -> float:
+    """Bytes read + written per second by cloning a 512 MiB tensor (best of 3)."""
+    x = torch.empty(512 << 20, dtype=torch.uint8, device=device)
+    best = float("inf")
+    for _ in range(3):
+        sync(device)
+        t0 = time.perf_counter()
+        y = x.clone()
+        sync(device)
+        best = min(best, time.perf_counter() - t0)
+        del y
+    return 2 * x.numel() / best
+
+
+def warm_receiver(weights: dict[str, torch.Tensor]) -> WeightReceiver:
+    """A receiver over ``weights`` whose checksums are already known, as after any earlier push."""
+    receiver = WeightReceiver(TensorDictTarget(weights))
+    for name in weights:
+        receiver.current_checksum(name)
+    return receiver
+
+
+def rollout_process(conn, shapes: dict[str, tuple[int, ...]], device: str) -> None:
+    """Spawned rollout rank: loads w0 (the same seeded init), then serves two IPC sessions."""
+    ipc = IpcReceiver(conn, warm_receiver(init_weights(shapes, torch.device(device))), timeout_s=300)
+    conn.send_bytes(b"ready")
+    for _ in range(2):
+        ipc.serve_one(start_timeout_s=300)
+
+
+def push_record(mode: str, version: int, pending, encode_s: float, total_s: float, result: dict) -> dict:
+    receiver_s = result["validate_s"] + result["apply_s"] + result["verify_s"]
+    stats = pending.stats
+    record = dict(
+        event="push",
+        mode=mode,
+        version=version,
+        num_dense=stats.num_dense,
+        num_patch=stats.num_patch,
+        changed_fraction=round(stats.changed_fraction, 6) if stats.num_patch else None,
+        bytes=stats.nbytes,
+        dense_bytes=stats.dense_nbytes,
+        encode_s=round(encode_s, 4),
+        transfer_s=round(max(0.0, total_s - receiver_s), 4),
+        validate_s=round(result["validate_s"], 4),
+        apply_s=round(result["apply_s"], 4),
+        verify_s=round(result["verify_s"], 4),
+        apply_verify_s=round(receiver_s, 4),
+    )
+    emit(**record)
+    return record
+
+
+def timed_push(mode: str, differ: WeightDiffer, send, version: int, weights, device: torch.device) -> dict:
+    sync(device)
+    t0 = time.perf_counter()
+    pending = differ.encode(weights)
+    sync(device)
+    t1 = time.perf_counter()
+    result = send(version, pending.updates)
+    result = result if isinstance(result, dict) else result.to_json()
+    t2 = time.perf_counter()
+    differ.commit(pending)
+    return push_record(mode, version, pending, t1 - t0, t2 - t1, result)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--model", choices=["0.5b", "1.5b"], default="0.5b")
+    parser.add_argument("--device", choices=["cpu", "cuda"], default="cpu")
+    parser.add_argument("--quick", action="store_true", help="tiny shapes, a smoke test")
+    args = parser.parse_args()
+    model = "quick" if args.quick else args.model
+    device = torch.device(args.device)
+    shapes = qwen2_shapes(model)
+    specs = {n: ParamSpec(shape=s, dtype=torch.bfloat16) for n, s in shapes.items()}
+    numel = sum(ParamSpec(shape=s, dtype=torch.bfloat16).numel for s in shapes.values())
+    emit(event="config", model=model, device=str(device), num_params=numel, dense_bytes=2 * numel, threads=torch.get_num_threads())
+
+    bandwidth = copy_bandwidth(device)
+    emit(event="copy_bandwidth", bytes_per_s=round(bandwidth), gb_per_s=round(bandwidth / 1e9, 2))
+
+    t0 = time.perf_counter()
+    w0 = init_weights(shapes, device)
+    w1 = adamw_step(w0)
+    sync(device)
+    emit(event="weights", init_and_adamw_s=round(time.perf_counter() - t0, 2))
+
+    # In-process: receiver and trainer share this process; both start from w0.
+    receiver = warm_receiver({n: t.clone() for n, t in w0.items()})
+    sender = InProcessSender(receiver)
+    differ = WeightDiffer(specs, device=device)
+    differ.commit(differ.encode(w0))
+    patch = timed_push("patch", differ, sender.send, 1, w1, device)
+    bitwise_equal = all(torch.equal(receiver.target.tensors[n].view(torch.int16), w1[n].view(torch.int16)) for n in shapes)
+    differ.reset()
+    dense = timed_push("dense", differ, sender.send, 2, w1, device)
+    del receiver, sender
+
+    # Rank-local IPC to a spawned rollout process that also starts from w0.
+    ctx = mp.get_context("spawn")
+    trainer_end, rollout_end = ctx.Pipe()
+    proc = ctx.Process(target=rollout_process, args=(rollout_end, shapes, args.device))
+    proc.start()
+    rollout_end.close()
+    trainer_end.recv_bytes()  # the rollout process has its weights
+    ipc = IpcSender(trainer_end, device=device, timeout_s=300)
+    differ = WeightDiffer(specs, device=device)
+    differ.commit(differ.encode(w0))
+    ipc_patch = timed_push("ipc_patch", differ, ipc.send, 1, w1, device)
+    differ.reset()
+    timed_push("ipc_dense", differ, ipc.send, 2, w1, device)
+    proc.join(60)
+
+    dense_update_s = dense["apply_verify_s"]
+    dense_update_bw = 2 * dense["dense_bytes"] / dense["apply_s"]  # the update's own bytes read + written
+    emit(
+        event="summary",
+        model=model,
+        device=str(device),
+        bitwise_equal=bitwise_equal,
+        ipc_rollout_exitcode=proc.exitcode,
+        changed_fraction=patch["changed_fraction"],
+        patch_over_dense_bytes=round(patch["bytes"] / dense["bytes"], 5),
+        patch_over_dense_bytes_target=1 / 50,
+        patch_apply_verify_over_dense_update=round(patch["apply_verify_s"] / dense_update_s, 4),
+        patch_apply_verify_over_dense_update_target=0.2,
+        ipc_patch_apply_verify_s=ipc_patch["apply_verify_s"],
+        patch_bytes_per_changed_element=round(patch["bytes"] / max(1, patch["changed_fraction"] * patch["dense_bytes"] / 2), 3),
+        dense_update_bandwidth_gb_per_s=round(dense_update_bw / 1e9, 2),
+        dense_update_bw_over_copy_bw=round(dense_update_bw / bandwidth, 3),
+        # The apply phase also copies the old tensor for rollback: 4 bytes moved per payload byte.
+        dense_apply_bw_incl_rollback_copy_over_copy_bw=round(2 * dense_update_bw / bandwidth, 3),
+        dense_update_bw_over_copy_bw_target_gpu=0.5,
+    )
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,95 @@
+"""The tensor-parallel process group of one engine and the collectives the runner needs.
+
+Ranks meet through a torch.distributed file store on the local host. The groups are standalone
+process-group objects, not torch.distributed's default group, so one process can drive several TP
+engines and a trainer can keep its own default group. Tensor collectives use NCCL on CUDA and gloo on
+the CPU; plain-data messages from rank 0 to the workers (each step's scheduler output as JSON,
+weight-update metadata and payloads) always travel over a separate gloo group as host tensors, so they
+never wait behind device work. Not here: what the messages mean (see worker.py).
+"""
+
+from __future__ import annotations
+
+import json
+from datetime import timedelta
+
+import torch
+import torch.distributed as dist
+
+
+def _gloo(store, rank: int, size: int, timeout: timedelta):
+    return dist.ProcessGroupGloo(store, rank, size, timeout)
+
+
+class TPGroup:
+    """This process's rank in a tensor-parallel group of `size` ranks, and its collectives."""
+
+    def __init__(self, rank: int, size: int, device: torch.device, store_path: str, timeout_s: float = 600.0) -> None:
+        timeout = timedelta(seconds=timeout_s)
+        store = dist.FileStore(store_path, size)
+        self.rank, self.size, self.device = rank, size, device
+        self._control = _gloo(dist.PrefixStore("control", store), rank, size, timeout)
+        if device.type == "cuda":
+            torch.cuda.set_device(device)
+            options = dist.ProcessGroupNCCL.Options()
+            self._tensors = dist.ProcessGroupNCCL(dist.PrefixStore("tensors", store), rank, size, options)
+        else:
+            self._tensors = _gloo(dist.PrefixStore("tensors", store), rank, size, timeout)
+
+    def close(self) -> None:
+        """Release the NCCL communicators (gloo groups need nothing)."""
+        if hasattr(self._tensors, "shutdown"):
+            self._tensors.shutdown()
+
+    # ---- tensor collectives (on the rank's device) ---------------------------------------------------
+    def all_reduce(self, x: torch.Tensor) -> torch.Tensor:
+        """Sum over ranks, in place; returns `x`."""
+        self._tensors.allreduce([x]).wait()
+        return x
+
+    def all_gather(self, x: torch.Tensor) -> torch.Tensor:
+        """x [*S] on every rank -> [size, *S], rank order."""
+        out = x.new_empty(self.size * x.numel())  # flat: the ranks' parts concatenated
+        self._tensors._allgather_base(out, x.contiguous().view(-1)).wait()
+        return out.view(self.size, *x.shape)
+
+    def all_to_all(self, x: torch.Tensor) -> torch.Tensor:
+        """x [size, *S]: row j goes to rank j; returns [size, *S] whose row i came from rank i."""
+        x = x.contiguous()
+        out = torch.empty_like(x)
+        self._tensors.alltoall_base(out, x, [], []).wait()
+        return out
+
+    # ---- control channel (host, gloo) -----------------------------------------------------------------
+    def broadcast_json(self, obj=None):
+        """Rank 0 sends `obj` (JSON-able); every rank returns it."""
+        if self.rank == 0:
+            data = torch.frombuffer(bytearray(json.dumps(obj).encode()), dtype=torch.uint8)
+            length = torch.tensor([data.numel()], dtype=torch.int64)
+        else:
+            length = torch.zeros(1, dtype=torch.int64)
+        self._broadcast(length)
+        if self.rank != 0:
+            data = torch.empty(int(length[0]), dtype=torch.uint8)
+        self._broadcast(data)
+        return obj if self.rank == 0 else json.loads(data.numpy().tobytes())
+
+    def broadcast_host_tensor(self, x: torch.Tensor) -> torch.Tensor:
+        """Broadcast a contiguous CPU tensor from rank 0 in place (others pass an empty one of the same shape)."""
+        assert x.device.type == "cpu" and x.is_contiguous()
+        if x.numel():
+            self._broadcast(x.reshape(-1).view(torch.uint8))  # any dtype, as bytes
+        return x
+
+    def min_int(self, value: int) -> int:
+        """The smallest of every rank's `value` (host)."""
+        t = torch.tensor([value], dtype=torch.int64)
+        opts = dist.AllreduceOptions()
+        opts.reduceOp = dist.ReduceOp.MIN
+        self._control.allreduce([t], opts).wait()
+        return int(t[0])
+
+    def _broadcast(self, x: torch.Tensor) -> None:
+        opts = dist.BroadcastOptions()
+        opts.rootRank = 0
+        self._control.broadcast([x], opts).wait()

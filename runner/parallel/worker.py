@@ -1,0 +1,260 @@
+"""Tensor-parallel ranks behind one engine: rank 0 drives, worker ranks follow.
+
+    Engine (rank 0)                               worker rank r = 1..P-1 (spawned process)
+      TensorParallelRunner.execute(sched)           run_worker loop:
+        broadcast {"op": "execute", ...}   ----->     msg = broadcast_json()
+        local ModelRunner.execute(sched)               ModelRunner.execute(decode(msg))
+              \\___ collectives inside the forward and the sampler ___/
+        -> RunnerOutput (rank 0's copy)               (its copy is dropped)
+
+Every call that touches the model (KV-cache sizing, cache allocation, graph capture, a step, scoring,
+a weight update, release) is one JSON message from rank 0 over the gloo control channel, then the same
+call on every rank, so all ranks enter their collectives in the same order. Step messages are plain data
+(the scheduler's dataclasses as JSON); weight-update payloads follow their JSON metadata as broadcast
+tensors. Not here: scheduling (rollout/), the layers and the sampler (this package's other modules).
+"""
+
+from __future__ import annotations
+
+import atexit
+import dataclasses
+import logging
+import os
+import tempfile
+
+import torch
+
+from rollout.config import EngineConfig
+from rollout.sampling_params import SamplingParams
+from rollout.scheduler import CachedRequestData, NewRequestData, SchedulerOutput
+from runner.model_config import ModelConfig
+
+logger = logging.getLogger(__name__)
+
+
+def rank_device(device: str, rank: int) -> torch.device:
+    """Rank r of a group on "cuda:N" uses cuda:N+r; on the CPU every rank uses the CPU."""
+    base = torch.device(device)
+    return base if base.type == "cpu" else torch.device("cuda", (base.index or 0) + rank)
+
+
+# ---- plain-data encoding of the scheduler's output -------------------------------------------------------
+def _fields(obj) -> dict:
+    return {f.name: getattr(obj, f.name) for f in dataclasses.fields(obj)}
+
+
+def encode_sched(sched: SchedulerOutput) -> dict:
+    out = _fields(sched)
+    out["new_reqs"] = [{**_fields(r), "params": _fields(r.params)} for r in sched.new_reqs]
+    out["cached_reqs"] = [_fields(c) for c in sched.cached_reqs]
+    out["finished_req_ids"] = sorted(sched.finished_req_ids)
+    out["preempted_req_ids"] = sorted(sched.preempted_req_ids)
+    return out
+
+
+def decode_sched(data: dict) -> SchedulerOutput:
+    data = dict(data)
+    data["new_reqs"] = [NewRequestData(**{**r, "params": SamplingParams(**r["params"])}) for r in data["new_reqs"]]
+    data["cached_reqs"] = [CachedRequestData(**c) for c in data["cached_reqs"]]
+    data["finished_req_ids"] = set(data["finished_req_ids"])
+    data["preempted_req_ids"] = set(data["preempted_req_ids"])
+    return SchedulerOutput(**data)
+
+
+# ---- weight-update records: JSON metadata + broadcast payloads -------------------------------------------
+def _dtype_name(dtype: torch.dtype) -> str:
+    return str(dtype).removeprefix("torch.")
+
+
+def _payloads(update) -> list[torch.Tensor]:
+    from weight_updates import Dense
+
+    if isinstance(update, Dense):
+        return [update.tensor]
+    return [update.indices.gaps, update.indices.overflow, update.values]
+
+
+def broadcast_updates(tp, updates: list | None) -> list:
+    """Rank 0 passes its Dense/Patch records; every rank returns equal records (payloads on the host)."""
+    from weight_updates import Dense, PackedIndices, Patch
+
+    meta = None
+    if tp.rank == 0:
+        meta = [
+            {"kind": "dense" if isinstance(u, Dense) else "patch", "name": u.name, "checksum": u.checksum,
+             "tensors": [(_dtype_name(t.dtype), list(t.shape)) for t in _payloads(u)]}
+            for u in updates
+        ]
+    meta = tp.broadcast_json(meta)
+    records = []
+    for i, m in enumerate(meta):
+        if tp.rank == 0:
+            tensors = [t.detach().cpu().contiguous() for t in _payloads(updates[i])]
+        else:
+            tensors = [torch.empty(shape, dtype=getattr(torch, dtype)) for dtype, shape in m["tensors"]]
+        for t in tensors:
+            tp.broadcast_host_tensor(t)
+        if tp.rank == 0:
+            records.append(updates[i])
+        elif m["kind"] == "dense":
+            records.append(Dense(name=m["name"], tensor=tensors[0], checksum=m["checksum"]))
+        else:
+            gaps, overflow, values = tensors
+            records.append(Patch(name=m["name"], indices=PackedIndices(gaps=gaps, overflow=overflow), values=values,
+                                 checksum=m["checksum"]))
+    return records
+
+
+# ---- every rank: one runner and the calls rank 0 announces ---------------------------------------------
+class _Rank:
+    """What each rank holds: its group, its ModelRunner shard, its weight receiver."""
+
+    def __init__(self, config: EngineConfig, model_config: ModelConfig, max_model_len: int, tp) -> None:
+        from runner.model_runner import ModelRunner
+
+        self.tp = tp
+        self.runner = ModelRunner(config, model_config, max_model_len, tp=tp)
+        self.receiver = None
+
+    def handle(self, msg: dict, updates: list | None = None):
+        op = msg["op"]
+        runner = self.runner
+        if op == "determine_num_kv_blocks":
+            return self.tp.min_int(runner.determine_num_kv_blocks())
+        if op == "allocate_kv_cache":
+            return runner.allocate_kv_cache(msg["num_blocks"])
+        if op == "capture_graphs":
+            return runner.capture_graphs()
+        if op == "execute":
+            return runner.execute(decode_sched(msg["sched"]))
+        if op == "full_sequence_logits":
+            from runner.model_runner import full_sequence_logits
+
+            return full_sequence_logits(runner, msg["token_ids"])
+        if op == "apply_weight_update":
+            from weight_updates import WeightReceiver
+
+            records = broadcast_updates(self.tp, updates)
+            if self.receiver is None:
+                self.receiver = WeightReceiver(runner.weights, version=msg["current_version"])
+            return self.receiver.apply(msg["version"], records)
+        raise AssertionError(f"unknown op {op!r}")
+
+
+def run_worker(rank: int, size: int, store_path: str, config: EngineConfig, model_config: ModelConfig,
+               max_model_len: int, num_threads: int) -> None:
+    """Entry point of a spawned worker rank: follow rank 0's calls until "release"."""
+    from runner.parallel.group import TPGroup
+    from weight_updates import WeightUpdateError
+
+    torch.set_num_threads(num_threads)
+    tp = TPGroup(rank, size, rank_device(config.device, rank), store_path)
+    try:
+        state = _Rank(config, model_config, max_model_len, tp)
+        while True:
+            msg = tp.broadcast_json()
+            if msg["op"] == "release":
+                break
+            try:
+                state.handle(msg)
+            except WeightUpdateError:  # rank 0 raises the same error to the caller
+                pass
+    finally:
+        tp.close()
+
+
+class TensorParallelRunner:
+    """Rank 0's runner under tensor parallelism: spawns the worker ranks and mirrors every call to them.
+
+    Reads of other attributes (`device`, `weights`, `model`, ...) go to rank 0's own ModelRunner.
+    """
+
+    def __init__(self, config: EngineConfig, model_config: ModelConfig, max_model_len: int) -> None:
+        import torch.multiprocessing as mp
+
+        from runner.parallel.group import TPGroup
+
+        size = config.tensor_parallel_size
+        fd, store = tempfile.mkstemp(prefix="tp_store_")
+        os.close(fd)
+        os.unlink(store)  # the file store creates it
+        self._store = store
+        ctx = mp.get_context("spawn")
+        self._workers = [
+            ctx.Process(target=run_worker, daemon=True, name=f"tp-rank-{r}",
+                        args=(r, size, store, config, model_config, max_model_len, torch.get_num_threads()))
+            for r in range(1, size)
+        ]
+        for w in self._workers:
+            w.start()
+        tp = None
+        try:
+            tp = TPGroup(0, size, rank_device(config.device, 0), store)
+            self._rank = _Rank(config, model_config, max_model_len, tp)
+        except BaseException:
+            for w in self._workers:
+                w.terminate()
+            if tp is not None:
+                tp.close()
+            raise
+        self.tp = tp
+        self.runner = self._rank.runner
+        self._closed = False
+        atexit.register(self.release)
+
+    def __getattr__(self, name: str):
+        if name == "runner":  # not set yet: construction failed
+            raise AttributeError(name)
+        return getattr(self.runner, name)
+
+    def _call(self, msg: dict, updates: list | None = None):
+        assert not self._closed, "the tensor-parallel runner is released"
+        self.tp.broadcast_json(msg)
+        return self._rank.handle(msg, updates)
+
+    def determine_num_kv_blocks(self) -> int:
+        """The fewest blocks any rank can hold (each rank measures its own memory)."""
+        return self._call({"op": "determine_num_kv_blocks"})
+
+    def allocate_kv_cache(self, num_blocks: int) -> None:
+        self._call({"op": "allocate_kv_cache", "num_blocks": num_blocks})
+
+    def capture_graphs(self) -> None:
+        self._call({"op": "capture_graphs"})
+
+    def execute(self, sched: SchedulerOutput):
+        return self._call({"op": "execute", "sched": encode_sched(sched)})
+
+    def full_sequence_logits(self, token_ids: list[int]) -> torch.Tensor:
+        """Full-vocabulary logits [len(token_ids), vocab] of one sequence (see model_runner.full_sequence_logits)."""
+        return self._call({"op": "full_sequence_logits", "token_ids": list(token_ids)})
+
+    def apply_weight_update(self, version: int, updates: list, current_version: int):
+        """Apply Dense/Patch records on every rank (each writes its own shard); rank 0's UpdateResult."""
+        from weight_updates import Dense, Patch, WeightUpdateError
+
+        updates = list(updates)
+        for u in updates:  # checked before any rank starts: the workers must see well-formed records
+            if not isinstance(u, (Dense, Patch)):
+                raise WeightUpdateError(f"not an update record: {type(u).__name__}")
+        msg = {"op": "apply_weight_update", "version": version, "current_version": current_version}
+        return self._call(msg, updates)
+
+    def release(self) -> None:
+        """Stop the workers, drop rank 0's weights and cache, and leave the process group; safe to call twice."""
+        if self._closed:
+            return
+        self._closed = True
+        atexit.unregister(self.release)
+        try:
+            self.tp.broadcast_json({"op": "release"})
+            self.runner.release()
+        finally:
+            for w in self._workers:
+                w.join(timeout=60)
+                if w.is_alive():
+                    logger.warning("tensor-parallel worker %s did not exit; terminating it", w.name)
+                    w.terminate()
+            self.tp.close()
+            if os.path.exists(self._store):
+                os.unlink(self._store)

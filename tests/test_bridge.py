@@ -1,0 +1,164 @@
+"""TrainerBridge against a local engine: token-stream records, exact weight pushes, refusals, mismatch."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from rollout import EngineConfig, SamplingParams
+from rollout.engine import Engine
+from trainer_bridge import TrainerBridge, TrainingModel, logprob_mismatch, toy_task
+
+PROMPTS = ["12+3=", "7+75=", "99+1="]
+
+
+@pytest.fixture(scope="module")
+def model_dir(tmp_path_factory):
+    torch.set_num_threads(1)
+    return toy_task.write_model(tmp_path_factory.mktemp("toy"), hidden_size=32, num_layers=2, seed=0)
+
+
+def make_engine(model_dir, dtype="float32") -> Engine:
+    return Engine(EngineConfig(model=str(model_dir), dtype=dtype, max_num_seqs=64, num_kv_blocks=64))
+
+
+def test_rollout_records_are_aligned_and_masked(model_dir):
+    bridge = TrainerBridge(make_engine(model_dir))
+    batch = bridge.rollout(PROMPTS, SamplingParams(n=3, max_tokens=5, seed=11))
+    assert batch.num_prompts == 3 and len(batch.samples) == 9
+    assert [(s.prompt_index, s.sample_index) for s in batch.samples] == [(i, j) for i in range(3) for j in range(3)]
+    for s in batch.samples:
+        prompt_ids = toy_task.encode(PROMPTS[s.prompt_index])
+        p, n = len(prompt_ids), len(s.token_ids)
+        assert len(s.loss_mask) == len(s.logprobs) == len(s.policy_versions) == n
+        assert s.num_prompt_tokens == p and s.token_ids[:p] == prompt_ids
+        assert s.loss_mask == [0] * p + [1] * (n - p)
+        assert s.logprobs[:p] == [0.0] * p and all(lp <= 0.0 for lp in s.logprobs[p:])
+        assert any(lp < 0.0 for lp in s.logprobs[p:])
+        assert s.policy_versions == [-1] * p + [0] * (n - p)
+        assert 1 <= n - p <= 5
+    padded = batch.padded(pad_id=0)
+    width = max(len(s.token_ids) for s in batch.samples)
+    for t in (padded.input_ids, padded.loss_mask, padded.logprobs, padded.policy_versions):
+        assert tuple(t.shape) == (9, width)
+    assert padded.loss_mask.sum().item() == batch.num_completion_tokens
+    assert padded.logprobs[padded.loss_mask == 0].abs().sum().item() == 0.0
+    assert batch.version_lag() == (0.0, 0)
+    again = bridge.rollout(PROMPTS, SamplingParams(n=3, max_tokens=5, seed=11))
+    assert [s.token_ids for s in again.samples] == [s.token_ids for s in batch.samples]
+    # prompts get different seeds: the same prompt twice in one call is not sampled identically
+    twin = bridge.rollout(["5+5="] * 2, SamplingParams(n=4, max_tokens=5, seed=3))
+    assert [s.token_ids for s in twin.samples[:4]] != [s.token_ids for s in twin.samples[4:]]
+
+
+def _assert_engine_holds(engine: Engine, state: dict[str, torch.Tensor]) -> None:
+    for name, t in state.items():
+        view = engine.runner.weights.view(name)
+        assert torch.equal(view.view(-1).view(torch.int32), t.to(view.dtype).reshape(-1).view(torch.int32)), name
+
+
+def test_push_weights_is_bitwise_exact_dense_then_patch(model_dir):
+    engine = make_engine(model_dir)
+    bridge = TrainerBridge(engine)
+    model = TrainingModel.from_pretrained(model_dir)
+    g = torch.Generator().manual_seed(0)
+    with torch.no_grad():
+        for p in model.parameters():
+            p.add_(0.01 * torch.randn(p.shape, generator=g))
+    first = bridge.push_weights(model)
+    assert first.version == 1 == engine.policy_version and first.num_patch == 0 and first.num_dense > 0
+    _assert_engine_holds(engine, model.checkpoint_state())
+    name = "model.layers.1.mlp.down_proj.weight"
+    with torch.no_grad():
+        model.checkpoint_state()[name].view(-1)[:7] += 1.0  # a few coordinates of one tensor
+    second = bridge.push_weights(model)
+    assert second.version == 2 and second.num_patch >= 1 and second.nbytes < first.nbytes / 10
+    assert second.changed_fraction < 1e-3
+    _assert_engine_holds(engine, model.checkpoint_state())
+    # a mapping and an iterable of pairs are accepted too, as is a subset of the parameters
+    state = {k: v + 0.5 for k, v in list(model.checkpoint_state().items())[:3]}
+    assert bridge.push_weights(state).version == 3
+    assert bridge.push_weights(list(state.items())).nbytes < 1024  # unchanged since the last push
+    _assert_engine_holds(engine, state)
+
+
+def test_fp32_master_weights_are_cast_to_engine_dtype(model_dir):
+    engine = make_engine(model_dir, dtype="bfloat16")
+    bridge = TrainerBridge(engine)
+    model = TrainingModel.from_pretrained(model_dir, dtype="float32")
+    with torch.no_grad():
+        for p in model.parameters():
+            p.mul_(1.001)
+    bridge.push_weights(model)
+    for name, t in model.checkpoint_state().items():
+        view = engine.runner.weights.view(name)
+        assert view.dtype == torch.bfloat16
+        assert torch.equal(view.view(torch.int16), t.to(torch.bfloat16).view(torch.int16)), name
+
+
+@pytest.mark.parametrize(
+    "bad, match",
+    [
+        ({"model.layers.9.mlp.up_proj.weight": torch.zeros(64, 32)}, "unknown parameter"),
+        ({"model.norm.weight": torch.zeros(31)}, "shape"),
+        ({"model.norm.weight": torch.zeros(32, dtype=torch.int32)}, "floating point"),
+        ([], "no parameters"),
+        (42, "cannot push"),
+    ],
+)
+def test_bad_push_raises_and_changes_nothing(model_dir, bad, match):
+    engine = make_engine(model_dir)
+    bridge = TrainerBridge(engine)
+    model = TrainingModel.from_pretrained(model_dir)
+    bridge.push_weights(model)
+    before = {n: engine.runner.weights.view(n).clone() for n in bridge.specs}
+    with torch.no_grad():
+        model.checkpoint_state()["model.norm.weight"].add_(1.0)
+    # the good tensor comes first, so a half-applied push would be visible
+    good = {"model.norm.weight": model.checkpoint_state()["model.norm.weight"]}
+    payload = {**good, **bad} if isinstance(bad, dict) else bad
+    with pytest.raises(ValueError, match=match):
+        bridge.push_weights(payload)
+    assert engine.policy_version == 1
+    for n, t in before.items():
+        assert torch.equal(engine.runner.weights.view(n), t), n
+    # the bridge's snapshot did not move either: the next good push lands exactly
+    assert bridge.push_weights(model).version == 2
+    _assert_engine_holds(engine, model.checkpoint_state())
+
+
+def test_mismatch_is_near_zero_right_after_a_push(model_dir):
+    engine = make_engine(model_dir)
+    bridge = TrainerBridge(engine)
+    model = TrainingModel.from_pretrained(model_dir)
+    with torch.no_grad():
+        for p in model.parameters():
+            p.add_(0.02 * torch.randn(p.shape, generator=torch.Generator().manual_seed(1)))
+    bridge.push_weights(model)
+    batch = bridge.rollout(PROMPTS, SamplingParams(n=4, max_tokens=6, seed=5))
+    padded = batch.padded()
+    with torch.no_grad():
+        m = bridge.logprob_mismatch(padded, model.token_logprobs(padded.input_ids))
+    # fp32 on both sides, same model code: only kernel rounding differs (observed ~1e-7)
+    assert m["mismatch_abs_mean"] < 1e-5 and m["mismatch_abs_max"] < 1e-4 and m["ratio_dev_mean"] < 1e-5
+    # before the push the trainer's weights differ from the engine's, and the metric shows it
+    stale = TrainingModel.from_pretrained(model_dir)
+    with torch.no_grad():
+        assert bridge.logprob_mismatch(batch, stale.token_logprobs(padded.input_ids))["mismatch_abs_mean"] > 1e-3
+
+
+def test_logprob_mismatch_values():
+    rollout = torch.tensor([[-1.0, -2.0, -3.0]])
+    trainer = torch.tensor([[-1.0, -2.5, -9.0]])
+    mask = torch.tensor([[1.0, 1.0, 0.0]])
+    m = logprob_mismatch(rollout, trainer, mask)
+    assert m["mismatch_abs_mean"] == pytest.approx(0.25) and m["mismatch_abs_max"] == pytest.approx(0.5)
+    assert m["ratio_dev_mean"] == pytest.approx((1 - torch.exp(torch.tensor(-0.5)).item()) / 2)
+    assert m["mismatch_kl"] == pytest.approx((torch.exp(torch.tensor(-0.5)).item() - 1 + 0.5) / 2)
+    with pytest.raises(ValueError, match="shapes differ"):
+        logprob_mismatch(rollout, trainer[:, :2], mask)
+
+
+def test_bridge_refuses_a_non_engine():
+    with pytest.raises(ValueError, match="generate"):
+        TrainerBridge(object())

@@ -1,0 +1,215 @@
+"""Tensor parallelism on the CPU with 2 gloo ranks: sharded layouts, logits, seeded tokens, batch-sharded
+sampling memory, weight updates, worker shutdown. Each TP engine spawns one worker process."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from rollout import Engine, EngineConfig, SamplingParams
+from runner.model_config import ModelConfig
+from runner.model_runner import full_sequence_logits
+from runner.models.llama import DecoderForCausalLM
+from runner.parallel.layers import head_partition
+from runner.parallel.memory import SamplerPeak
+from runner.parallel.weights import local_flat_indices
+from runner.testing import write_random_checkpoint
+from weight_updates import Dense, PackedIndices, Patch, checksum
+
+# kv heads (1) < ranks (2): replicated kv heads; tied embeddings: a vocab-parallel LM head over the embedding
+MODEL = dict(family="qwen2", vocab_size=256, hidden_size=64, intermediate_size=128, num_attention_heads=4,
+             num_key_value_heads=1, tie_word_embeddings=True, max_position_embeddings=256)
+PROMPTS = [[3, 4, 5], [6, 7, 8, 9, 10], [11, 12], [13, 14, 15, 16]]
+PARAMS = [
+    SamplingParams(n=2, max_tokens=6, seed=1, ignore_eos=True),
+    SamplingParams(temperature=0.0, max_tokens=5, ignore_eos=True),
+    SamplingParams(top_k=8, top_p=0.9, seed=3, max_tokens=6, ignore_eos=True, top_logprobs=2),
+    SamplingParams(temperature=0.7, min_p=0.05, seed=4, max_tokens=4, ignore_eos=True),
+]  # 5 sampling rows: an odd batch, so batch-sharded sampling pads
+
+
+@pytest.fixture(scope="module")
+def model_dir(tmp_path_factory):
+    return write_random_checkpoint(tmp_path_factory.mktemp("tp_qwen2"), **MODEL)
+
+
+@pytest.fixture(scope="module")
+def single_thread():
+    before = torch.get_num_threads()
+    torch.set_num_threads(1)  # the workers use the engine process's thread count
+    yield
+    torch.set_num_threads(before)
+
+
+def _config(model_dir, **kw) -> EngineConfig:
+    return EngineConfig(model=str(model_dir), dtype="float32", max_num_seqs=8, num_kv_blocks=64, max_model_len=128, **kw)
+
+
+@pytest.fixture(scope="module")
+def engine_1(model_dir, single_thread):
+    return Engine(_config(model_dir))
+
+
+@pytest.fixture(scope="module")
+def engine_tp(model_dir, single_thread):
+    engine = Engine(_config(model_dir, tensor_parallel_size=2))
+    yield engine
+    if engine.runner is not None:
+        engine.close()
+
+
+@pytest.fixture(scope="module")
+def engine_ag(model_dir, single_thread):
+    engine = Engine(_config(model_dir, tensor_parallel_size=2, tp_sampling="allgather"))
+    yield engine
+    if engine.runner is not None:
+        engine.close()
+
+
+def _tokens(outs):
+    return [[c.token_ids for c in o.outputs] for o in outs]
+
+
+# ---- layouts (no processes) ------------------------------------------------------------------------------
+@pytest.mark.parametrize("num_kv_heads", [1, 2, 4])
+def test_sharded_layouts_cover_every_checkpoint_coordinate(num_kv_heads):
+    cfg = ModelConfig.from_dict({"architectures": ["Qwen2ForCausalLM"], **MODEL, "num_hidden_layers": 1,
+                                 "num_key_value_heads": num_kv_heads})
+    with torch.device("meta"):
+        model = DecoderForCausalLM(cfg)
+    full = model.checkpoint_layout()
+    layouts = [model._sharded_checkpoint_layout(r, 2) for r in range(2)]
+    for name, slot in full.items():
+        covered = torch.zeros(slot.shape[0] if layouts[0][name].dim == 0 else slot.shape[1], dtype=torch.int64)
+        for layout in layouts:
+            s = layout[name]
+            assert s.shape == slot.shape  # full checkpoint shapes on every rank
+            start, end = s.shard
+            assert s.row_end - s.row_start == end - start
+            covered[start:end] += 1
+        assert covered.min() >= 1, name
+        replicated = name.endswith(("k_proj.weight", "v_proj.weight", "k_proj.bias", "v_proj.bias")) and num_kv_heads < 2
+        assert covered.max() == (2 if replicated or "norm" in name else 1), name
+
+
+def test_bad_head_counts_are_value_errors():
+    with pytest.raises(ValueError, match="num_attention_heads=6 is not divisible"):
+        head_partition(6, 2, 0, 4)
+    with pytest.raises(ValueError, match="num_key_value_heads=6"):
+        head_partition(12, 6, 0, 4)
+    with pytest.raises(ValueError, match="not a multiple of num_key_value_heads=3"):
+        head_partition(12, 3, 0, 4)
+    assert head_partition(8, 2, 3, 4).kv_start == 1  # ranks 2, 3 share kv head 1
+
+
+@pytest.mark.parametrize("dim", [0, 1])
+def test_patch_indices_map_to_the_rank_slice(dim):
+    from runner.models.llama import CheckpointSlot
+
+    full = torch.arange(6 * 8, dtype=torch.float32).view(6, 8)
+    slot = CheckpointSlot("p", 0, 3, (6, 8), dim, 2, 5)
+    shard = full.narrow(dim, 2, 3).contiguous()
+    flat = torch.tensor([0, 3, 10, 17, 20, 28, 47])
+    local, keep = local_flat_indices(slot, flat)
+    assert torch.equal(shard.view(-1)[local], full.view(-1)[flat[keep]])
+    coord = flat // 8 if dim == 0 else flat % 8
+    assert torch.equal(keep, (coord >= 2) & (coord < 5))
+
+
+# ---- engines: 1 rank vs 2 ranks --------------------------------------------------------------------------
+def test_tp_logits_equal_single_process(engine_1, engine_tp):
+    ids = [3, 5, 7, 11, 13, 2, 9, 200, 255, 128]
+    ref = full_sequence_logits(engine_1.runner, ids)  # [10, 256]
+    got = engine_tp.runner.full_sequence_logits(ids)
+    assert got.shape == ref.shape
+    assert (got - ref).abs().max().item() < 1e-5
+
+
+def test_tp_untied_llama_with_split_kv_heads(tmp_path, single_thread):
+    """An untied LM head (vocab-parallel Linear) and kv heads split, not replicated, over the ranks."""
+    path = write_random_checkpoint(tmp_path, family="llama", vocab_size=128, hidden_size=64, intermediate_size=96,
+                                   num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=256)
+    ids = [5, 9, 100, 127, 3, 3, 64]
+    ref_engine = Engine(_config(path))
+    ref = full_sequence_logits(ref_engine.runner, ids)
+    ref_tokens = _tokens(ref_engine.generate(PROMPTS, PARAMS))
+    with Engine(_config(path, tensor_parallel_size=2)) as engine:
+        assert engine.runner.weights.view("lm_head.weight").shape == (64, 64)  # this rank's half of the vocab
+        assert (engine.runner.full_sequence_logits(ids) - ref).abs().max().item() < 1e-5
+        assert _tokens(engine.generate(PROMPTS, PARAMS)) == ref_tokens
+
+
+def test_tp_seeded_tokens_equal_single_process_and_allgather(engine_1, engine_tp, engine_ag):
+    ref = engine_1.generate(PROMPTS, PARAMS)
+    sharded = engine_tp.generate(PROMPTS, PARAMS)
+    gathered = engine_ag.generate(PROMPTS, PARAMS)
+    assert _tokens(sharded) == _tokens(ref) == _tokens(gathered)
+    for a, b in zip(ref, sharded):
+        for x, y in zip(a.outputs, b.outputs):
+            assert max(abs(p - q) for p, q in zip(x.logprobs, y.logprobs)) < 1e-5
+            if x.top_logprobs:
+                assert [[t for t, _ in pos] for pos in x.top_logprobs] == [[t for t, _ in pos] for pos in y.top_logprobs]
+
+
+def test_batch_sharded_sampling_halves_peak_logits_memory(engine_tp, engine_ag):
+    """Measured on rank 0 with the torch profiler around each sampler call (logits exchange + sampling)."""
+    prompts = [[i + 2, i + 3] for i in range(8)]  # 8 sampling rows per decode step
+    params = SamplingParams(max_tokens=3, seed=5, ignore_eos=True)
+    peaks, tokens = {}, {}
+    for name, engine in (("sharded", engine_tp), ("allgather", engine_ag)):
+        rank0 = engine.runner.runner
+        plain = rank0.sampler
+        rank0.sampler = SamplerPeak(plain, rank0.device)
+        try:
+            tokens[name] = _tokens(engine.generate(prompts, params))
+        finally:
+            peaks[name], rank0.sampler = rank0.sampler.peak_bytes, plain
+    assert tokens["sharded"] == tokens["allgather"]
+    assert 0 < peaks["sharded"] < 0.6 * peaks["allgather"], peaks
+
+
+def _update_records(engine_1) -> list:
+    """Dense and patch records (full checkpoint coordinates) for sharded-by-row, sharded-by-column,
+    vocab-sharded (tied), replicated-kv and replicated tensors."""
+    g = torch.Generator().manual_seed(0)
+    records = []
+    for name in ("model.layers.0.self_attn.q_proj.weight", "model.layers.1.self_attn.o_proj.weight",
+                 "model.embed_tokens.weight", "model.norm.weight"):
+        old = engine_1.runner.weights.view(name)
+        records.append(Dense.of(name, old + 0.05 * torch.randn(old.shape, generator=g)))
+    for name in ("model.layers.0.self_attn.k_proj.weight", "model.layers.1.mlp.down_proj.weight",
+                 "model.layers.0.mlp.up_proj.weight", "model.layers.1.self_attn.v_proj.bias"):
+        new = engine_1.runner.weights.view(name).clone().view(-1)
+        idx = torch.randperm(new.numel(), generator=g)[: new.numel() // 4].sort().values
+        new[idx] += 0.2 * torch.randn(idx.numel(), generator=g)
+        records.append(Patch(name=name, indices=PackedIndices.encode(idx), values=new[idx].clone(), checksum=checksum(new)))
+    return records
+
+
+def test_weight_update_under_tp_matches_single_process(engine_1, engine_tp):
+    from weight_updates import WeightUpdateError
+
+    before = _tokens(engine_tp.generate(PROMPTS, PARAMS))
+    records = _update_records(engine_1)
+    bad = Patch(name=records[-1].name, indices=records[-1].indices, values=records[-1].values, checksum=123)
+    with pytest.raises(WeightUpdateError, match="checksum mismatch"):
+        engine_tp.apply_weight_update(1, records[:-1] + [bad])  # nothing written on any rank
+    assert _tokens(engine_tp.generate(PROMPTS, PARAMS)) == before
+    engine_1.apply_weight_update(1, records)
+    engine_tp.apply_weight_update(1, records)
+    assert engine_tp.policy_version == engine_1.policy_version == 1
+    ref, got = engine_1.generate(PROMPTS, PARAMS), engine_tp.generate(PROMPTS, PARAMS)
+    assert _tokens(got) == _tokens(ref) != before
+    engine_1.step(), engine_tp.step()  # an empty step frees the finished requests' runner slots
+    ids = [3, 5, 7, 11, 13, 2, 9, 200, 255, 128]
+    diff = engine_tp.runner.full_sequence_logits(ids) - full_sequence_logits(engine_1.runner, ids)
+    assert diff.abs().max().item() < 1e-5
+
+
+def test_close_stops_the_worker_ranks(engine_ag):
+    workers = engine_ag.runner._workers
+    assert all(w.is_alive() for w in workers)
+    with engine_ag:
+        pass
+    assert engine_ag.runner is None
+    assert not any(w.is_alive() for w in workers)

@@ -1,0 +1,589 @@
+"""Weight-update protocol on CPU: checksums, index codec, differ, sessions, wire format.
+
+``FakeTarget`` fuses q/k/v and gate/up like the engine's loaders, so every test goes through a
+checkpoint-coordinate -> runtime-row mapping. Other test_weight_updates_* files import its helpers.
+"""
+
+import math
+import subprocess
+import sys
+
+import pytest
+import torch
+
+from weight_updates import (
+    Dense,
+    PackedIndices,
+    ParamSpec,
+    Patch,
+    TensorDictTarget,
+    WeightDiffer,
+    WeightReceiver,
+    WeightUpdateError,
+    checksum,
+    patch_checksum_delta,
+)
+from weight_updates.transports.inprocess import InProcessSender
+from weight_updates.wire import plan_bucket, read_bucket, to_safetensors_prefix, write_bucket
+
+HIDDEN, Q_ROWS, KV_ROWS, INTER, VOCAB = 16, 16, 8, 24, 40
+INT_VIEW = {torch.bfloat16: torch.int16, torch.float16: torch.int16, torch.float32: torch.int32}
+
+
+def checkpoint_shapes(num_layers: int = 2) -> dict[str, tuple[int, ...]]:
+    shapes = {"model.embed_tokens.weight": (VOCAB, HIDDEN), "model.norm.weight": (HIDDEN,)}
+    for i in range(num_layers):
+        p = f"model.layers.{i}."
+        shapes |= {
+            p + "self_attn.q_proj.weight": (Q_ROWS, HIDDEN),
+            p + "self_attn.k_proj.weight": (KV_ROWS, HIDDEN),
+            p + "self_attn.v_proj.weight": (KV_ROWS, HIDDEN),
+            p + "self_attn.q_proj.bias": (Q_ROWS,),
+            p + "self_attn.k_proj.bias": (KV_ROWS,),
+            p + "self_attn.v_proj.bias": (KV_ROWS,),
+            p + "self_attn.o_proj.weight": (HIDDEN, Q_ROWS),
+            p + "mlp.gate_proj.weight": (INTER, HIDDEN),
+            p + "mlp.up_proj.weight": (INTER, HIDDEN),
+            p + "mlp.down_proj.weight": (HIDDEN, INTER),
+            p + "input_layernorm.weight": (HIDDEN,),
+        }
+    return shapes
+
+
+class FakeTarget:
+    """A WeightTarget over runtime tensors with q/k/v fused into ``qkv`` and gate/up into ``gate_up``.
+
+    A checkpoint name maps to (runtime key, first row, rows); flat index i of a 2-D checkpoint
+    tensor lands on runtime row ``first_row + i // in_features``, column ``i % in_features``.
+    """
+
+    def __init__(self, dtype: torch.dtype, *, num_layers: int = 2, seed: int = 0, device: str = "cpu") -> None:
+        gen = torch.Generator().manual_seed(seed)
+        self.shapes = checkpoint_shapes(num_layers)
+        self.runtime: dict[str, torch.Tensor] = {}
+        self.loc: dict[str, tuple[str, int]] = {}  # checkpoint name -> (runtime key, first row)
+        fused: dict[str, list[str]] = {}
+        for name in self.shapes:
+            for part, group in (("q_proj", "qkv"), ("k_proj", "qkv"), ("v_proj", "qkv"), ("gate_proj", "gate_up"), ("up_proj", "gate_up")):
+                if f".{part}." in name:
+                    key = name.replace(f"self_attn.{part}", group).replace(f"mlp.{part}", group)
+                    fused.setdefault(key, []).append(name)
+                    break
+            else:
+                fused[name] = [name]
+        for key, names in fused.items():
+            rows = sum(self.shapes[n][0] for n in names)
+            runtime_shape = (rows, *self.shapes[names[0]][1:])
+            self.runtime[key] = (torch.randn(runtime_shape, generator=gen) * 0.02).to(device=device, dtype=dtype)
+            first = 0
+            for n in names:
+                self.loc[n] = (key, first)
+                first += self.shapes[n][0]
+        self.dtype = dtype
+        self._device = torch.device(device)
+
+    def checkpoint_specs(self):
+        return {n: ParamSpec(shape=s, dtype=self.dtype) for n, s in self.shapes.items()}
+
+    def read_checkpoint_tensor(self, name):
+        key, first = self.loc[name]
+        return self.runtime[key][first : first + self.shapes[name][0]]
+
+    def write_dense(self, name, tensor):
+        self.read_checkpoint_tensor(name).copy_(tensor)
+
+    def write_patch(self, name, flat_indices, values):
+        key, first = self.loc[name]
+        shape = self.shapes[name]
+        if len(shape) == 1:
+            self.runtime[key][first + flat_indices] = values
+        else:
+            cols = math.prod(shape[1:])
+            self.runtime[key].view(self.runtime[key].shape[0], cols)[first + flat_indices // cols, flat_indices % cols] = values
+
+    @property
+    def device(self):
+        return self._device
+
+    def checkpoint_state(self) -> dict[str, torch.Tensor]:
+        """Checkpoint-shaped copies, on the CPU."""
+        return {n: self.read_checkpoint_tensor(n).cpu().clone() for n in self.shapes}
+
+    def snapshot_runtime(self) -> dict[str, torch.Tensor]:
+        return {k: v.cpu().clone() for k, v in self.runtime.items()}
+
+
+def assert_bitwise_equal(a: dict[str, torch.Tensor], b: dict[str, torch.Tensor]) -> None:
+    assert a.keys() == b.keys()
+    for name in a:
+        view = INT_VIEW[a[name].dtype]
+        assert a[name].dtype == b[name].dtype, name
+        assert torch.equal(a[name].contiguous().view(view), b[name].contiguous().view(view)), f"{name} differs"
+
+
+def adamw_like_step(master: dict[str, torch.Tensor], gen: torch.Generator, *, frac: float = 0.01) -> None:
+    """Move a random ``frac`` of each fp32 master tensor by about 1% (enough to change bf16 bits)."""
+    for t in master.values():
+        mask = torch.rand(t.shape, generator=gen) < frac
+        t += mask * (t.abs() * 0.02 + 1e-4) * torch.randn(t.shape, generator=gen).sign()
+
+
+def new_trainer(target: FakeTarget) -> dict[str, torch.Tensor]:
+    return {n: t.float() for n, t in target.checkpoint_state().items()}
+
+
+# --- checksum -------------------------------------------------------------------------------------
+
+
+def reference_checksum(t: torch.Tensor) -> int:
+    """The documented formula, element by element in Python integers."""
+    bits = t.reshape(-1).view(INT_VIEW[t.dtype]).tolist()
+    total = 0
+    for i, s in enumerate(bits):
+        h = (i % (1 << 22) * 2654435761) & 0xFFFFFFFF
+        h ^= h >> 16
+        h = (h * 0x45D9F3B) & 0xFFFFFFFF
+        h ^= h >> 16
+        total += s * (((h & 0x7FFF) | 1) + 2 * (i >> 22))
+    total %= 1 << 64
+    return total - (1 << 64) if total >= 1 << 63 else total
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32, torch.float16])
+def test_checksum_matches_documented_formula(dtype):
+    t = torch.randn(37, 11).to(dtype)
+    assert checksum(t) == reference_checksum(t)
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+def test_checksum_is_the_same_on_cpu_and_cuda(dtype):
+    t = torch.randn(9_000_001).to(dtype)
+    idx = torch.tensor([3, 1 << 22, 9_000_000])
+    new = torch.randn(3).to(dtype)
+    assert checksum(t) == checksum(t.cuda())
+    assert int(patch_checksum_delta(t[idx], new, idx)) == int(patch_checksum_delta(t[idx].cuda(), new.cuda(), idx.cuda()))
+
+
+def test_checksum_sees_signed_zero_nan_payload_and_swaps():
+    t = torch.zeros(64, dtype=torch.bfloat16)
+    neg = t.clone()
+    neg[5] = -0.0
+    nan1, nan2 = t.clone(), t.clone()
+    nan1.view(torch.int16)[3] = 0x7FC0
+    nan2.view(torch.int16)[3] = 0x7FC1
+    swapped = torch.arange(64, dtype=torch.float32).bfloat16()
+    swapped2 = swapped.clone()
+    swapped2[[1, 2]] = swapped2[[2, 1]]
+    assert checksum(t) != checksum(neg)
+    assert checksum(nan1) != checksum(nan2)
+    assert checksum(swapped) != checksum(swapped2)
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+def test_checksum_is_linear_across_chunks(dtype):
+    """A patch's checksum delta equals the full recomputation, also past the 2**22 chunk."""
+    t = torch.randn(5_000_000).to(dtype)
+    idx = torch.tensor([0, 7, (1 << 22) - 1, 1 << 22, 4_999_999])
+    new = t.clone()
+    new[idx] = torch.randn(5).to(dtype)
+    predicted = checksum(t) + int(patch_checksum_delta(t[idx], new[idx], idx))
+    assert predicted == checksum(new)
+    assert checksum(new) != checksum(t)
+
+
+# --- index codec ----------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize(
+    ("indices", "gap_dtype"),
+    [
+        (list(range(0, 1000, 3)), torch.uint8),
+        ([0, 1, 2, 300, 301, 302, 303, 304, 305, 306], torch.uint8),  # one escape beats uint16
+        ([70_000, 140_000, 210_000], torch.int32),  # every gap escapes: int32 is smaller
+        ([10, 1000, 2000, 3000, 4000, 5000], torch.uint16),
+        ([], torch.uint8),
+        ([(1 << 31) - 2], torch.int32),
+    ],
+)
+def test_packed_indices_roundtrip(indices, gap_dtype):
+    idx = torch.tensor(indices, dtype=torch.int64)
+    packed = PackedIndices.encode(idx)
+    assert packed.gaps.dtype == gap_dtype
+    assert torch.equal(packed.decode(torch.device("cpu")), idx)
+
+
+def test_packed_indices_random_large_gaps():
+    gen = torch.Generator().manual_seed(1)
+    idx = torch.unique(torch.randint(0, 10_000_000, (300,), generator=gen))  # mean gap ~33k
+    packed = PackedIndices.encode(idx)
+    assert packed.gaps.dtype == torch.uint16 and packed.overflow.numel() > 0
+    assert torch.equal(packed.decode(torch.device("cpu")), idx)
+
+
+def test_packed_indices_reject_malformed_streams():
+    good = PackedIndices.encode(torch.tensor([3, 400, 401, 402, 403, 404]))
+    assert good.gaps.dtype == torch.uint8 and good.overflow.numel() == 1
+    with pytest.raises(WeightUpdateError, match="malformed index stream"):
+        PackedIndices(gaps=good.gaps, overflow=good.overflow[:0]).decode(torch.device("cpu"))
+    with pytest.raises(WeightUpdateError, match="malformed index stream"):
+        PackedIndices(gaps=good.gaps, overflow=torch.tensor([0], dtype=torch.int32)).decode(torch.device("cpu"))
+    with pytest.raises(WeightUpdateError, match="malformed index stream"):
+        PackedIndices(gaps=good.gaps, overflow=torch.tensor([5, 6], dtype=torch.int32)).decode(torch.device("cpu"))
+    with pytest.raises(WeightUpdateError, match="gaps must be"):
+        PackedIndices(gaps=good.gaps.to(torch.int64), overflow=good.overflow).decode(torch.device("cpu"))
+
+
+# --- differ + session -----------------------------------------------------------------------------
+
+
+def make_pair(dtype, **differ_kwargs):
+    target = FakeTarget(dtype)
+    receiver = WeightReceiver(target)
+    differ = WeightDiffer(target.checkpoint_specs(), **differ_kwargs)
+    master = new_trainer(target)
+    return target, receiver, differ, master
+
+
+def push(differ, sender, version, weights):
+    pending = differ.encode(weights)
+    sender.send(version, pending.updates)
+    differ.commit(pending)
+    return pending
+
+
+CUDA = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+
+
+@pytest.mark.parametrize("device", ["cpu", pytest.param("cuda", marks=CUDA)])
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+def test_update_sequence_is_bitwise_exact(dtype, device):
+    target = FakeTarget(dtype, device=device)
+    receiver = WeightReceiver(target)
+    differ = WeightDiffer(target.checkpoint_specs(), device=device)
+    master = new_trainer(target)
+    sender = InProcessSender(receiver)
+    gen = torch.Generator().manual_seed(2)
+    kinds = []
+    for version in range(1, 7):
+        adamw_like_step(master, gen)
+        if version == 3:  # edge cases: signed zero and NaN payloads must travel as bits
+            emb = master["model.embed_tokens.weight"]
+            emb[0, 0], emb[0, 1] = 0.0, -0.0
+            emb.view(torch.int32)[1, 0] = 0x7FC00001
+        if version == 5:
+            differ.reset(["model.norm.weight"])  # forces one dense record mid-sequence
+        pending = push(differ, sender, version, master)
+        kinds.append((pending.stats.num_dense, pending.stats.num_patch))
+        assert receiver.version == version
+        assert_bitwise_equal(target.checkpoint_state(), {n: t.to(dtype) for n, t in master.items()})
+        if version == 3:
+            emb = target.read_checkpoint_tensor("model.embed_tokens.weight").float()
+            assert emb.view(torch.int32)[0, 1] == -(1 << 31)  # -0.0
+            nan = torch.tensor([0x7FC00001], dtype=torch.int32).view(torch.float32).to(dtype).float()
+            assert emb.view(torch.int32)[1, 0] == nan.view(torch.int32)[0]
+    assert kinds[0][1] == 0 and kinds[1][1] > 0 and kinds[4][0] >= 1
+
+
+def test_fp32_master_is_diffed_on_bf16_bits():
+    target, receiver, differ, master = make_pair(torch.bfloat16)
+    differ_initial = WeightDiffer(target.checkpoint_specs())
+    differ_initial.commit(differ_initial.encode(target.checkpoint_state()))
+    master["model.norm.weight"] += 1e-7  # below bf16 resolution near 0.02: no bf16 bit changes
+    pending = differ_initial.encode(master)
+    assert all(isinstance(u, Patch) for u in pending.updates)
+    assert sum(u.indices.num_indices for u in pending.updates) == 0 or pending.stats.changed_fraction < 0.05
+    assert all(u.values.dtype == torch.bfloat16 for u in pending.updates)
+
+
+def test_initial_snapshot_from_shared_checkpoint_gives_patches():
+    target, receiver, differ, master = make_pair(torch.bfloat16)
+    differ.commit(differ.encode(target.checkpoint_state()))  # both sides loaded the same checkpoint
+    adamw_like_step(master, torch.Generator().manual_seed(3))
+    pending = differ.encode(master)
+    assert pending.stats.num_dense == 0
+    receiver.apply(1, pending.updates)
+    differ.commit(pending)
+    assert_bitwise_equal(target.checkpoint_state(), {n: t.bfloat16() for n, t in master.items()})
+
+
+def test_patch_bytes_at_one_percent_changed_are_at_most_a_fiftieth_of_dense():
+    w = torch.randn(4096, 1024).bfloat16()
+    differ = WeightDiffer({"w": ParamSpec(shape=(4096, 1024), dtype=torch.bfloat16)})
+    differ.commit(differ.encode({"w": w}))
+    new = w.clone()
+    idx = torch.randperm(w.numel(), generator=torch.Generator().manual_seed(4))[: w.numel() // 100]
+    new.view(-1)[idx] = (new.view(-1)[idx].float() * 1.5 + 0.01).bfloat16()
+    pending = differ.encode({"w": new})
+    (update,) = pending.updates
+    assert isinstance(update, Patch)
+    dense_bytes = w.numel() * 2
+    assert abs(pending.stats.changed_fraction - 0.01) < 0.001
+    assert update.nbytes * 50 <= dense_bytes, (update.nbytes, dense_bytes)
+
+
+def test_differ_rejects_bad_pushes_and_changes_nothing():
+    target, receiver, differ, master = make_pair(torch.bfloat16)
+    differ.commit(differ.encode(master))
+    generation = differ.generation
+    bad_pushes = {
+        "unknown parameter": {**master, "lm_head.weight": torch.zeros(VOCAB, HIDDEN)},
+        "shape": {**master, "model.norm.weight": torch.zeros(HIDDEN + 1)},
+        "not a floating point": {**master, "model.norm.weight": torch.zeros(HIDDEN, dtype=torch.int32)},
+    }
+    for match, weights in bad_pushes.items():
+        with pytest.raises(ValueError, match=match):
+            differ.encode(weights)
+    with pytest.raises(ValueError, match="twice"):
+        differ.encode([("model.norm.weight", master["model.norm.weight"])] * 2)
+    assert differ.generation == generation
+    assert all(isinstance(u, Patch) and u.indices.num_indices == 0 for u in differ.encode(master).updates)
+
+
+def test_uncommitted_push_is_rediffed_and_stale_commit_raises():
+    target, receiver, differ, master = make_pair(torch.bfloat16)
+    differ.commit(differ.encode(master))
+    adamw_like_step(master, torch.Generator().manual_seed(5))
+    lost = differ.encode(master)  # never arrived: not committed
+    again = differ.encode(master)
+    assert [u.checksum for u in lost.updates] == [u.checksum for u in again.updates]
+    differ.commit(again)
+    with pytest.raises(ValueError, match="stale push"):
+        differ.commit(lost)
+
+
+def test_differ_accepts_module_mapping_and_pairs():
+    lin = torch.nn.Linear(4, 3)
+    specs = {"weight": ParamSpec(shape=(3, 4), dtype=torch.bfloat16), "bias": ParamSpec(shape=(3,), dtype=torch.bfloat16)}
+    from_module = WeightDiffer(specs).encode(lin).updates
+    from_mapping = WeightDiffer(specs).encode(dict(lin.named_parameters())).updates
+    from_pairs = WeightDiffer(specs).encode(iter([(n, p.detach()) for n, p in lin.named_parameters()])).updates
+    assert [u.checksum for u in from_module] == [u.checksum for u in from_mapping] == [u.checksum for u in from_pairs]
+    assert {u.name for u in from_module} == {"weight", "bias"}
+
+
+# --- corrupt updates: each raises, weights and version stay -------------------------------------
+
+
+def _patch_of(differ, master, name):
+    pending = differ.encode({name: master[name]})
+    (update,) = pending.updates
+    assert isinstance(update, Patch) and update.indices.num_indices > 0
+    return update
+
+
+def corrupt_cases():
+    k = "model.layers.0.self_attn.k_proj.weight"
+
+    def out_of_bounds(u, target):
+        idx = u.indices.decode(torch.device("cpu"))
+        idx[-1] = target.shapes[k][0] * target.shapes[k][1]  # one past the end
+        return [Patch(name=k, indices=PackedIndices.encode(idx), values=u.values, checksum=u.checksum)], "out of bounds"
+
+    def bad_checksum(u, target):
+        return [Patch(name=k, indices=u.indices, values=u.values, checksum=u.checksum + 1)], "checksum mismatch"
+
+    def flipped_value(u, target):
+        values = u.values.clone()
+        values.view(torch.int16)[0] ^= 1
+        return [Patch(name=k, indices=u.indices, values=values, checksum=u.checksum)], "checksum mismatch"
+
+    def dense_bad_checksum(u, target):
+        t = target.read_checkpoint_tensor(k).clone() + 1
+        return [Dense(name=k, tensor=t, checksum=checksum(t) ^ 4)], "checksum mismatch"
+
+    def wrong_shape(u, target):
+        return [Dense.of(k, torch.zeros(KV_ROWS + 1, HIDDEN, dtype=torch.bfloat16))], "shape"
+
+    def wrong_dtype(u, target):
+        return [Dense.of(k, torch.zeros(KV_ROWS, HIDDEN, dtype=torch.float16))], "dtype"
+
+    def unknown_name(u, target):
+        return [Dense.of("lm_head.weight", torch.zeros(VOCAB, HIDDEN, dtype=torch.bfloat16))], "unknown parameter"
+
+    def bad_overflow(u, target):
+        return [Patch(name=k, indices=PackedIndices(gaps=u.indices.gaps, overflow=torch.tensor([7], dtype=torch.int32)), values=u.values, checksum=u.checksum)], "malformed index stream"
+
+    def values_length(u, target):
+        return [Patch(name=k, indices=u.indices, values=u.values[:-1], checksum=u.checksum)], "indices but values"
+
+    def duplicate(u, target):
+        return [u, u], "sent twice"
+
+    return [out_of_bounds, bad_overflow, bad_checksum, flipped_value, dense_bad_checksum, wrong_shape, wrong_dtype, unknown_name, values_length, duplicate]
+
+
+@pytest.mark.parametrize("make_corrupt", corrupt_cases(), ids=lambda f: f.__name__)
+def test_corrupt_update_raises_and_leaves_weights_and_version(make_corrupt):
+    target, receiver, differ, master = make_pair(torch.bfloat16)
+    differ.commit(differ.encode(master))
+    receiver.apply(1, [Dense.of("model.norm.weight", master["model.norm.weight"].bfloat16())])
+    adamw_like_step(master, torch.Generator().manual_seed(6), frac=0.1)
+    good = _patch_of(differ, master, "model.layers.0.self_attn.k_proj.weight")
+    updates, match = make_corrupt(good, target)
+    before = target.snapshot_runtime()
+    fine = Dense.of("model.layers.0.self_attn.q_proj.weight", torch.ones(Q_ROWS, HIDDEN, dtype=torch.bfloat16))
+    with pytest.raises(WeightUpdateError, match=match):
+        receiver.apply(2, [fine, *updates])  # a valid record first: it must not be written either
+    assert_bitwise_equal(target.snapshot_runtime(), before)
+    assert receiver.version == 1
+    result = receiver.apply(2, [good])  # the receiver is still usable afterwards
+    assert result.version == 2 and result.num_patch == 1
+
+
+def test_stream_cut_short_raises():
+    target, receiver, differ, master = make_pair(torch.bfloat16)
+    before = target.snapshot_runtime()
+    session = receiver.session()
+    session.start(1, expected_names=["model.norm.weight", "model.embed_tokens.weight"])
+    session.add([Dense.of("model.norm.weight", torch.ones(HIDDEN, dtype=torch.bfloat16))])
+    with pytest.raises(WeightUpdateError, match="stream cut short.*embed_tokens"):
+        session.finish()
+    assert_bitwise_equal(target.snapshot_runtime(), before)
+    assert receiver.version == 0
+
+
+@pytest.mark.parametrize("mode", ["invalidated", "untrusted_cache"])
+def test_patch_against_another_base_is_rejected(mode):
+    target, receiver, differ, master = make_pair(torch.bfloat16)
+    receiver.trust_cached_checksums = mode != "untrusted_cache"
+    differ.commit(differ.encode(master))
+    k = "model.layers.1.self_attn.k_proj.weight"
+    receiver.current_checksum(k)  # cache the checksum ...
+    target.read_checkpoint_tensor(k)[0, 0] = 5.0  # ... then change weights outside a session
+    if mode == "invalidated":
+        receiver.invalidate_checksums([k])
+    adamw_like_step(master, torch.Generator().manual_seed(7), frac=0.1)
+    update = _patch_of(differ, master, k)
+    assert 0 not in update.indices.decode(torch.device("cpu")).tolist()
+    before = target.snapshot_runtime()
+    with pytest.raises(WeightUpdateError, match="different base version"):
+        receiver.apply(1, [update])
+    assert_bitwise_equal(target.snapshot_runtime(), before)
+
+
+class FlakyTarget(FakeTarget):
+    """Flips a bit in the first patch it writes (a transient fault): only read-back can notice."""
+
+    flipped = False
+
+    def write_patch(self, name, flat_indices, values):
+        if not self.flipped and values.numel():
+            values = values.clone()
+            values.view(torch.int16)[0] ^= 1
+            self.flipped = True
+        super().write_patch(name, flat_indices, values)
+
+
+class FailingTarget(FakeTarget):
+    """Raises on the second write of a session."""
+
+    writes = 0
+
+    def write_dense(self, name, tensor):
+        self.writes += 1
+        if self.writes == 2:
+            raise RuntimeError("device lost")
+        super().write_dense(name, tensor)
+
+
+def test_faulty_write_fails_verification_and_rolls_back():
+    target = FlakyTarget(torch.bfloat16)
+    receiver = WeightReceiver(target)
+    differ = WeightDiffer(target.checkpoint_specs())
+    master = new_trainer(target)
+    differ.commit(differ.encode(master))
+    adamw_like_step(master, torch.Generator().manual_seed(8), frac=0.2)
+    updates = differ.encode(master).updates
+    before = target.snapshot_runtime()
+    with pytest.raises(WeightUpdateError, match="verification after write failed"):
+        receiver.apply(1, updates)
+    assert_bitwise_equal(target.snapshot_runtime(), before)
+    assert receiver.version == 0
+
+
+def test_failed_write_rolls_back_earlier_writes():
+    target = FailingTarget(torch.bfloat16)
+    receiver = WeightReceiver(target)
+    before = target.snapshot_runtime()
+    updates = [Dense.of(n, torch.full(s, 3.0, dtype=torch.bfloat16)) for n, s in list(target.shapes.items())[:3]]
+    with pytest.raises(WeightUpdateError, match="device lost"):
+        receiver.apply(1, updates)
+    assert_bitwise_equal(target.snapshot_runtime(), before)
+
+
+def test_session_misuse_raises():
+    receiver = WeightReceiver(TensorDictTarget({"w": torch.zeros(4)}))
+    record = Dense.of("w", torch.ones(4))
+    session = receiver.session()
+    with pytest.raises(WeightUpdateError, match="add\\(\\) on a session that is new"):
+        session.add([record])
+    with pytest.raises(WeightUpdateError, match="finish\\(\\) on a session that is new"):
+        session.finish()
+    session.start(1)
+    with pytest.raises(WeightUpdateError, match="start\\(\\) on a session that is started"):
+        session.start(2)
+    with pytest.raises(WeightUpdateError, match="another session is open"):
+        receiver.session().start(2)
+    session.add([record])
+    assert session.finish().version == 1
+    with pytest.raises(WeightUpdateError, match="finish\\(\\) on a session that is finished"):
+        session.finish()
+    with pytest.raises(WeightUpdateError, match="version must be an int > the current version 1"):
+        receiver.session().start(1)
+    assert torch.equal(receiver.target.tensors["w"], torch.ones(4))
+
+
+def test_parameters_keep_their_storage():
+    target, receiver, differ, master = make_pair(torch.bfloat16)
+    ptrs = {k: v.data_ptr() for k, v in target.runtime.items()}
+    adamw_like_step(master, torch.Generator().manual_seed(9))
+    push(differ, InProcessSender(receiver), 1, master)
+    adamw_like_step(master, torch.Generator().manual_seed(10))
+    push(differ, InProcessSender(receiver), 2, master)
+    assert {k: v.data_ptr() for k, v in target.runtime.items()} == ptrs
+
+
+# --- wire format ----------------------------------------------------------------------------------
+
+
+def _mixed_updates():
+    target, receiver, differ, master = make_pair(torch.bfloat16)
+    differ.commit(differ.encode(master))
+    differ.reset(["model.norm.weight"])
+    adamw_like_step(master, torch.Generator().manual_seed(11), frac=0.1)
+    return differ.encode(master).updates
+
+
+def test_bucket_roundtrip_is_a_valid_safetensors_file():
+    safetensors_torch = pytest.importorskip("safetensors.torch")
+    updates = _mixed_updates()
+    plan = plan_bucket(updates)
+    buf = torch.empty(plan.nbytes, dtype=torch.uint8)
+    write_bucket(plan, buf)
+    decoded = read_bucket(plan.header, buf)
+    assert [u.name for u in decoded] == [u.name for u in updates]
+    for a, b in zip(updates, decoded):
+        assert type(a) is type(b) and a.checksum == b.checksum
+        if isinstance(a, Dense):
+            assert torch.equal(a.tensor.view(torch.int16), b.tensor.view(torch.int16))
+        else:
+            assert torch.equal(a.indices.gaps, b.indices.gaps) and torch.equal(a.values.view(torch.int16), b.values.view(torch.int16))
+    loaded = safetensors_torch.load(to_safetensors_prefix(plan.header) + buf.numpy().tobytes())
+    dense = next(u for u in updates if isinstance(u, Dense))
+    assert torch.equal(loaded[dense.name], dense.tensor)
+
+
+def test_truncated_bucket_raises():
+    updates = _mixed_updates()
+    plan = plan_bucket(updates)
+    buf = torch.empty(plan.nbytes, dtype=torch.uint8)
+    write_bucket(plan, buf)
+    with pytest.raises(WeightUpdateError, match="truncated bucket"):
+        read_bucket(plan.header, buf[: plan.nbytes - 3])
+
+
+def test_import_is_cheap():
+    code = "import sys, weight_updates, weight_updates.transports; print(sorted(m for m in ('nixl', 'nixl._api', 'ray') if m in sys.modules))"
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout
+    assert out.strip() == "[]"

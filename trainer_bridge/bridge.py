@@ -1,0 +1,272 @@
+"""TrainerBridge: the one object a training script uses to talk to the rollout engine.
+
+    batch = bridge.rollout(prompts, sampling)   engine.generate -> one TokenSample per completion
+    stats = bridge.push_weights(model)          WeightDiffer.encode -> engine.apply_weight_update -> commit
+    m     = bridge.logprob_mismatch(batch, trainer_logprobs)
+
+The engine behind it is a local `rollout.Engine` (same process) or a `rollout.pool.RolloutPool`; both
+offer `generate`, `weight_specs`, `apply_weight_update` and `policy_version`, which is all this module
+uses. The bridge keeps the trainer-side snapshot (the `WeightDiffer`), so each push after the first is a
+sparse patch wherever that is smaller. It does not compute losses or rewards, and does not own the
+optimizer: see `trainer_bridge.grpo` / `trainer_bridge.ppo`.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import time
+from collections.abc import Iterable, Mapping, Sequence
+from dataclasses import dataclass
+
+import torch
+
+from rollout.sampling_params import SamplingParams
+from weight_updates import DiffConfig, ParamSpec, WeightDiffer
+
+
+@dataclass(kw_only=True, slots=True)
+class TokenSample:
+    """One token stream: a prompt and one sampled completion. Every per-token list has length L.
+
+    Position t describes token `token_ids[t]`: `logprobs[t]` is the rollout logprob of that token given
+    the tokens before it, `policy_versions[t]` the policy version it was sampled under. Prompt tokens were
+    not sampled: their loss mask is 0, logprob 0.0 and version -1, so they are never trained on.
+
+    Worked example, prompt "7+5=" (4 tokens) and completion "12<eos>" (3 tokens) sampled under version 3::
+
+        token_ids        [ 9,  12,   7,  13,    3,    4,    1]    "7" "+" "5" "=" | "1" "2" <eos>
+        loss_mask        [ 0,   0,   0,   0,    1,    1,    1]
+        logprobs         [ 0.,  0.,  0.,  0., -0.4, -0.1, -0.01]
+        policy_versions  [-1,  -1,  -1,  -1,    3,    3,    3]
+        num_prompt_tokens = 4
+
+    A trainer's `token_logprobs(input_ids)` is `[B, L - 1]` with entry t scoring token t + 1, so it lines
+    up with `logprobs[1:]` and `loss_mask[1:]`.
+    """
+
+    prompt_index: int
+    """Position of the prompt in the `rollout` call."""
+    sample_index: int
+    """Which of the prompt's n samples this is."""
+    token_ids: list[int]
+    loss_mask: list[int]
+    logprobs: list[float]
+    policy_versions: list[int]
+    num_prompt_tokens: int
+    finish_reason: str
+    """"stop" or "length" (see rollout.outputs.CompletionOutput)."""
+    completion_text: str | None = None
+    """Detokenized completion when the engine has a tokenizer."""
+
+    def __post_init__(self) -> None:
+        n = len(self.token_ids)
+        assert len(self.loss_mask) == len(self.logprobs) == len(self.policy_versions) == n, "ragged TokenSample"
+        assert 0 < self.num_prompt_tokens <= n
+
+    @property
+    def completion_ids(self) -> list[int]:
+        return self.token_ids[self.num_prompt_tokens :]
+
+
+@dataclass(kw_only=True, slots=True)
+class PaddedBatch:
+    """TokenSamples right-padded into tensors; every tensor is [B, T] with T the longest stream."""
+
+    input_ids: torch.Tensor  # [B, T] int64, padded with pad_id
+    loss_mask: torch.Tensor  # [B, T] float32, 0 on prompt and padding
+    logprobs: torch.Tensor  # [B, T] float32 rollout logprobs, 0 on prompt and padding
+    policy_versions: torch.Tensor  # [B, T] int64, -1 on prompt and padding
+    lengths: torch.Tensor  # [B] int64 stream lengths
+
+
+@dataclass(kw_only=True, slots=True)
+class RolloutBatch:
+    """The result of one `TrainerBridge.rollout`: samples in prompt order, then sample order."""
+
+    samples: list[TokenSample]
+    num_prompts: int
+    samples_per_prompt: int
+    seconds: float
+    policy_version: int
+    """The engine's policy version when the rollout finished."""
+
+    @property
+    def num_completion_tokens(self) -> int:
+        return sum(len(s.token_ids) - s.num_prompt_tokens for s in self.samples)
+
+    @property
+    def tokens_per_s(self) -> float:
+        return self.num_completion_tokens / max(self.seconds, 1e-9)
+
+    def version_lag(self) -> tuple[float, int]:
+        """(mean, max) over completion tokens of `policy_version - token's version` (0 when fully on-policy)."""
+        lags = [self.policy_version - v for s in self.samples for v, m in zip(s.policy_versions, s.loss_mask) if m]
+        return (sum(lags) / len(lags), max(lags)) if lags else (0.0, 0)
+
+    def padded(self, pad_id: int = 0, device: torch.device | str = "cpu") -> PaddedBatch:
+        width = max(len(s.token_ids) for s in self.samples)
+        b = len(self.samples)
+        input_ids = torch.full((b, width), pad_id, dtype=torch.int64)  # [B, T]
+        loss_mask = torch.zeros(b, width)  # [B, T]
+        logprobs = torch.zeros(b, width)  # [B, T]
+        versions = torch.full((b, width), -1, dtype=torch.int64)  # [B, T]
+        for i, s in enumerate(self.samples):
+            n = len(s.token_ids)
+            input_ids[i, :n] = torch.tensor(s.token_ids)
+            loss_mask[i, :n] = torch.tensor(s.loss_mask, dtype=torch.float32)
+            logprobs[i, :n] = torch.tensor(s.logprobs, dtype=torch.float32)
+            versions[i, :n] = torch.tensor(s.policy_versions)
+        lengths = torch.tensor([len(s.token_ids) for s in self.samples])  # [B]
+        return PaddedBatch(
+            input_ids=input_ids.to(device), loss_mask=loss_mask.to(device), logprobs=logprobs.to(device),
+            policy_versions=versions.to(device), lengths=lengths.to(device),
+        )
+
+
+@dataclass(frozen=True, kw_only=True, slots=True)
+class PushResult:
+    """What one `push_weights` did."""
+
+    version: int
+    """The engine's policy version after the push."""
+    num_dense: int
+    num_patch: int
+    nbytes: int
+    """Payload bytes sent (dense tensors + patch indices and values)."""
+    dense_nbytes: int
+    """Bytes had every parameter been sent dense."""
+    changed_fraction: float
+    """Fraction of elements whose bits changed (over parameters the differ had a snapshot of)."""
+    encode_s: float
+    apply_s: float
+    """Transport + validate + write + verify on the engine side, as seen by the trainer."""
+
+    @property
+    def seconds(self) -> float:
+        return self.encode_s + self.apply_s
+
+    def to_json(self) -> dict:
+        d = {f.name: getattr(self, f.name) for f in dataclasses.fields(self)}
+        d["seconds"] = self.seconds
+        return d
+
+
+def logprob_mismatch(rollout_logprobs: torch.Tensor, trainer_logprobs: torch.Tensor, mask: torch.Tensor) -> dict[str, float]:
+    """Rollout-vs-trainer logprob mismatch over the tokens where `mask` is nonzero (same shapes, any).
+
+    delta = trainer - rollout per token. Returns mean |delta|, max |delta|, mean |exp(delta) - 1| (the
+    importance ratio's distance from 1) and the k3 estimate of KL(rollout || trainer), E[r - 1 - log r]
+    with r = exp(delta), which is >= 0 per token.
+    """
+    if rollout_logprobs.shape != trainer_logprobs.shape or rollout_logprobs.shape != mask.shape:
+        raise ValueError(
+            f"shapes differ: rollout {tuple(rollout_logprobs.shape)}, trainer {tuple(trainer_logprobs.shape)}, "
+            f"mask {tuple(mask.shape)}"
+        )
+    sel = mask.bool()
+    delta = (trainer_logprobs.detach().double() - rollout_logprobs.double())[sel]  # [num_tokens]
+    if delta.numel() == 0:
+        return {"mismatch_abs_mean": 0.0, "mismatch_abs_max": 0.0, "ratio_dev_mean": 0.0, "mismatch_kl": 0.0}
+    ratio = delta.exp()
+    return {
+        "mismatch_abs_mean": delta.abs().mean().item(),
+        "mismatch_abs_max": delta.abs().max().item(),
+        "ratio_dev_mean": (ratio - 1).abs().mean().item(),
+        "mismatch_kl": (ratio - 1 - delta).mean().item(),
+    }
+
+
+class TrainerBridge:
+    """Rollouts from, and weight pushes to, one engine (local `Engine` or `RolloutPool`).
+
+    The first push of a parameter is sent dense (the bridge has no snapshot of the engine's weights yet);
+    later pushes send a patch of the changed coordinates when that is smaller (see `DiffConfig`).
+    """
+
+    def __init__(self, engine, *, diff_config: DiffConfig = DiffConfig(), snapshot_device: str = "cpu") -> None:
+        for attr in ("generate", "weight_specs", "apply_weight_update", "policy_version"):
+            if not hasattr(engine, attr):
+                raise ValueError(f"engine must offer {attr} (an Engine or a RolloutPool), got {type(engine).__name__}")
+        self.engine = engine
+        self.specs: dict[str, ParamSpec] = dict(engine.weight_specs())
+        self.differ = WeightDiffer(self.specs, device=snapshot_device, config=diff_config)
+
+    @property
+    def policy_version(self) -> int:
+        return self.engine.policy_version
+
+    def rollout(self, prompts: Sequence[str | Sequence[int]], sampling: SamplingParams, *, use_tqdm: bool = False) -> RolloutBatch:
+        """`sampling.n` completions of every prompt, as TokenSamples in prompt order.
+
+        With `sampling.seed` set, prompt i is sampled with seed `sampling.seed + i` (so prompts do not share
+        noise) and the batch is reproducible on any engine, local or pool. `sampling.logprobs` is forced on.
+        """
+        if not isinstance(sampling, SamplingParams):
+            raise ValueError(f"sampling must be SamplingParams, got {type(sampling).__name__}")
+        prompts = list(prompts)
+        if not prompts:
+            raise ValueError("rollout needs at least one prompt")
+        params = [
+            dataclasses.replace(sampling, logprobs=True, seed=None if sampling.seed is None else sampling.seed + i)
+            for i in range(len(prompts))
+        ]
+        start = time.perf_counter()
+        outputs = self.engine.generate(prompts, params, use_tqdm=use_tqdm)
+        seconds = time.perf_counter() - start
+        samples = []
+        for i, out in enumerate(outputs):
+            p = len(out.prompt_token_ids)
+            for c in out.outputs:
+                assert c.finished and c.logprobs is not None and len(c.logprobs) == len(c.token_ids)
+                n = len(c.token_ids)
+                samples.append(
+                    TokenSample(
+                        prompt_index=i, sample_index=c.index, token_ids=list(out.prompt_token_ids) + list(c.token_ids),
+                        loss_mask=[0] * p + [1] * n, logprobs=[0.0] * p + list(c.logprobs),
+                        policy_versions=[-1] * p + list(c.policy_versions), num_prompt_tokens=p,
+                        finish_reason=c.finish_reason, completion_text=c.text,
+                    )
+                )
+        return RolloutBatch(
+            samples=samples, num_prompts=len(prompts), samples_per_prompt=sampling.n, seconds=seconds,
+            policy_version=self.policy_version,
+        )
+
+    def push_weights(self, weights) -> PushResult:
+        """Send new weights; on success the engine holds them under `policy_version + 1`.
+
+        `weights`: a `TrainingModel` (or any object with `checkpoint_state()`), an `nn.Module` whose
+        parameter names are checkpoint (Hugging Face) names, a `Mapping[str, Tensor]`, or an iterable of
+        (name, tensor) pairs; any subset of the engine's parameters. Tensors are cast to the engine dtype
+        (fp32 master weights -> bf16, say). An unknown name, a wrong shape or a non-float dtype raises
+        ValueError, as does a rejected update; either way the engine's weights, its version and the
+        bridge's snapshot are unchanged.
+        """
+        if hasattr(weights, "checkpoint_state"):
+            weights = weights.checkpoint_state()
+        elif isinstance(weights, torch.nn.Module):
+            weights = dict(weights.named_parameters())
+        elif not isinstance(weights, Mapping):
+            if not isinstance(weights, Iterable):
+                raise ValueError(f"cannot push weights of type {type(weights).__name__}")
+            weights = list(weights)
+        if not weights:
+            raise ValueError("push_weights got no parameters")
+        t0 = time.perf_counter()
+        with torch.no_grad():
+            push = self.differ.encode(weights)
+        t1 = time.perf_counter()
+        version = self.policy_version + 1
+        self.engine.apply_weight_update(version, push.updates)
+        t2 = time.perf_counter()
+        self.differ.commit(push)
+        s = push.stats
+        return PushResult(
+            version=self.policy_version, num_dense=s.num_dense, num_patch=s.num_patch, nbytes=s.nbytes,
+            dense_nbytes=s.dense_nbytes, changed_fraction=s.changed_fraction, encode_s=t1 - t0, apply_s=t2 - t1,
+        )
+
+    def logprob_mismatch(self, batch: RolloutBatch | PaddedBatch, trainer_logprobs: torch.Tensor) -> dict[str, float]:
+        """Mismatch of the trainer's `token_logprobs(batch.input_ids)` ([B, T - 1]) against the rollout's."""
+        padded = batch.padded(device=trainer_logprobs.device) if isinstance(batch, RolloutBatch) else batch
+        return logprob_mismatch(padded.logprobs[:, 1:], trainer_logprobs, padded.loss_mask[:, 1:])

@@ -1,0 +1,123 @@
+"""Position-weighted checksums of a tensor's bit patterns, computable on its own device.
+
+Definition (the same on every device; all integer arithmetic is int64 modulo 2**64)::
+
+    checksum(t) = sum_i  s(i) * w(i)
+    s(i) = the bits of flat element i read as a sign-extended integer
+           (int8 / int16 / int32 for 1- / 2- / 4-byte dtypes; bf16 -0.0 and NaN payloads count)
+    w(i) = T[i mod 2**22] + 2 * (i div 2**22)
+    T[j] = (mix32(j) mod 2**15) | 1          (odd, fixed, see ``_weight_table``)
+
+Every weight is odd and depends on the position, so a flipped bit, a swapped pair or a shifted row
+changes the sum (up to the odds of a weight collision, about 2**-14 for a swap). It is a corruption
+and base-version check, not a cryptographic hash. Because addition modulo 2**64 is associative,
+the result does not depend on reduction order, so CPU and CUDA agree bitwise; and because it is
+linear in ``s``, a sparse patch changes it by ``sum over patched i of (s_new(i) - s_old(i)) * w(i)``,
+which lets both sides keep checksums current in O(changed) work (``patch_checksum_delta``).
+
+Tensors are processed in blocks through one reused int64 buffer; only the final 0-dim int64 tensor
+leaves the device when a caller asks for it. 8-byte dtypes are not supported.
+"""
+
+import itertools
+from collections.abc import Sequence
+
+import torch
+
+_CHUNK_BITS = 22
+_CHUNK = 1 << _CHUNK_BITS
+_SIGNED_VIEW = {1: torch.int8, 2: torch.int16, 4: torch.int32}
+_tables: dict[torch.device, torch.Tensor] = {}  # device -> [2**22] int64
+_tables16: dict[torch.device, torch.Tensor] = {}  # device -> [2**22] int16, the same values
+
+
+def check_dtype_supported(dtype: torch.dtype) -> None:
+    """Raise ValueError for dtypes the checksum cannot read (8-byte and wider)."""
+    if dtype.itemsize not in _SIGNED_VIEW:
+        raise ValueError(f"checksums support 1-, 2- and 4-byte dtypes, not {dtype}")
+
+
+def _weight_table(device: torch.device) -> torch.Tensor:
+    """[2**22] int64: T[j] on ``device``; built once per device."""
+    table = _tables.get(device)
+    if table is None:
+        h = (torch.arange(_CHUNK, dtype=torch.int64, device=device) * 2654435761) & 0xFFFFFFFF
+        h ^= h >> 16
+        h = (h * 0x45D9F3B) & 0xFFFFFFFF
+        h ^= h >> 16
+        table = (h & 0x7FFF) | 1
+        _tables[device] = table
+    return table
+
+
+def _signed_bits(values: torch.Tensor) -> torch.Tensor:
+    """[n] values -> [n] same-width signed integers holding their bits (a view, no copy)."""
+    return values.view(_SIGNED_VIEW[values.element_size()])
+
+
+def checksum_tensor(t: torch.Tensor) -> torch.Tensor:
+    """0-dim int64 checksum of ``t``'s bits, on ``t.device`` (no host copy)."""
+    check_dtype_supported(t.dtype)
+    flat = _signed_bits(t.reshape(-1))  # [numel]
+    table = _weight_table(t.device)
+    # Blocks divide 2**22. One reused int64 buffer: same-dtype in-place ops are the fast kernels.
+    block = _CHUNK if t.is_cuda else 1 << 20
+    buf = torch.empty(min(block, flat.numel()), dtype=torch.int64, device=t.device)  # [block]
+    total = torch.zeros((), dtype=torch.int64, device=t.device)
+    for start in range(0, flat.numel(), block):
+        bits = buf[: min(block, flat.numel() - start)].copy_(flat[start : start + block])  # [<= block]
+        chunk_idx, offset = divmod(start, _CHUNK)
+        if chunk_idx:
+            total += 2 * chunk_idx * bits.sum()
+        total += bits.mul_(table[offset : offset + bits.numel()]).sum()
+    return total
+
+
+def _delta_terms(old: torch.Tensor, new: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
+    """[n] int64 ``(s(new) - s(old)) * w(positions)``."""
+    check_dtype_supported(new.dtype)
+    assert old.dtype == new.dtype and old.shape == new.shape == positions.shape and positions.dtype == torch.int64
+    diff = _signed_bits(new).to(torch.int64)  # [n]
+    diff.sub_(_signed_bits(old).to(torch.int64))
+    table16 = _tables16.get(new.device)
+    if table16 is None:  # T fits in int16; a 2-byte gather is much cheaper than an 8-byte one
+        table16 = _tables16[new.device] = _weight_table(new.device).to(torch.int16)
+    weights = table16.index_select(0, positions & (_CHUNK - 1)).to(torch.int64)  # [n]
+    weights.add_(positions >> _CHUNK_BITS, alpha=2)
+    return diff.mul_(weights)
+
+
+def patch_checksum_delta(old: torch.Tensor, new: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
+    """0-dim int64 ``sum_k (s(new[k]) - s(old[k])) * w(positions[k])``.
+
+    old, new: [n] one supported dtype; positions: [n] int64 flat indices; all on one device.
+    ``checksum(after) = checksum(before) + patch_checksum_delta(old, new, idx)`` for a patch at ``idx``.
+    """
+    return _delta_terms(old, new, positions).sum()
+
+
+def segment_sums(values: torch.Tensor, lengths: Sequence[int]) -> torch.Tensor:
+    """[len(lengths)] int64 sums of consecutive segments of ``values`` ([sum(lengths)] int64)."""
+    bounds = torch.tensor([0, *itertools.accumulate(lengths)], dtype=torch.int64).to(values.device, non_blocking=True)
+    prefix = torch.cat([values.new_zeros(1), torch.cumsum(values, 0)])  # [n + 1], wraps like every sum here
+    return prefix[bounds[1:]] - prefix[bounds[:-1]]
+
+
+def patch_checksum_deltas(olds: Sequence[torch.Tensor], news: Sequence[torch.Tensor], positions: Sequence[torch.Tensor]) -> torch.Tensor:
+    """[k] int64: ``patch_checksum_delta`` of k patches in a few kernels per dtype, not per patch."""
+    assert len(olds) == len(news) == len(positions) > 0
+    device = positions[0].device
+    out = torch.zeros(len(positions), dtype=torch.int64, device=device)
+    by_dtype: dict[torch.dtype, list[int]] = {}
+    for i, new in enumerate(news):
+        by_dtype.setdefault(new.dtype, []).append(i)
+    for members in by_dtype.values():
+        terms = _delta_terms(torch.cat([olds[i] for i in members]), torch.cat([news[i] for i in members]), torch.cat([positions[i] for i in members]))
+        sums = segment_sums(terms, [positions[i].numel() for i in members])
+        out[torch.tensor(members, dtype=torch.int64).to(device, non_blocking=True)] = sums
+    return out
+
+
+def checksum(t: torch.Tensor) -> int:
+    """``checksum_tensor`` as a Python int (one device-to-host copy)."""
+    return int(checksum_tensor(t).item())

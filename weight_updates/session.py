@@ -1,0 +1,328 @@
+"""Rollout side: versioned, validate-then-apply weight-update sessions.
+
+::
+
+    receiver = WeightReceiver(target, version=0)      # one per engine (rank); keeps checksums
+    session = receiver.session()
+    session.start(7, expected_names=[...])            # misuse (chunks before start, twice) raises
+    session.add(chunk_of_updates)                      # cheap checks now; nothing written
+    result = session.finish()                          # validate all -> write -> verify -> version 7
+
+``finish`` runs in three phases and touches the weights only in the second:
+
+1. validate: names, shapes, dtypes, index streams and bounds, every announced name present, and
+   every checksum *predicted* before writing (dense: checksum of the incoming tensor; patch: the
+   parameter's current checksum, cached by the receiver, plus the patch's linear change, see
+   ``checksum``). Patches' old values at their indices are gathered here for rollback.
+2. write through the target's ``write_dense`` / ``write_patch`` (the fused/sharded mapping is the
+   target's); each dense parameter is cloned first, for rollback.
+3. verify by reading back through ``read_checkpoint_tensor``: dense parameters by a full checksum,
+   patches by the exact bits at their indices (together with phase 1 that proves the post-update
+   checksum). Any failure in 2 or 3 writes the old values back.
+
+A failed session raises ``WeightUpdateError`` naming the parameter and leaves weights and version as
+they were. Host syncs: a few per session (bounds, predicted checksums, verification), none per
+parameter; the checks over all patches run as a few batched kernels per dtype. This module does not
+move bytes between processes (see ``transports``) and does not decide encodings (see ``differ``).
+"""
+
+import dataclasses
+import time
+from collections.abc import Collection, Iterable
+from dataclasses import dataclass
+
+import torch
+
+from weight_updates.checksum import checksum_tensor, patch_checksum_deltas, segment_sums
+from weight_updates.encoding import Dense, Patch, Update, decode_many
+from weight_updates.errors import WeightUpdateError
+from weight_updates.target import ParamSpec, WeightTarget
+
+
+@dataclass(frozen=True, kw_only=True, slots=True)
+class UpdateResult:
+    version: int  # the version now held
+    num_dense: int
+    num_patch: int
+    nbytes: int  # payload bytes received
+    validate_s: float  # phase 1, including checksum prediction
+    apply_s: float  # phase 2
+    verify_s: float  # phase 3
+
+    def to_json(self) -> dict:
+        return dataclasses.asdict(self)
+
+
+@dataclass(kw_only=True, slots=True)
+class _Staged:
+    """One validated record, moved to the target device."""
+
+    update: Update
+    indices: torch.Tensor | None  # [num_changed] int64 on device (patch only)
+    payload: torch.Tensor  # dense: checkpoint shape; patch: [num_changed]; engine dtype, on device
+    old: torch.Tensor | None = None  # the same shape as payload: values before the write
+
+
+class WeightReceiver:
+    """Holds the policy version of one target and the checksums of its parameters.
+
+    With ``trust_cached_checksums`` (the default) a parameter's checksum is computed once and then
+    carried forward by each verified session, so a patch is checked in O(changed) work. That is
+    exact as long as every write goes through a session: call ``invalidate_checksums`` after
+    writing weights any other way (a stale cache could hide a base mismatch). With it off, every
+    patched parameter is checksummed in full before the patch (O(numel), on the target's device).
+    """
+
+    def __init__(self, target: WeightTarget, *, version: int = 0, trust_cached_checksums: bool = True) -> None:
+        self.target = target
+        self.trust_cached_checksums = trust_cached_checksums
+        self.specs: dict[str, ParamSpec] = dict(target.checkpoint_specs())
+        self.version = version
+        self._checksums: dict[str, torch.Tensor] = {}  # name -> 0-dim int64 on target.device
+        self._active: UpdateSession | None = None
+
+    def session(self) -> "UpdateSession":
+        return UpdateSession(self)
+
+    def apply(self, version: int, updates: Iterable[Update], *, expected_names: Collection[str] | None = None) -> UpdateResult:
+        """start -> one chunk -> finish."""
+        session = self.session()
+        session.start(version, expected_names=expected_names)
+        session.add(updates)
+        return session.finish()
+
+    def invalidate_checksums(self, names: Iterable[str] | None = None) -> None:
+        for name in list(self._checksums) if names is None else names:
+            self._checksums.pop(name, None)
+
+    def current_checksum(self, name: str, *, refresh: bool = False) -> torch.Tensor:
+        """0-dim int64 checksum of the parameter as the target holds it now."""
+        if refresh or name not in self._checksums:
+            self._checksums[name] = checksum_tensor(self.target.read_checkpoint_tensor(name))
+        return self._checksums[name]
+
+
+class UpdateSession:
+    """One update: ``start(version)`` -> ``add(chunk)``* -> ``finish()``. Single use."""
+
+    def __init__(self, receiver: WeightReceiver) -> None:
+        self._receiver = receiver
+        self._state = "new"  # new -> started -> finished | failed
+        self._version = -1
+        self._expected: frozenset[str] | None = None
+        self._updates: dict[str, Update] = {}
+
+    @property
+    def state(self) -> str:
+        return self._state
+
+    def start(self, version: int, *, expected_names: Collection[str] | None = None) -> None:
+        """Open the session for ``version`` (> the receiver's). ``expected_names``: the parameters
+        the sender announced; ``finish`` fails if any did not arrive."""
+        if self._state != "new":
+            raise WeightUpdateError(f"start() on a session that is {self._state}")
+        receiver = self._receiver
+        if receiver._active is not None:
+            raise WeightUpdateError("another session is open on this receiver")
+        if not isinstance(version, int) or isinstance(version, bool) or version <= receiver.version:
+            raise WeightUpdateError(f"version must be an int > the current version {receiver.version}, got {version!r}")
+        if expected_names is not None:
+            unknown = sorted(set(expected_names) - receiver.specs.keys())
+            if unknown:
+                raise WeightUpdateError(f"announced unknown parameters {unknown[:5]}")
+            self._expected = frozenset(expected_names)
+        self._version = version
+        self._state = "started"
+        receiver._active = self
+
+    def add(self, updates: Iterable[Update]) -> None:
+        """Receive a chunk. Checks names, shapes and dtypes now; writes nothing."""
+        if self._state != "started":
+            raise WeightUpdateError(f"add() on a session that is {self._state}")
+        try:
+            for update in updates:
+                self._check_record(update)
+                self._updates[update.name] = update
+        except WeightUpdateError:
+            self.abort()
+            raise
+
+    def abort(self) -> None:
+        """End the session without touching the weights (a transport gave up)."""
+        if self._state == "started":
+            self._receiver._active = None
+        if self._state in ("new", "started"):
+            self._state = "failed"
+
+    def finish(self) -> UpdateResult:
+        """Validate everything, write, verify; on success the receiver holds the new version."""
+        if self._state != "started":
+            raise WeightUpdateError(f"finish() on a session that is {self._state}")
+        try:
+            return self._finish()
+        finally:
+            if self._state == "started":
+                self._state = "failed"
+            self._receiver._active = None
+
+    # ---------------------------------------------------------------------------------------------
+
+    def _check_record(self, update: Update) -> None:
+        specs = self._receiver.specs
+        if not isinstance(update, (Dense, Patch)):
+            raise WeightUpdateError(f"not an update record: {type(update).__name__}")
+        spec = specs.get(update.name)
+        if spec is None:
+            raise WeightUpdateError(f"unknown parameter {update.name!r}")
+        if self._expected is not None and update.name not in self._expected:
+            raise WeightUpdateError(f"{update.name}: not among the parameters announced at start")
+        if update.name in self._updates:
+            raise WeightUpdateError(f"{update.name}: sent twice in one session")
+        payload = update.tensor if isinstance(update, Dense) else update.values
+        if payload.dtype != spec.dtype:
+            raise WeightUpdateError(f"{update.name}: dtype {payload.dtype} != engine dtype {spec.dtype}")
+        if isinstance(update, Dense):
+            if tuple(payload.shape) != spec.shape:
+                raise WeightUpdateError(f"{update.name}: shape {tuple(payload.shape)} != checkpoint shape {spec.shape}")
+        elif payload.dim() != 1 or payload.numel() != update.indices.num_indices:
+            raise WeightUpdateError(f"{update.name}: {update.indices.num_indices} indices but values of shape {tuple(payload.shape)}")
+
+    def _finish(self) -> UpdateResult:
+        receiver, target = self._receiver, self._receiver.target
+        device = target.device
+        missing = sorted((self._expected or frozenset()) - self._updates.keys())
+        if missing:
+            raise WeightUpdateError(f"stream cut short: {len(missing)} announced parameters never arrived, e.g. {missing[:5]}")
+
+        # Phase 1: stage on device, check bounds, predict checksums.
+        t0 = time.perf_counter()
+        staged = [
+            _Staged(update=u, indices=None, payload=(u.tensor if isinstance(u, Dense) else u.values).to(device, non_blocking=True))
+            for u in self._updates.values()
+        ]
+        patches = [s for s in staged if isinstance(s.update, Patch)]
+        if patches:
+            all_indices, malformed, last = decode_many([s.update.indices for s in patches], device)
+            for s, indices in zip(patches, all_indices):
+                s.indices = indices
+            for s, (bad, idx) in zip(patches, torch.stack([malformed.to(torch.int64), last], dim=1).tolist()):
+                name = s.update.name
+                if bad:
+                    raise WeightUpdateError(f"{name}: malformed index stream (escape count != overflow count, or an overflow gap < 1)")
+                numel = receiver.specs[name].numel
+                if idx >= numel:
+                    raise WeightUpdateError(f"{name}: flat index {idx} out of bounds for {numel} elements")
+        for s in patches:
+            s.old = target.read_checkpoint_tensor(s.update.name).reshape(-1).index_select(0, s.indices)
+        expected = torch.tensor([s.update.checksum for s in staged], dtype=torch.int64).to(device, non_blocking=True)  # [num records]
+        self._check_predicted_checksums(staged, patches, expected)
+        t1 = time.perf_counter()
+
+        # Phase 2: write, keeping old values for rollback.
+        written: list[_Staged] = []
+        try:
+            for s in staged:
+                if s.indices is None:
+                    s.old = target.read_checkpoint_tensor(s.update.name).clone()
+                    target.write_dense(s.update.name, s.payload)
+                else:
+                    target.write_patch(s.update.name, s.indices, s.payload)
+                written.append(s)
+            if device.type == "cuda":
+                torch.cuda.synchronize(device)
+        except Exception as e:
+            self._rollback(written)
+            raise WeightUpdateError(f"target write failed, weights restored: {e}") from e
+        t2 = time.perf_counter()
+
+        # Phase 3: read back and verify.
+        failed = torch.zeros(len(staged), dtype=torch.bool, device=device)  # [num records]
+        for i, s in enumerate(staged):
+            if s.indices is None:
+                failed[i] = checksum_tensor(target.read_checkpoint_tensor(s.update.name)) != expected[i]
+        if patches:
+            got = [target.read_checkpoint_tensor(s.update.name).reshape(-1).index_select(0, s.indices) for s in patches]
+            failed[self._patch_rows(staged)] = _count_differing_bits(got, [s.payload for s in patches]) > 0
+        bad = [s.update.name for s, f in zip(staged, failed.tolist()) if f]
+        if bad:
+            self._rollback(staged)
+            raise WeightUpdateError(f"verification after write failed for {bad[:5]}: the target did not hold the sent bits; weights restored")
+        t3 = time.perf_counter()
+
+        for s, check in zip(staged, expected.unbind()):
+            receiver._checksums[s.update.name] = check
+        receiver.version = self._version
+        self._state = "finished"
+        num_dense = sum(s.indices is None for s in staged)
+        return UpdateResult(
+            version=self._version,
+            num_dense=num_dense,
+            num_patch=len(staged) - num_dense,
+            nbytes=sum(s.update.nbytes for s in staged),
+            validate_s=t1 - t0,
+            apply_s=t2 - t1,
+            verify_s=t3 - t2,
+        )
+
+    @staticmethod
+    def _patch_rows(staged: list[_Staged]) -> torch.Tensor:
+        """[num patches] int64: the rows of ``staged`` that are patches, on the target device."""
+        rows = [i for i, s in enumerate(staged) if s.indices is not None]
+        return torch.tensor(rows, dtype=torch.int64).to(staged[0].payload.device, non_blocking=True)
+
+    def _check_predicted_checksums(self, staged: list[_Staged], patches: list[_Staged], expected: torch.Tensor) -> None:
+        """Raise unless every record's post-update checksum, predicted before writing, is ``expected``.
+
+        Dense: the checksum of the incoming tensor. Patch: the parameter's current checksum plus
+        the patch's change (all patches in a few kernels). One host sync.
+        """
+        if not staged:
+            return
+        receiver = self._receiver
+        predicted = torch.zeros(len(staged), dtype=torch.int64, device=expected.device)  # [num records]
+        for i, s in enumerate(staged):
+            if s.indices is None:
+                predicted[i] = checksum_tensor(s.payload)
+        if patches:
+            refresh = not receiver.trust_cached_checksums
+            bases = torch.stack([receiver.current_checksum(s.update.name, refresh=refresh) for s in patches])  # [num patches]
+            deltas = patch_checksum_deltas([s.old for s in patches], [s.payload for s in patches], [s.indices for s in patches])
+            predicted[self._patch_rows(staged)] = bases + deltas
+        got = predicted.tolist()
+        bad = [(s, g) for s, g in zip(staged, got) if g != s.update.checksum]
+        if bad:
+            s, g = bad[0]
+            kind = "the incoming tensor" if s.indices is None else "the current weights with the patch applied"
+            raise WeightUpdateError(
+                f"checksum mismatch for {len(bad)} parameters, first {s.update.name}: sender says {s.update.checksum}, "
+                f"{kind} give {g} (corrupt data, or a patch against a different base version)"
+            )
+
+    def _rollback(self, written: list[_Staged]) -> None:
+        target = self._receiver.target
+        for s in reversed(written):
+            assert s.old is not None
+            if s.indices is None:
+                target.write_dense(s.update.name, s.old)
+            else:
+                target.write_patch(s.update.name, s.indices, s.old)
+
+
+def _count_differing_bits(got: list[torch.Tensor], sent: list[torch.Tensor]) -> torch.Tensor:
+    """[k] int64: how many elements of ``got[i]`` differ bitwise from ``sent[i]`` (same shapes)."""
+    out = torch.zeros(len(got), dtype=torch.int64, device=sent[0].device)
+    by_dtype: dict[torch.dtype, list[int]] = {}
+    for i, t in enumerate(sent):
+        by_dtype.setdefault(t.dtype, []).append(i)
+    for members in by_dtype.values():
+        int_dtype = {1: torch.int8, 2: torch.int16, 4: torch.int32}[sent[members[0]].element_size()]
+        a = torch.cat([got[i] for i in members]).view(int_dtype)
+        b = torch.cat([sent[i] for i in members]).view(int_dtype)
+        counts = segment_sums(torch.ne(a, b).to(torch.int64), [sent[i].numel() for i in members])
+        out[torch.tensor(members, dtype=torch.int64).to(out.device, non_blocking=True)] = counts
+    return out
+
+
+def apply_update(target: WeightTarget, version: int, updates: Iterable[Update], *, current_version: int = 0) -> UpdateResult:
+    """One-shot session on a target without a long-lived receiver (no checksum cache)."""
+    return WeightReceiver(target, version=current_version).apply(version, updates)

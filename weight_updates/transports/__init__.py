@@ -1,0 +1,14 @@
+"""Ways to carry update records from a trainer rank to a rollout rank.
+
+- ``inprocess``: the receiver lives in the trainer's process; records are handed over as they are.
+- ``ipc``: same host; buckets in POSIX shared memory (CPU) or CUDA IPC allocations (GPU), described
+  by JSON messages on a ``multiprocessing.connection.Connection``. Trainer rank r talks to rollout
+  rank r only.
+- ``dist``: ``torch.distributed`` broadcast of flat buckets (gloo on CPU, NCCL on GPU), JSON
+  metadata as length-prefixed uint8 tensors.
+- ``nixl``: each rollout rank READs its own slice of the trainer's registered memory.
+
+Every transport moves safetensors-described flat buffers (``weight_updates.wire``) and JSON; tensor
+data is never pickled. Backends are imported inside the modules that need them; this package
+imports none of them.
+"""

@@ -1,0 +1,219 @@
+"""Rank-local IPC: trainer rank r hands its records to rollout rank r on the same host.
+
+::
+
+    trainer rank r                                   rollout rank r
+    IpcSender.send(version, updates)                 IpcReceiver.serve_one()
+      {"op": "start", version, names}  ---JSON--->     session.start
+      per bucket: write it into shared memory
+      {"op": "chunk", kind, where}     ---JSON--->     map the memory (no copy), session.add(views)
+      {"op": "finish"}                 ---JSON--->     session.finish (validate, write, verify)
+      wait; then free the memory      <---JSON---      {"op": "result", ok, error | result}
+
+Where a bucket lives:
+
+- CPU (``kind="shm"``): a file in ``/dev/shm`` holding a complete safetensors file (length-prefixed
+  JSON header + data), mapped with ``torch.from_file`` on both sides; the message carries its path.
+- CUDA (``kind="cuda_ipc"``): a device buffer shared with ``torch.multiprocessing.reductions``;
+  the message carries the safetensors header and the CUDA IPC handle fields as JSON (hex bytes).
+
+Only JSON crosses the connection; tensor data crosses only through the shared memory. A receiver
+that sees a bad chunk keeps reading until ``finish`` and then reports the first error, so the
+sender never blocks. A sender that dies or goes silent makes ``serve_one`` raise after
+``timeout_s`` (or at once, if the connection closes). No gather through rank 0: each pair has
+its own connection.
+"""
+
+import os
+import uuid
+from collections.abc import Sequence
+from multiprocessing.connection import Connection
+
+import torch
+
+from weight_updates.encoding import Update
+from weight_updates.errors import WeightUpdateError
+from weight_updates.session import UpdateResult, WeightReceiver
+from weight_updates.transports.channel import recv_json, send_json
+from weight_updates.wire import (
+    BucketPlan,
+    parse_safetensors_prefix,
+    plan_bucket,
+    read_bucket,
+    split_buckets,
+    to_safetensors_prefix,
+    write_bucket,
+)
+
+SHM_DIR = "/dev/shm"
+_SHM_PREFIX = "weight-update-"
+
+
+def cuda_ipc_handle(t: torch.Tensor) -> dict:
+    """JSON-ready description of a CUDA tensor for ``open_cuda_ipc_handle`` in another process."""
+    from torch.multiprocessing.reductions import rebuild_cuda_tensor, reduce_tensor
+
+    rebuild, args = reduce_tensor(t)
+    assert rebuild is rebuild_cuda_tensor, "not a CUDA tensor"
+    (tensor_cls, size, stride, offset, storage_cls, dtype, device, handle, storage_nbytes, storage_offset, _, ref_handle, ref_offset, event_handle, event_sync) = args
+    assert tensor_cls is torch.Tensor and storage_cls is torch.storage.TypedStorage and dtype == torch.uint8
+    return {
+        "size": list(size),
+        "stride": list(stride),
+        "offset": offset,
+        "device": device,
+        "handle": handle.hex(),
+        "storage_nbytes": storage_nbytes,
+        "storage_offset": storage_offset,
+        "ref_counter_handle": ref_handle.hex(),
+        "ref_counter_offset": ref_offset,
+        "event_handle": event_handle.hex() if event_handle else None,
+        "event_sync_required": event_sync,
+    }
+
+
+def open_cuda_ipc_handle(h: dict) -> torch.Tensor:
+    """The uint8 CUDA tensor described by ``cuda_ipc_handle``, mapped into this process."""
+    from torch.multiprocessing.reductions import rebuild_cuda_tensor
+
+    return rebuild_cuda_tensor(
+        torch.Tensor,
+        torch.Size(h["size"]),
+        tuple(h["stride"]),
+        int(h["offset"]),
+        torch.storage.TypedStorage,
+        torch.uint8,
+        int(h["device"]),
+        bytes.fromhex(h["handle"]),
+        int(h["storage_nbytes"]),
+        int(h["storage_offset"]),
+        False,
+        bytes.fromhex(h["ref_counter_handle"]),
+        int(h["ref_counter_offset"]),
+        bytes.fromhex(h["event_handle"]) if h["event_handle"] else None,
+        bool(h["event_sync_required"]),
+    )
+
+
+class IpcSender:
+    """Trainer side of one rank-local pair. ``device`` is where buckets are staged: "cpu" uses
+    /dev/shm, a CUDA device uses CUDA IPC."""
+
+    def __init__(self, conn: Connection, *, device: torch.device | str = "cpu", bucket_bytes: int = 512 << 20, timeout_s: float = 120.0) -> None:
+        self.conn = conn
+        self.device = torch.device(device)
+        if self.device.type not in ("cpu", "cuda"):
+            raise ValueError(f"IPC buckets live on cpu or cuda, not {self.device}")
+        self.bucket_bytes = bucket_bytes
+        self.timeout_s = timeout_s
+
+    def send(self, version: int, updates: Sequence[Update]) -> dict:
+        """Run one session; returns the receiver's ``UpdateResult.to_json()``.
+
+        Raises WeightUpdateError if the receiver rejected the push or did not answer in time.
+        """
+        updates = list(updates)
+        shm_paths: list[str] = []
+        cuda_buffers: list[torch.Tensor] = []  # kept alive until the receiver has answered
+        try:
+            send_json(self.conn, {"op": "start", "version": version, "names": [u.name for u in updates]})
+            for bucket in split_buckets(updates, self.bucket_bytes):
+                plan = plan_bucket(bucket)
+                if self.device.type == "cpu":
+                    send_json(self.conn, {"op": "chunk", "kind": "shm", "path": self._write_shm(plan, shm_paths)})
+                else:
+                    buf = torch.empty(max(plan.nbytes, 1), dtype=torch.uint8, device=self.device)
+                    write_bucket(plan, buf)
+                    torch.cuda.current_stream(self.device).synchronize()
+                    cuda_buffers.append(buf)
+                    send_json(self.conn, {"op": "chunk", "kind": "cuda_ipc", "header": plan.header, "handle": cuda_ipc_handle(buf)})
+            send_json(self.conn, {"op": "finish"})
+            reply = recv_json(self.conn, timeout_s=self.timeout_s, waiting_for=f"the receiver's result for version {version}")
+        finally:
+            for path in shm_paths:
+                os.unlink(path)
+        if reply.get("op") != "result":
+            raise WeightUpdateError(f"expected a result message, got {reply.get('op')!r}")
+        if not reply.get("ok"):
+            raise WeightUpdateError(f"receiver rejected version {version}: {reply.get('error')}")
+        return reply["result"]
+
+    @staticmethod
+    def _write_shm(plan: BucketPlan, paths: list[str]) -> str:
+        prefix = to_safetensors_prefix(plan.header)
+        path = os.path.join(SHM_DIR, f"{_SHM_PREFIX}{os.getpid()}-{uuid.uuid4().hex}")
+        paths.append(path)
+        buf = torch.from_file(path, shared=True, size=len(prefix) + plan.nbytes, dtype=torch.uint8)  # [file bytes]
+        buf[: len(prefix)] = torch.frombuffer(bytearray(prefix), dtype=torch.uint8)
+        write_bucket(plan, buf[len(prefix) :])
+        return path
+
+
+class IpcReceiver:
+    """Rollout side of one rank-local pair: serves sessions on ``receiver``."""
+
+    def __init__(self, conn: Connection, receiver: WeightReceiver, *, timeout_s: float = 120.0) -> None:
+        self.conn = conn
+        self.receiver = receiver
+        self.timeout_s = timeout_s
+
+    def serve_one(self, *, start_timeout_s: float | None = None) -> UpdateResult:
+        """Wait (``start_timeout_s``, None = forever) for a session and run it.
+
+        Raises WeightUpdateError, after telling the sender when it still can, if the session failed.
+        """
+        session = self.receiver.session()
+        mapped: list[torch.Tensor] = []  # buffers the session's records are views into
+        error: WeightUpdateError | None = None
+        try:
+            start = recv_json(self.conn, timeout_s=start_timeout_s, waiting_for="a session start")
+            if start["op"] != "start":
+                raise WeightUpdateError(f"expected 'start', got {start['op']!r}")
+            version = start["version"]
+            session.start(version, expected_names=start["names"])
+            while (msg := recv_json(self.conn, timeout_s=self.timeout_s, waiting_for=f"the next chunk of version {version}"))["op"] != "finish":
+                if msg["op"] != "chunk":
+                    raise WeightUpdateError(f"expected 'chunk' or 'finish', got {msg['op']!r}")
+                if error is None:
+                    try:
+                        header, data = self._map(msg)
+                        mapped.append(data)
+                        session.add(read_bucket(header, data))
+                    except WeightUpdateError as e:
+                        error = e  # keep draining so the sender reaches 'finish'
+            if error is not None:
+                raise error
+            result = session.finish()
+        except WeightUpdateError as e:
+            session.abort()
+            self._reply({"op": "result", "ok": False, "error": str(e)})
+            raise
+        except (KeyError, TypeError) as e:
+            session.abort()
+            self._reply({"op": "result", "ok": False, "error": f"malformed message: {e!r}"})
+            raise WeightUpdateError(f"malformed message: {e!r}") from None
+        finally:
+            mapped.clear()
+        self._reply({"op": "result", "ok": True, "result": result.to_json()})
+        return result
+
+    def _map(self, msg: dict) -> tuple[dict, torch.Tensor]:
+        if msg["kind"] == "shm":
+            path = str(msg["path"])
+            if os.path.dirname(path) != SHM_DIR or not os.path.basename(path).startswith(_SHM_PREFIX):
+                raise WeightUpdateError(f"refusing to map {path!r}: not a weight-update segment in {SHM_DIR}")
+            try:
+                buf = torch.from_file(path, shared=False, size=os.path.getsize(path), dtype=torch.uint8)  # [file bytes]
+            except (OSError, RuntimeError) as e:
+                raise WeightUpdateError(f"cannot map {path}: {e}") from None
+            header, data_start = parse_safetensors_prefix(buf)
+            return header, buf[data_start:]
+        if msg["kind"] == "cuda_ipc":
+            return msg["header"], open_cuda_ipc_handle(msg["handle"])
+        raise WeightUpdateError(f"unknown chunk kind {msg['kind']!r}")
+
+    def _reply(self, message: dict) -> None:
+        try:
+            send_json(self.conn, message)
+        except OSError:
+            pass  # the sender is gone; the caller still gets the error
