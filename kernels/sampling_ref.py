@@ -62,11 +62,20 @@ def fold_seed(seed: int) -> int:
     return (seed ^ (seed >> 32)) & MASK32
 
 
+def _mix32_int(x: int) -> int:
+    """`mix32` on one Python int."""
+    x ^= x >> 16
+    x = (x * _MUL1) & MASK32
+    x ^= x >> 15
+    x = (x * _MUL2) & MASK32
+    return x ^ (x >> 15)
+
+
 def sample_seed(request_seed: int, sample_index: int) -> int:
-    """The uint32 seed of sample `sample_index` of a request: n samples of one request differ."""
-    key = torch.tensor([fold_seed(request_seed)], dtype=torch.int64)
-    pos = torch.tensor([sample_index], dtype=torch.int64)
-    return int(row_keys(key, pos, salt=0x5EED5EED)[0])
+    """The uint32 seed of sample `sample_index` of a request (= `row_keys` of the folded seed and the index
+    under a fixed salt): the n samples of one request differ."""
+    s = _mix32_int((fold_seed(request_seed) ^ 0x5EED5EED) & MASK32)
+    return _mix32_int((s + sample_index * GOLDEN32) & MASK32)
 
 
 def processed_logits_ref(

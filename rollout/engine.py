@@ -135,7 +135,19 @@ class Engine:
         return self.scheduler.has_unfinished()
 
     def step(self) -> list[RequestOutput]:
-        """Run one engine step; returns the current output of every prompt that changed."""
+        """Run one engine step; returns the current output of every prompt that changed.
+
+        A prompt whose samples have all finished is reported once, finished, and then forgotten.
+        """
+        outs = []
+        for group in {id(r.group): r.group for r in self._step()}.values():
+            outs.append(self._output(group))
+            if group.finished:
+                self._groups.pop(group.request_id, None)
+        return outs
+
+    def _step(self) -> list[Request]:
+        """schedule -> execute -> update; returns the requests that got tokens."""
         batch_size = len(self.scheduler.running)
         if self.spec_controller is not None:
             self.scheduler.num_lookahead_tokens = self.spec_controller.lookahead(batch_size)
@@ -145,8 +157,7 @@ class Engine:
         changed = self.scheduler.update(sched, out)
         if self.spec_controller is not None:
             self._after_spec_step(batch_size, sched, out, changed, time.perf_counter() - start)
-        groups = {id(r.group): r.group for r in changed}
-        return [self._output(g) for g in groups.values()]
+        return changed
 
     def generate(
         self,
@@ -167,7 +178,8 @@ class Engine:
         for prompt, p in zip(prompts, params):
             self._validate_prompt(self._tokenize(prompt)[1], p)
         ids = [self.add_request(prompt, p) for prompt, p in zip(prompts, params)]
-        pending = set(ids)
+        groups = [self._groups[i] for i in ids]
+        pending = {id(g) for g in groups}
         bar = None
         if use_tqdm:
             from tqdm.auto import tqdm
@@ -175,16 +187,17 @@ class Engine:
             bar = tqdm(total=sum(p.n for p in params), desc="generate", unit="seq")
         start, num_tokens = time.perf_counter(), 0
         while pending:
-            for out in self.step():
-                if out.request_id in pending and out.finished:
-                    pending.discard(out.request_id)
-                    num_tokens += sum(len(o.token_ids) for o in out.outputs)
+            for req in self._step():  # outputs are built once, at the end, not every step
+                if req.status.finished:
+                    num_tokens += req.num_output_tokens
                     if bar is not None:
-                        bar.update(len(out.outputs))
+                        bar.update(1)
                         bar.set_postfix(tok_s=f"{num_tokens / (time.perf_counter() - start):.0f}")
+                    if req.group.finished:
+                        pending.discard(id(req.group))
         if bar is not None:
             bar.close()
-        return [self._output(self._groups.pop(i)) for i in ids]
+        return [self._output(self._groups.pop(g.request_id)) for g in groups]
 
     def close(self) -> None:
         """Release device memory (graphs, KV cache, weights); the engine cannot be used afterwards."""

@@ -36,6 +36,11 @@ class RequestGroup:
     params: SamplingParams
     members: list["Request"] = field(default_factory=list)
     prompt_blocks_ready: bool = False  # the prompt's full blocks are computed and cached
+    num_finished: int = 0  # members that finished (counted by the scheduler)
+
+    @property
+    def finished(self) -> bool:
+        return self.num_finished == len(self.members)
 
 
 @dataclass(eq=False)
@@ -60,6 +65,11 @@ class Request:
     num_preemptions: int = 0
     num_cached_prompt_tokens: int = 0
     spec_stats: dict | None = None
+
+    def __post_init__(self) -> None:
+        params = self.group.params
+        eos = frozenset() if params.ignore_eos else self.eos_token_ids
+        self.stop_ids = eos | frozenset(params.stop_token_ids)  # tokens that end the sample (after min_tokens)
 
     @property
     def params(self) -> SamplingParams:

@@ -147,19 +147,25 @@ class Scheduler:
         preempted_now = False
 
         # 1. running requests, oldest first
+        kv, block_size = self.kv, self.kv.block_size
         i = 0
         while i < len(self.running) and budget > 0:
             req = self.running[i]
-            num_new = min(req.num_tokens - req.num_computed_tokens + self._lookahead(req), budget)
+            num_new = len(req.token_ids) - req.num_computed_tokens
+            if self.num_lookahead_tokens:
+                num_new += self._lookahead(req)
+            num_new = min(num_new, budget)
             assert num_new > 0, (req.req_id, req.num_tokens, req.num_computed_tokens)
-            while not self.kv.can_allocate(req, req.num_computed_tokens + num_new):
+            need = -(-(req.num_computed_tokens + num_new) // block_size) - len(req.block_ids)
+            while need > kv.pool.num_free_blocks:
                 victim = self.running.pop()
                 self._preempt(victim)
                 preempted_now = True
                 if victim is req:
                     break
             else:
-                new_blocks = self.kv.allocate(req, req.num_computed_tokens + num_new)
+                new_blocks = kv.pool.allocate(need) if need > 0 else []
+                req.block_ids.extend(new_blocks)
                 num_scheduled[req.req_id] = num_new
                 budget -= num_new
                 if req.req_id in self._in_runner:
@@ -212,20 +218,24 @@ class Scheduler:
 
     def update(self, sched: SchedulerOutput, out: RunnerOutput) -> list[Request]:
         """Advance computed counts, append sampled tokens, finish requests. Returns requests that changed."""
+        requests, block_size, stats = self.requests, self.kv.block_size, self.stats
         for req_id, n in sched.num_scheduled_tokens.items():
-            req = self.requests[req_id]
-            if req.status is not RequestStatus.RUNNING:  # aborted meanwhile
+            req = requests.get(req_id)
+            if req is None or req.status is not RequestStatus.RUNNING:  # aborted meanwhile
                 continue
             if req.num_computed_tokens < req.num_prompt_tokens:
-                self.stats.num_prompt_tokens_computed += min(n, req.num_prompt_tokens - req.num_computed_tokens)
+                stats.num_prompt_tokens_computed += min(n, req.num_prompt_tokens - req.num_computed_tokens)
             req.num_computed_tokens += n
-            self.kv.register_computed(req)
-            if req.num_computed_tokens >= len(req.group.prompt_token_ids):
+            if req.num_computed_tokens // block_size > req.num_cached_blocks:
+                self.kv.register_computed(req)
+            if not req.group.prompt_blocks_ready and req.num_computed_tokens >= len(req.group.prompt_token_ids):
                 req.group.prompt_blocks_ready = True
         changed: list[Request] = []
+        finished: list[tuple[Request, RequestStatus]] = []
+        version = self.policy_version
         for idx, req_id in enumerate(out.req_ids):
-            req = self.requests[req_id]
-            if req.status is not RequestStatus.RUNNING:
+            req = requests.get(req_id)
+            if req is None or req.status is not RequestStatus.RUNNING:
                 continue
             tokens = out.sampled_token_ids[idx]
             if out.num_draft_tokens is not None:
@@ -235,18 +245,22 @@ class Scheduler:
                     record_spec_step(req.spec_stats, out.num_draft_tokens[idx], len(tokens) - 1)
             for pos, token in enumerate(tokens):
                 req.token_ids.append(token)
-                req.policy_versions.append(self.policy_version)
+                req.policy_versions.append(version)
                 if out.logprobs is not None:
                     req.logprobs.append(out.logprobs[idx][pos])
                 if out.top_logprobs is not None:
                     req.top_logprobs.append(out.top_logprobs[idx][pos])
-                self.stats.num_generated_tokens += 1
+                stats.num_generated_tokens += 1
                 status = self._check_stop(req, token)
                 if status is not None:
-                    self.running.remove(req)
-                    self._finish(req, status)
+                    finished.append((req, status))
                     break
             changed.append(req)
+        if finished:
+            done = {id(req) for req, _ in finished}
+            self.running = [r for r in self.running if id(r) not in done]
+            for req, status in finished:
+                self._finish(req, status)
         return changed
 
     # ---- helpers -------------------------------------------------------------------------------------
@@ -258,11 +272,11 @@ class Scheduler:
         return max(0, min(self.num_lookahead_tokens, room))
 
     def _check_stop(self, req: Request, token: int) -> RequestStatus | None:
-        params = req.params
-        if req.num_output_tokens > params.min_tokens:
-            if (not params.ignore_eos and token in req.eos_token_ids) or token in params.stop_token_ids:
-                return RequestStatus.FINISHED_STOPPED
-        if req.num_output_tokens >= req.max_tokens or req.num_tokens >= self.max_model_len:
+        num_tokens = len(req.token_ids)
+        num_output = num_tokens - req.num_prompt_tokens
+        if token in req.stop_ids and num_output > req.params.min_tokens:
+            return RequestStatus.FINISHED_STOPPED
+        if num_output >= req.max_tokens or num_tokens >= self.max_model_len:
             return RequestStatus.FINISHED_LENGTH
         return None
 
@@ -297,8 +311,11 @@ class Scheduler:
             self._preempted_ids.add(req.req_id)
 
     def _finish(self, req: Request, status: RequestStatus) -> None:
+        """Free the request's blocks and forget it (its RequestGroup still holds it for the caller)."""
         req.status = status
+        req.group.num_finished += 1
         self.kv.free(req)
+        del self.requests[req.req_id]
         if req.req_id in self._in_runner:
             self._in_runner.discard(req.req_id)
             self._finished_ids.add(req.req_id)

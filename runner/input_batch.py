@@ -81,7 +81,8 @@ class InputBatch:
         for diff in sched.cached_reqs:
             slot = self.slot_of[diff.req_id]
             self.num_computed_tokens[slot] = diff.num_computed_tokens
-            self._append_blocks(slot, diff.new_block_ids)
+            if diff.new_block_ids:
+                self._append_blocks(slot, diff.new_block_ids)
 
     def _append_blocks(self, slot: int, block_ids: list[int]) -> None:
         start = self.num_blocks[slot]
@@ -121,6 +122,11 @@ class InputBatch:
         )
 
     def append_sampled(self, slots: np.ndarray, tokens: list[list[int]]) -> None:
+        """Append each row's sampled tokens to its slot."""
+        if all(len(t) == 1 for t in tokens):  # one token per row: vectorised
+            self.token_ids[slots, self.num_tokens[slots]] = [t[0] for t in tokens]
+            self.num_tokens[slots] += 1
+            return
         for slot, toks in zip(slots.tolist(), tokens):
             n = self.num_tokens[slot]
             self.token_ids[slot, n : n + len(toks)] = toks

@@ -69,26 +69,27 @@ def test_token_budget_and_chunked_prefill():
 
 def test_max_num_seqs_limits_running():
     sched = make_scheduler(max_num_seqs=2)
-    for i in range(5):
-        for m in make_group(str(i), [2, 3, 4]).members:
-            sched.add_request(m)
+    reqs = [m for i in range(5) for m in make_group(str(i), [2, 3, 4]).members]
+    for m in reqs:
+        sched.add_request(m)
     out = sched.schedule()
     assert len(out.num_scheduled_tokens) == 2
     steps = run_to_completion(sched)
     assert max(len(s.num_scheduled_tokens) for s in steps) <= 2
-    assert all(r.status is RequestStatus.FINISHED_LENGTH for r in sched.requests.values())
+    assert all(r.status is RequestStatus.FINISHED_LENGTH for r in reqs)
+    assert not sched.requests  # finished requests are forgotten
 
 
 def test_preemption_by_recompute_never_deadlocks():
     # 6 blocks of 4 tokens; each request needs up to 3 blocks (4 prompt + 8 output tokens)
     sched = make_scheduler(num_blocks=6, block_size=4, budget=64)
-    for i in range(4):
-        for m in make_group(str(i), [10 + i, 11, 12, 13], max_tokens=8).members:
-            sched.add_request(m)
+    reqs = [m for i in range(4) for m in make_group(str(i), [10 + i, 11, 12, 13], max_tokens=8).members]
+    for m in reqs:
+        sched.add_request(m)
     steps = run_to_completion(sched)
     assert sched.stats.num_preemptions > 0
     assert any(s.preempted_req_ids for s in steps)
-    for r in sched.requests.values():
+    for r in reqs:
         assert r.status is RequestStatus.FINISHED_LENGTH and r.num_output_tokens == 8
     assert sched.kv.pool.num_used_blocks == 0
     # a preempted request comes back as a new request carrying its generated tokens
@@ -175,6 +176,6 @@ def test_stop_conditions(token, reason):
             break
         out = sched.schedule()
         sched.update(out, fake_run(sched, out, token=token))
-    req = sched.requests["a-0"]
+    req = group.members[0]
     assert req.status.value == reason
     assert req.num_output_tokens == (1 if reason == "stop" else 3)
