@@ -121,3 +121,16 @@ def test_imports_stay_light():
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True,
                          cwd=CONFIGS.parent)
     assert out.stdout.strip() == "[]", out.stdout + out.stderr
+
+
+def test_grpo_in_deterministic_mode_has_zero_logprob_mismatch(tmp_path):
+    # engine.deterministic gives the engine and the trainer's forward the same batch-invariant kernels: the
+    # rollout logprobs must equal the trainer's exactly, step after step, while weights change
+    cfg = _short(tmp_path, "engine.deterministic=true", "toy_model.warmup_steps=20", "rl.steps=3",
+                 "rl.prompts_per_step=8", "rl.samples_per_prompt=4", "rl.eval_every=0", "task.num_eval_prompts=8")
+    grpo.train(cfg)
+    rows = [json.loads(line) for line in open(tmp_path / "metrics.jsonl")]
+    steps = [r for r in rows if "loss" in r]
+    assert len(steps) == 3
+    assert all(r["mismatch_abs_max"] == 0.0 for r in steps), [r["mismatch_abs_max"] for r in steps]
+    assert [r["policy_version"] for r in steps] == [1, 2, 3]

@@ -164,7 +164,8 @@ class RunConfig:
     """A Hugging Face model directory; None builds and warms up the toy model in output_dir/model."""
     seed: int = 0
     engine: dict[str, Any] = field(default_factory=lambda: {"dtype": "float32", "max_num_seqs": 512})
-    """EngineConfig fields except `model` (a local engine in this process)."""
+    """EngineConfig fields except `model` (a local engine in this process). `engine.deterministic: true`
+    also gives the trainer's forward the same batch-invariant kernels, so the logprob mismatch is exactly 0."""
     pool: str | None = None
     """A RolloutPool YAML (see configs/pool_cpu.yaml); set, it replaces the local engine."""
     task: TaskConfig = field(default_factory=TaskConfig)
@@ -180,6 +181,10 @@ class RunConfig:
         if "model" in self.engine:
             raise ValueError("engine.model: set the top-level `model` key instead")
         self.engine_config("<check>")  # unknown keys and bad values fail here, naming the key
+
+    @property
+    def deterministic(self) -> bool:
+        return bool(self.engine.get("deterministic", False))
 
     def engine_config(self, model: str) -> EngineConfig:
         return from_mapping(EngineConfig, {"model": model, **self.engine}, "engine")

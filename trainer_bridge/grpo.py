@@ -87,10 +87,12 @@ def train(cfg: RunConfig) -> dict:
     stream = ProblemStream(cfg, salt=2)
     with open_engine(cfg, model_dir) as engine:
         bridge = TrainerBridge(engine)
-        policy = TrainingModel.from_pretrained(model_dir, dtype=cfg.trainer.dtype, device=cfg.trainer.device)
+        policy = TrainingModel.from_pretrained(model_dir, dtype=cfg.trainer.dtype, device=cfg.trainer.device,
+                                           deterministic=cfg.deterministic)
         ref = None
         if rl.kl_coef > 0:
-            ref = TrainingModel.from_pretrained(model_dir, dtype=cfg.trainer.dtype, device=cfg.trainer.device).eval()
+            ref = TrainingModel.from_pretrained(model_dir, dtype=cfg.trainer.dtype, device=cfg.trainer.device,
+                                           deterministic=cfg.deterministic).eval()
             ref.requires_grad_(False)
         opt = torch.optim.AdamW(policy.parameters(), lr=rl.lr, weight_decay=0.0)
         first = bridge.push_weights(policy)  # dense: gives the differ its snapshot; the engine already held these

@@ -126,7 +126,8 @@ def train(cfg: RunConfig) -> dict:
     stream = ProblemStream(cfg, salt=3)
     with open_engine(cfg, model_dir) as engine:
         bridge = TrainerBridge(engine)
-        model = PolicyWithValue(TrainingModel.from_pretrained(model_dir, dtype=cfg.trainer.dtype, device=cfg.trainer.device))
+        model = PolicyWithValue(TrainingModel.from_pretrained(model_dir, dtype=cfg.trainer.dtype, device=cfg.trainer.device,
+                                           deterministic=cfg.deterministic))
         opt = torch.optim.AdamW(model.parameters(), lr=rl.lr, weight_decay=0.0)
         bridge.push_weights(model.policy)  # dense: gives the differ its snapshot
         before = evaluate(bridge, cfg, held_out)
