@@ -25,12 +25,11 @@ import time
 from collections import deque
 from typing import Iterable, Sequence
 
-import torch
 
 from rollout.config import EngineConfig
 from rollout.kv_cache_manager import KVCacheManager
 from rollout.outputs import CompletionOutput, RequestOutput
-from rollout.request import Request, RequestGroup, RequestStatus
+from rollout.request import Request, RequestGroup
 from rollout.sampling_params import SamplingParams
 from rollout.scheduler import Scheduler, new_spec_stats, record_spec_step, spec_stats_summary
 from rollout.tokenizer import Tokenizer

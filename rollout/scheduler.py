@@ -25,7 +25,7 @@ diffs, and finished or preempted ids tell the runner to free slots. Pure Python;
 from __future__ import annotations
 
 from collections import deque
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 from rollout.kv_cache_manager import KVCacheManager
 from rollout.request import Request, RequestStatus

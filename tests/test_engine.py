@@ -8,7 +8,6 @@ import subprocess
 import sys
 
 import pytest
-import torch
 
 from rollout import Engine, EngineConfig, SamplingParams
 from rollout.config import from_mapping

@@ -6,7 +6,6 @@ would have under fresh randomness: a chi-square p-value threshold of 1e-3 (FPR 0
 
 from __future__ import annotations
 
-import math
 from collections import Counter
 
 import pytest
@@ -14,7 +13,7 @@ import torch
 
 from rollout import Engine, EngineConfig, SamplingParams, SpeculativeConfig
 from runner.spec_decode.controller import SpecController
-from runner.spec_decode.drafter import load_drafter, save_drafter
+from runner.spec_decode.drafter import save_drafter
 from runner.spec_decode.rejection import rejection_sample, sample_draft
 from runner.testing import write_random_checkpoint
 

@@ -25,17 +25,14 @@ policy-version lag. This module does not know how the engine samples or how weig
 
 from __future__ import annotations
 
-import argparse
 import sys
 
 import torch
 
-from rollout.sampling_params import SamplingParams
-from trainer_bridge.bridge import PaddedBatch, TrainerBridge
-from trainer_bridge.config import RLConfig, RunConfig, load_run_config
+from trainer_bridge.bridge import PaddedBatch, RolloutBatch, TrainerBridge
+from trainer_bridge.config import RLConfig, RunConfig
 from trainer_bridge.harness import (
-    MetricsLogger, ProblemStream, evaluate, held_out_problems, open_engine, prepare_model, push_metrics,
-    rewards_of, rollout_metrics, seed_everything, step_line,
+    MetricsLogger, ProblemStream, cli_main, held_out_problems, open_engine, prepare_model, run_rl, seed_everything,
 )
 from trainer_bridge.training_model import TrainingModel
 
@@ -80,59 +77,26 @@ def train(cfg: RunConfig) -> dict:
     if cfg.algorithm != "grpo":
         raise ValueError(f"algorithm: this script runs grpo, the config says {cfg.algorithm!r}")
     seed_everything(cfg)
-    rl, progress = cfg.rl, cfg.logging.progress
+    rl = cfg.rl
     model_dir = prepare_model(cfg)
     logger = MetricsLogger(cfg)
-    held_out = held_out_problems(cfg)
-    stream = ProblemStream(cfg, salt=2)
     with open_engine(cfg, model_dir) as engine:
         bridge = TrainerBridge(engine)
-        policy = TrainingModel.from_pretrained(model_dir, dtype=cfg.trainer.dtype, device=cfg.trainer.device,
-                                           deterministic=cfg.deterministic)
+        load = dict(dtype=cfg.trainer.dtype, device=cfg.trainer.device, deterministic=cfg.deterministic)
+        policy = TrainingModel.from_pretrained(model_dir, **load)
         ref = None
         if rl.kl_coef > 0:
-            ref = TrainingModel.from_pretrained(model_dir, dtype=cfg.trainer.dtype, device=cfg.trainer.device,
-                                           deterministic=cfg.deterministic).eval()
+            ref = TrainingModel.from_pretrained(model_dir, **load).eval()
             ref.requires_grad_(False)
         opt = torch.optim.AdamW(policy.parameters(), lr=rl.lr, weight_decay=0.0)
-        first = bridge.push_weights(policy)  # dense: gives the differ its snapshot; the engine already held these
-        before = evaluate(bridge, cfg, held_out)
-        logger.log(0, before)
-        if progress:
-            print(f"warm-up model: held-out reward {before['eval_reward']:.3f} (greedy {before['eval_greedy']:.3f}); "
-                  f"first push {first.nbytes / 1024:.0f} KiB dense in {1e3 * first.seconds:.1f} ms")
-        steps = range(1, rl.steps + 1)
-        bar = None
-        if progress:
-            from tqdm.auto import tqdm
 
-            bar = tqdm(steps, desc="grpo", unit="step")
-            steps = bar
-        for step in steps:
-            problems = stream.batch(step, rl.prompts_per_step)
-            sampling = SamplingParams(n=rl.samples_per_prompt, max_tokens=rl.max_tokens, temperature=rl.temperature,
-                                      seed=cfg.seed * 1_000_003 + step * 10_007)
-            batch = bridge.rollout([p.prompt for p in problems], sampling)
-            rewards = rewards_of(batch, problems)  # [B]
+        def step(batch: RolloutBatch, rewards: torch.Tensor) -> dict[str, float]:
             advantages = group_advantages(rewards, rl.samples_per_prompt)  # [B]
             padded = batch.padded(device=cfg.trainer.device)
-            metrics = {"reward": rewards.mean().item(), **rollout_metrics(batch)}
-            metrics |= update(policy, ref, opt, padded, advantages.to(cfg.trainer.device), rl, bridge)
-            metrics |= push_metrics(bridge.push_weights(policy))
-            if cfg.rl.eval_every and step % cfg.rl.eval_every == 0 and step != rl.steps:
-                metrics |= evaluate(bridge, cfg, held_out)
-            logger.log(step, metrics)
-            if bar is not None:
-                bar.write(step_line(step, rl.steps, metrics))
-        after = evaluate(bridge, cfg, held_out)
-        logger.log(rl.steps, after)
-    summary = {
-        "algorithm": "grpo", "steps": rl.steps, "reward_warmup": before["eval_reward"], "reward_final": after["eval_reward"],
-        "greedy_warmup": before["eval_greedy"], "greedy_final": after["eval_greedy"],
-        "final_policy_version": bridge.policy_version, "model": str(model_dir),
-    }
-    summary["summary_json"] = str(logger.finish(summary))
-    return summary
+            return update(policy, ref, opt, padded, advantages.to(cfg.trainer.device), rl, bridge)
+
+        summary = run_rl(cfg, bridge, logger, held_out_problems(cfg), ProblemStream(cfg, salt=2), policy, step)
+    return {**summary, "model": str(model_dir)}
 
 
 def update(policy, ref, opt, padded: PaddedBatch, advantages: torch.Tensor, rl: RLConfig, bridge: TrainerBridge) -> dict:
@@ -159,17 +123,7 @@ def update(policy, ref, opt, padded: PaddedBatch, advantages: torch.Tensor, rl: 
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="python -m trainer_bridge.grpo", description="GRPO on the toy task or a real model")
-    parser.add_argument("--config", default=None, help="a RunConfig YAML (default: the toy demo)")
-    parser.add_argument("--set", action="append", default=[], metavar="KEY=VALUE", help="override, e.g. rl.steps=20")
-    args = parser.parse_args(argv)
-    try:
-        summary = train(load_run_config(args.config, args.set))
-    except ValueError as e:
-        print(f"error: {e}", file=sys.stderr)
-        return 2
-    print({k: summary[k] for k in ("reward_warmup", "reward_final", "summary_json")})
-    return 0
+    return cli_main("python -m trainer_bridge.grpo", "GRPO on the toy task or a real model", train, argv)
 
 
 if __name__ == "__main__":

@@ -5,6 +5,8 @@
     ProblemStream             seeded training prompts that never repeat a held-out prompt
     evaluate(bridge, ...)     mean reward on the held-out prompts (sampled like training, and greedy)
     MetricsLogger             metrics.jsonl + per-step line + wandb (offline by default) + plot.png
+    run_rl(...)               the step loop both algorithms share: rollout -> update -> push -> eval -> log
+    cli_main(...)             the `--config FILE --set key=value` command line of both scripts
 
 It holds no RL maths (see grpo.py / ppo.py) and talks to the engine only through TrainerBridge.
 """
@@ -16,14 +18,14 @@ import os
 import time
 from contextlib import contextmanager
 from pathlib import Path
-from typing import Iterator
+from typing import Callable, Iterator
 
 import torch
 
 from rollout.sampling_params import SamplingParams
 from trainer_bridge import toy_task
 from trainer_bridge.bridge import RolloutBatch, TrainerBridge
-from trainer_bridge.config import RunConfig
+from trainer_bridge.config import RunConfig, load_run_config
 
 EVAL_SEED = 1_000_003
 
@@ -223,3 +225,73 @@ def push_metrics(result) -> dict[str, float]:
         "sync_num_patch": result.num_patch, "sync_num_dense": result.num_dense,
         "sync_changed_fraction": result.changed_fraction,
     }
+
+
+def run_rl(
+    cfg: RunConfig,
+    bridge: TrainerBridge,
+    logger: MetricsLogger,
+    held_out: list[toy_task.Problem],
+    stream: ProblemStream,
+    policy: torch.nn.Module,
+    update: Callable[[RolloutBatch, torch.Tensor], dict[str, float]],
+) -> dict:
+    """First push (dense: it gives the bridge its snapshot), evaluate, then `cfg.rl.steps` steps of
+    rollout -> `update(batch, rewards [B])` (one optimizer update, returns metrics) -> push `policy`, and a
+    final evaluation. Returns the run summary (also written to summary.json)."""
+    rl, progress = cfg.rl, cfg.logging.progress
+    first = bridge.push_weights(policy)
+    before = evaluate(bridge, cfg, held_out)
+    logger.log(0, before)
+    if progress:
+        print(f"warm-up model: held-out reward {before['eval_reward']:.3f} (greedy {before['eval_greedy']:.3f}); "
+              f"first push {first.nbytes / 1024:.0f} KiB dense in {1e3 * first.seconds:.1f} ms")
+    steps = range(1, rl.steps + 1)
+    bar = None
+    if progress:
+        from tqdm.auto import tqdm
+
+        bar = tqdm(steps, desc=cfg.algorithm, unit="step")
+        steps = bar
+    for step in steps:
+        problems = stream.batch(step, rl.prompts_per_step)
+        sampling = SamplingParams(n=rl.samples_per_prompt, max_tokens=rl.max_tokens, temperature=rl.temperature,
+                                  seed=cfg.seed * 1_000_003 + step * 10_007)
+        batch = bridge.rollout([p.prompt for p in problems], sampling)
+        rewards = rewards_of(batch, problems)  # [B]
+        metrics = {"reward": rewards.mean().item(), **rollout_metrics(batch)}
+        metrics |= update(batch, rewards)
+        metrics |= push_metrics(bridge.push_weights(policy))
+        if rl.eval_every and step % rl.eval_every == 0 and step != rl.steps:
+            metrics |= evaluate(bridge, cfg, held_out)
+        logger.log(step, metrics)
+        if bar is not None:
+            bar.write(step_line(step, rl.steps, metrics))
+    after = evaluate(bridge, cfg, held_out)
+    logger.log(rl.steps, after)
+    summary = {
+        "algorithm": cfg.algorithm, "steps": rl.steps, "reward_warmup": before["eval_reward"],
+        "reward_final": after["eval_reward"], "greedy_warmup": before["eval_greedy"],
+        "greedy_final": after["eval_greedy"], "final_policy_version": bridge.policy_version,
+    }
+    summary["summary_json"] = str(logger.finish(summary))
+    return summary
+
+
+def cli_main(prog: str, description: str, train: Callable[[RunConfig], dict], argv: list[str] | None,
+             preset: tuple[str, ...] = ()) -> int:
+    """Parse `--config FILE --set key=value ...`, run `train`, print the headline figures."""
+    import argparse
+    import sys
+
+    parser = argparse.ArgumentParser(prog=prog, description=description)
+    parser.add_argument("--config", default=None, help="a RunConfig YAML (default: the toy demo)")
+    parser.add_argument("--set", action="append", default=[], metavar="KEY=VALUE", help="override, e.g. rl.steps=20")
+    args = parser.parse_args(argv)
+    try:
+        summary = train(load_run_config(args.config, [*preset, *args.set]))
+    except ValueError as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
+    print({k: summary[k] for k in ("reward_warmup", "reward_final", "summary_json")})
+    return 0
