@@ -157,15 +157,18 @@ class Scheduler:
             num_new = min(num_new, budget)
             assert num_new > 0, (req.req_id, req.num_tokens, req.num_computed_tokens)
             need = -(-(req.num_computed_tokens + num_new) // block_size) - len(req.block_ids)
-            while need > kv.pool.num_free_blocks:
+            while need > 0 and need > len(kv.pool.free_queue):
                 victim = self.running.pop()
                 self._preempt(victim)
                 preempted_now = True
                 if victim is req:
                     break
             else:
-                new_blocks = kv.pool.allocate(need) if need > 0 else []
-                req.block_ids.extend(new_blocks)
+                if need > 0:
+                    new_blocks = kv.pool.allocate(need)
+                    req.block_ids.extend(new_blocks)
+                else:
+                    new_blocks = []
                 num_scheduled[req.req_id] = num_new
                 budget -= num_new
                 if req.req_id in self._in_runner:
