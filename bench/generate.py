@@ -129,6 +129,8 @@ def main() -> None:
     ap.add_argument("--no-hf", action="store_true")
     ap.add_argument("--grpo", action="store_true", help="also the GRPO shape: 64 prompts x n=16, prompt 256, 1024 new")
     ap.add_argument("--enforce-eager", action="store_true")
+    ap.add_argument("--deterministic", action="store_true",
+                    help="also run each batch in deterministic mode and report its throughput against the fast mode")
     args = ap.parse_args()
     cuda = args.device.startswith("cuda")
     shape = args.shape or ("qwen2.5-0.5b" if cuda else "tiny")
@@ -160,6 +162,12 @@ def main() -> None:
             emit(kind="generate", system="engine", workload=f"batch{batch}", batch=batch, prompt_len=prompt_len,
                  new_tokens=new_tokens, tokens_per_s=round(tps, 1), seconds=round(secs, 3),
                  roofline_fraction=round((step_bytes / bw) / (batch / tps), 3), **common)
+            if args.deterministic:
+                det_tps, det_secs = bench_engine(d, args.device, dtype, batch, prompt_len, new_tokens,
+                                                 enforce_eager=args.enforce_eager, deterministic=True)
+                emit(kind="generate", system="engine_deterministic", workload=f"batch{batch}", batch=batch,
+                     tokens_per_s=round(det_tps, 1), seconds=round(det_secs, 3),
+                     fraction_of_fast_mode=round(det_tps / tps, 3), **common)
         if args.grpo:
             tps, secs = bench_engine(d, args.device, dtype, 64, 256, 1024, n=16, max_num_seqs=1024,
                                      enforce_eager=args.enforce_eager)

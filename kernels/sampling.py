@@ -186,6 +186,61 @@ def _sample_kernel(
     tl.store(row_min_p_ptr + row, min_p)
 
 
+@triton.jit
+def _token_logprob_kernel(
+    logits_ptr, temperature_ptr, token_ptr, out_ptr, stride_row, vocab, BLOCK_V: tl.constexpr,
+):
+    """The logprob `_sample_kernel` reports for a row without truncation, for a given token, computed with
+    the same passes in the same order (so the two agree bitwise on the same logits)."""
+    row = tl.program_id(0)
+    row_ptr = logits_ptr + row.to(tl.int64) * stride_row
+    temperature = tl.load(temperature_ptr + row).to(tl.float32)
+    temp = tl.where(temperature <= 0.0, 1.0, temperature)
+    best_raw = tl.full([], float("-inf"), tl.float32)
+    for start in range(0, vocab, BLOCK_V):
+        offs = start + tl.arange(0, BLOCK_V)
+        raw = tl.load(row_ptr + offs, mask=offs < vocab, other=float("-inf")).to(tl.float32)
+        best_raw = tl.maximum(best_raw, tl.max(raw, 0))
+    row_max = tl.math.div_rn(best_raw, temp)
+    kept_sum = tl.zeros([BLOCK_V], tl.float32)
+    for start in range(0, vocab, BLOCK_V):
+        offs = start + tl.arange(0, BLOCK_V)
+        mask = offs < vocab
+        x = _tempered(row_ptr, offs, mask, temp)
+        e = tl.exp(x - row_max)
+        keep = mask & (x >= float("-inf")) & (e >= 0.0)
+        kept_sum += tl.where(keep, e, 0.0)
+    lse = tl.log(tl.sum(kept_sum, 0))
+    token = tl.load(token_ptr + row)
+    x_token = tl.math.div_rn(tl.load(row_ptr + token).to(tl.float32), temp)
+    tl.store(out_ptr + row, x_token - row_max - lse)
+
+
+def token_logprobs(
+    logits: torch.Tensor,  # [N, V] float16 / bfloat16 / float32
+    token_ids: torch.Tensor,  # [N] int64
+    temperature: torch.Tensor,  # [N] float32; <= 0 means raw logits (greedy rows)
+) -> torch.Tensor:
+    """log_softmax(logits / temperature)[row, token] as `sample` computes it for rows without top-k / top-p /
+    min-p: float32 [N], bitwise equal to the sampler's logprob of the same token on the same logits (the
+    trainer side of deterministic mode scores sequences with it)."""
+    if logits.dim() != 2 or logits.dtype not in _LOGIT_DTYPES or logits.stride(1) != 1:
+        raise ValueError(f"logits must be [N, V] of {_LOGIT_DTYPES}, contiguous in V; got {logits.dtype} "
+                         f"{tuple(logits.shape)}")
+    num_rows, vocab = logits.shape
+    if token_ids.shape != (num_rows,) or token_ids.dtype != torch.int64:
+        raise ValueError(f"token_ids must be [{num_rows}] int64; got {token_ids.dtype} {tuple(token_ids.shape)}")
+    if temperature.shape != (num_rows,) or temperature.dtype != torch.float32:
+        raise ValueError(f"temperature must be [{num_rows}] float32; got {temperature.dtype} {tuple(temperature.shape)}")
+    out = torch.empty(num_rows, dtype=torch.float32, device=logits.device)
+    if num_rows:
+        _token_logprob_kernel[(num_rows,)](
+            logits, temperature.contiguous(), token_ids.contiguous(), out, logits.stride(0), vocab,
+            BLOCK_V=min(1024, triton.next_power_of_2(vocab)), num_warps=4,
+        )
+    return out
+
+
 def sample(
     logits: torch.Tensor,  # [B, V] float16 / bfloat16 / float32
     temperature: torch.Tensor,  # [B] float32; <= 0 marks greedy rows

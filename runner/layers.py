@@ -2,7 +2,8 @@
 
 `Linear` holds `weight [out, in]` and an optional `bias [out]` under the same names as `nn.Linear`, so
 checkpoint layouts are unchanged. In deterministic mode its forward uses a batch-invariant matmul (each
-row's reduction order fixed); otherwise `F.linear`. Not here: tensor-parallel sharding.
+row's reduction order fixed: `kernels/matmul.py` on CUDA, `kernels/matmul_ref.py` on the CPU); otherwise
+`F.linear`. Not here: tensor-parallel sharding.
 """
 
 from __future__ import annotations
@@ -12,14 +13,20 @@ import torch.nn.functional as F
 from torch import nn
 
 from kernels.matmul_ref import batch_invariant_linear_ref
+from runner.deterministic import kernel_forward
 
 
 def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, deterministic: bool) -> torch.Tensor:
     if not deterministic:
         return F.linear(x, weight, bias)
-    if x.is_cuda:
-        raise ValueError("deterministic mode has no CUDA matmul kernel yet; run it on the CPU")
-    return batch_invariant_linear_ref(x, weight, bias)
+    if not x.is_cuda:
+        return batch_invariant_linear_ref(x, weight, bias)
+    from kernels.matmul import batch_invariant_linear
+
+    # the Triton kernel forward (what the engine runs); gradients through F.linear
+    if bias is None:
+        return kernel_forward(batch_invariant_linear, F.linear, x, weight)
+    return kernel_forward(batch_invariant_linear, F.linear, x, weight, bias)
 
 
 class Linear(nn.Module):

@@ -154,3 +154,18 @@ def test_cuda_sampler_under_graph_capture():
     graph.replay()
     torch.cuda.synchronize()
     assert torch.equal(ids, expected)
+
+
+def test_token_logprobs_match_the_sampler_and_log_softmax():
+    from kernels.sampling import token_logprobs
+
+    logits = _logits(12, 300, seed=4)
+    temps = torch.tensor([1.0, 0.7, 0.0] * 4, device=DEVICE)
+    params = _params(12, temperature=temps.tolist())
+    ids, lps, _ = sample(logits, *params)
+    ours = token_logprobs(logits, ids, temps)
+    assert torch.equal(ours, lps)  # the same passes in the same order
+    ref = torch.log_softmax(logits.cpu().double() / torch.where(temps > 0, temps, 1.0).cpu()[:, None], -1)
+    torch.testing.assert_close(ours.cpu().double(), ref.gather(1, ids.cpu()[:, None])[:, 0], atol=1e-5, rtol=0)
+    with pytest.raises(ValueError, match="token_ids"):
+        token_logprobs(logits, ids.int(), temps)

@@ -15,6 +15,7 @@ from pathlib import Path
 import torch
 from torch import nn
 
+from runner.deterministic import kernel_forward
 from runner.loader import CheckpointWeights, load_model
 from runner.model_config import ModelConfig, parse_dtype
 from runner.models.llama import DecoderForCausalLM
@@ -43,12 +44,28 @@ class TrainingModel(nn.Module):
         return self.model.compute_logits(hidden).float()
 
     def token_logprobs(self, input_ids: torch.Tensor, temperature: float = 1.0) -> torch.Tensor:
-        """Differentiable logprob of each next token: [B, T - 1], entry t scores input_ids[:, t + 1]."""
-        logits = self.forward(input_ids)[:, :-1]
-        if temperature != 1.0:
-            logits = logits / temperature
-        logprobs = torch.log_softmax(logits, dim=-1)
-        return logprobs.gather(-1, input_ids[:, 1:, None]).squeeze(-1)
+        """Differentiable logprob of each next token: [B, T - 1], entry t scores input_ids[:, t + 1].
+
+        In deterministic mode on CUDA the logprobs come from the engine sampler's own reduction
+        (`kernels.sampling.token_logprobs`), so they equal the rollout logprobs bitwise.
+        """
+        logits = self.model.compute_logits(self.model.forward_dense(input_ids))[:, :-1]  # [B, T-1, V] model dtype
+        targets = input_ids[:, 1:]  # [B, T-1]
+
+        def reference(lg: torch.Tensor) -> torch.Tensor:
+            lg = lg.float() if temperature == 1.0 else lg.float() / temperature
+            return torch.log_softmax(lg, dim=-1).gather(-1, targets.reshape(lg.shape[:-1])[..., None]).squeeze(-1)
+
+        if not (self.model.deterministic and logits.is_cuda):
+            return reference(logits)
+        from kernels.sampling import token_logprobs
+
+        b, t, v = logits.shape
+        flat_targets = targets.reshape(-1)
+        temps = torch.full((b * t,), float(temperature), dtype=torch.float32, device=logits.device)
+        flat = kernel_forward(lambda lg: token_logprobs(lg, flat_targets, temps), reference,
+                              logits.reshape(b * t, v).contiguous())
+        return flat.view(b, t)
 
     def checkpoint_state(self) -> dict[str, torch.Tensor]:
         """Hugging Face name -> a view of the live parameter rows (no copies)."""

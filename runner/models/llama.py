@@ -23,9 +23,12 @@ import torch.nn.functional as F
 from torch import nn
 
 from kernels.norm_ref import fused_add_rms_norm_ref, rms_norm_ref
-from kernels.rotary_ref import apply_rotary_cos_sin, build_cos_sin_cache, rope_inv_freq, rotary_cos_sin
+from kernels.rotary_ref import (
+    apply_rotary_cos_sin, apply_rotary_ref, build_cos_sin_cache, rope_inv_freq, rotary_cos_sin,
+)
 from kernels.attention_ref import rowwise_attention_ref
 from runner.attention import AttentionBackend, AttentionMetadata
+from runner.deterministic import kernel_forward
 from runner.layers import Linear, linear
 from runner.model_config import ModelConfig
 
@@ -59,45 +62,60 @@ class CheckpointSlot:
 
 
 class RMSNorm(nn.Module):
-    """RMSNorm, optionally fused with the residual add. Triton on CUDA (inference), torch otherwise."""
+    """RMSNorm, optionally fused with the residual add. Triton on CUDA (inference, and training in
+    deterministic mode, where the backward goes through the torch reference), torch otherwise."""
 
     def __init__(self, size: int, eps: float) -> None:
         super().__init__()
         self.weight = nn.Parameter(torch.ones(size))
         self.eps = eps
+        self.deterministic = False
 
     def forward(self, x: torch.Tensor, residual: torch.Tensor | None = None):
-        if x.is_cuda and not torch.is_grad_enabled():
+        eps = self.eps
+        if x.is_cuda and (self.deterministic or not torch.is_grad_enabled()):
             from kernels.norm import fused_add_rms_norm, rms_norm
 
             if residual is None:
-                return rms_norm(x, self.weight, self.eps)
-            return fused_add_rms_norm(x, residual, self.weight, self.eps)
+                return kernel_forward(lambda a, w: rms_norm(a, w, eps), lambda a, w: rms_norm_ref(a, w, eps),
+                                      x, self.weight)
+            return kernel_forward(lambda a, r, w: fused_add_rms_norm(a, r, w, eps),
+                                  lambda a, r, w: fused_add_rms_norm_ref(a, r, w, eps), x, residual, self.weight)
         if residual is None:
-            return rms_norm_ref(x, self.weight, self.eps)
-        return fused_add_rms_norm_ref(x, residual, self.weight, self.eps)
+            return rms_norm_ref(x, self.weight, eps)
+        return fused_add_rms_norm_ref(x, residual, self.weight, eps)
 
 
 @dataclass(slots=True)
 class Rotary:
-    """Rotary inputs of one forward, shared by all layers: positions and, off CUDA, their cos/sin."""
+    """Rotary inputs of one forward, shared by all layers: positions and, on the torch path, their cos/sin.
+
+    The Triton kernel serves the engine on CUDA, and the trainer's dense forward in deterministic mode
+    (tokens flattened to [B*T], backward through the torch reference)."""
 
     positions: torch.Tensor  # [T] int64
     cos_sin_cache: torch.Tensor  # [max_pos, D] float32
     cos_sin: tuple[torch.Tensor, torch.Tensor] | None  # [T, 1, D] each (torch path), else None
 
     @classmethod
-    def make(cls, positions: torch.Tensor, cos_sin_cache: torch.Tensor, dtype: torch.dtype, dense: bool) -> "Rotary":
-        use_kernel = positions.is_cuda and not dense and not torch.is_grad_enabled()
+    def make(cls, positions: torch.Tensor, cos_sin_cache: torch.Tensor, dtype: torch.dtype, dense: bool,
+             deterministic: bool = False) -> "Rotary":
+        use_kernel = positions.is_cuda and (deterministic or (not dense and not torch.is_grad_enabled()))
         cos_sin = None if use_kernel else rotary_cos_sin(positions, cos_sin_cache, dtype)
         return cls(positions, cos_sin_cache, cos_sin)
 
     def apply(self, q: torch.Tensor, k: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        if self.cos_sin is None:
-            from kernels.rotary import apply_rotary
+        if self.cos_sin is not None:
+            return apply_rotary_cos_sin(q, k, *self.cos_sin)
+        from kernels.rotary import apply_rotary
 
-            return apply_rotary(q, k, self.positions, self.cos_sin_cache)
-        return apply_rotary_cos_sin(q, k, *self.cos_sin)
+        lead = q.shape[:-2]
+        positions = self.positions.repeat(q.shape[0]) if q.dim() == 4 else self.positions  # [B*T] for dense
+        q2, k2 = q.reshape(-1, *q.shape[-2:]), k.reshape(-1, *k.shape[-2:])
+        cache = self.cos_sin_cache
+        q2, k2 = kernel_forward(lambda a, b: apply_rotary(a, b, positions, cache),
+                                lambda a, b: apply_rotary_ref(a, b, positions, cache), q2, k2)
+        return q2.view(*lead, *q.shape[-2:]), k2.view(*lead, *k.shape[-2:])
 
 
 class Attention(nn.Module):
@@ -141,23 +159,51 @@ class Attention(nn.Module):
 
     def _dense_attention(self, q, k, v) -> torch.Tensor:
         """q [B, T, Hq, D], k/v [B, T, Hkv, D] -> [B, T, Hq, D], causal, no cache."""
+        if not self.deterministic:
+            return self._sdpa_attention(q, k, v)
+        if q.is_cuda:  # the engine's deterministic Triton kernel; gradients through SDPA
+            return kernel_forward(self._paged_kernel_attention, self._sdpa_attention, q, k, v)
+        # CPU: the same row-local reduction the engine's paged path uses in this mode
+        b, t = q.shape[:2]
         group = self.num_heads // self.num_kv_heads
-        if self.deterministic:  # the same row-local reduction the engine's paged path uses in this mode
-            b, t = q.shape[:2]
-            queries = q.view(b, t, self.num_kv_heads, group, self.head_dim).permute(0, 2, 3, 1, 4)
-            queries = queries.reshape(b, self.num_kv_heads, group * t, self.head_dim)
-            pos = torch.arange(t, device=q.device)
-            causal = (pos[None, :] <= pos[:, None])[None, None, None].expand(b, 1, group, t, t)
-            out = rowwise_attention_ref(queries, k.transpose(1, 2), v.transpose(1, 2),
-                                        causal.reshape(b, 1, group * t, t), self.scale)
-            out = out.view(b, self.num_kv_heads, group, t, self.head_dim).permute(0, 3, 1, 2, 4)
-            return out.reshape(b, t, self.num_heads, self.head_dim)
+        queries = q.view(b, t, self.num_kv_heads, group, self.head_dim).permute(0, 2, 3, 1, 4)
+        queries = queries.reshape(b, self.num_kv_heads, group * t, self.head_dim)
+        pos = torch.arange(t, device=q.device)
+        causal = (pos[None, :] <= pos[:, None])[None, None, None].expand(b, 1, group, t, t)
+        out = rowwise_attention_ref(queries, k.transpose(1, 2), v.transpose(1, 2),
+                                    causal.reshape(b, 1, group * t, t), self.scale)
+        out = out.view(b, self.num_kv_heads, group, t, self.head_dim).permute(0, 3, 1, 2, 4)
+        return out.reshape(b, t, self.num_heads, self.head_dim)
+
+    def _sdpa_attention(self, q, k, v) -> torch.Tensor:
+        group = self.num_heads // self.num_kv_heads
         k = k.repeat_interleave(group, dim=2) if group > 1 else k
         v = v.repeat_interleave(group, dim=2) if group > 1 else v
         out = F.scaled_dot_product_attention(
             q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), is_causal=True, scale=self.scale
         )
         return out.transpose(1, 2)
+
+    def _paged_kernel_attention(self, q, k, v) -> torch.Tensor:
+        """Each row's K/V laid out as pages of a temporary cache, then the engine's paged attention kernel
+        in deterministic mode: bitwise what the engine computes for the same tokens."""
+        from kernels.attention import paged_attention
+
+        b, t = q.shape[:2]
+        page = 16
+        pages = -(-t // page)
+        shape = (b, pages * page, self.num_kv_heads, self.head_dim)
+        k_cache, v_cache = k.new_zeros(shape), v.new_zeros(shape)
+        k_cache[:, :t], v_cache[:, :t] = k, v
+        k_cache = k_cache.view(b * pages, page, self.num_kv_heads, self.head_dim)
+        v_cache = v_cache.view(b * pages, page, self.num_kv_heads, self.head_dim)
+        dev = q.device
+        block_tables = torch.arange(b * pages, dtype=torch.int32, device=dev).view(b, pages)
+        query_start_loc = torch.arange(b + 1, dtype=torch.int32, device=dev) * t
+        seq_lens = torch.full((b,), t, dtype=torch.int32, device=dev)
+        out = paged_attention(q.reshape(b * t, self.num_heads, self.head_dim).contiguous(), k_cache, v_cache,
+                              query_start_loc, seq_lens, block_tables, self.scale, t, t, deterministic=True)
+        return out.view(b, t, self.num_heads, self.head_dim)
 
 
 def _row_linear(in_features: int, out_features: int, bias: bool, tp: TPGroup | None) -> Linear:
@@ -255,7 +301,7 @@ class DecoderForCausalLM(nn.Module):
         Returns (final hidden [T, hidden], aux [T, len(aux_layers) * hidden] or None when aux_layers is empty).
         """
         hidden = self.model.embed_tokens(input_ids)
-        rope = Rotary.make(positions, self.cos_sin_cache, hidden.dtype, dense=False)
+        rope = Rotary.make(positions, self.cos_sin_cache, hidden.dtype, dense=False, deterministic=self.deterministic)
         return self._run_layers(hidden, rope, meta, aux_layers)
 
     def forward_dense(self, input_ids: torch.Tensor, aux_layers: tuple[int, ...] = ()):
@@ -266,7 +312,7 @@ class DecoderForCausalLM(nn.Module):
         """
         hidden = self.model.embed_tokens(input_ids)
         positions = torch.arange(input_ids.shape[1], device=input_ids.device)
-        rope = Rotary.make(positions, self.cos_sin_cache, hidden.dtype, dense=True)  # cos/sin broadcast over B
+        rope = Rotary.make(positions, self.cos_sin_cache, hidden.dtype, dense=True, deterministic=self.deterministic)
         hidden, aux = self._run_layers(hidden, rope, None, aux_layers)
         return (hidden, aux) if aux_layers else hidden
 
@@ -284,7 +330,7 @@ class DecoderForCausalLM(nn.Module):
         """Batch-invariant kernels everywhere (linears, LM head, dense attention) when True."""
         self.deterministic = deterministic
         for module in self.modules():
-            if isinstance(module, (Linear, Attention)):
+            if isinstance(module, (Linear, Attention, RMSNorm)):
                 module.deterministic = deterministic
 
     def lm_head_weight(self) -> torch.Tensor:
