@@ -57,13 +57,13 @@ def profile(path: str, device: str, dtype: str, batch: int, prompt_len: int, ste
         start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
         start.record()
         for _ in range(20):
-            runner.graphs.graphs[size].replay()
+            runner.graphs.graphs[(size, False)].replay()
         end.record()
         sync()
         row["graph_replay_ms"] = round(start.elapsed_time(end) / 20, 4)
         with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CUDA]) as prof:
             for _ in range(5):
-                runner.graphs.graphs[size].replay()
+                runner.graphs.graphs[(size, False)].replay()
             sync()
         kernels = sorted(((e.key, e.device_time_total / 5) for e in prof.key_averages()), key=lambda x: -x[1])[:8]
         row["top_kernels_us"] = [(k[:60], round(t, 1)) for k, t in kernels]

@@ -241,6 +241,126 @@ def token_logprobs(
     return out
 
 
+@triton.jit
+def _sample_chunk_kernel(
+    logits_ptr, temperature_ptr, seeds_ptr, positions_ptr, part_ptr, stride_row, vocab, num_chunks,
+    CHUNK: tl.constexpr, BLOCK_V: tl.constexpr, LIBDEVICE_LOG: tl.constexpr,
+):
+    """Untruncated sampling, split over the vocabulary: one program per (row, chunk of CHUNK tokens) writes
+    the chunk's raw max and first argmax, its best Gumbel-perturbed tempered logit and index, and its
+    tempered max and sum of exp(x - max). `_sample_combine_kernel` merges the chunks of a row."""
+    row = tl.program_id(0)
+    chunk = tl.program_id(1)
+    row_ptr = logits_ptr + row.to(tl.int64) * stride_row
+    temperature = tl.load(temperature_ptr + row).to(tl.float32)
+    temp = tl.where(temperature <= 0.0, 1.0, temperature)
+    seed = tl.load(seeds_ptr + row).to(tl.uint32)
+    position = tl.load(positions_ptr + row).to(tl.uint32)
+    row_key = _mix32(_mix32(seed) + position * 0x9E3779B9)
+    best_raw = tl.full([], float("-inf"), tl.float32)
+    best_raw_idx = tl.zeros([], tl.int32)
+    best_noisy = tl.full([], float("-inf"), tl.float32)
+    best_idx = tl.zeros([], tl.int32)
+    m = tl.full([], float("-inf"), tl.float32)
+    acc = tl.zeros([BLOCK_V], tl.float32)  # sum of exp(x - m) per lane, rescaled when m grows
+    for start in range(chunk * CHUNK, chunk * CHUNK + CHUNK, BLOCK_V):
+        offs = start + tl.arange(0, BLOCK_V)
+        mask = offs < vocab
+        raw = tl.load(row_ptr + offs, mask=mask, other=float("-inf")).to(tl.float32)
+        c_max = tl.max(raw, 0)
+        c_idx = start + tl.argmax(raw, 0)
+        take = c_max > best_raw
+        best_raw_idx = tl.where(take, c_idx, best_raw_idx)
+        best_raw = tl.maximum(best_raw, c_max)
+        x = tl.math.div_rn(raw, tl.zeros_like(raw) + temp)
+        h = _mix32(row_key ^ offs.to(tl.uint32))
+        u = ((h >> 9).to(tl.float32) + 0.5) * (1.0 / 8388608.0)
+        noisy = tl.where(mask, x - _log(-_log(u, LIBDEVICE_LOG), LIBDEVICE_LOG), float("-inf"))
+        n_max = tl.max(noisy, 0)
+        n_idx = start + tl.argmax(noisy, 0)
+        take = n_max > best_noisy
+        best_idx = tl.where(take, n_idx, best_idx)
+        best_noisy = tl.maximum(best_noisy, n_max)
+        new_m = tl.maximum(m, tl.max(x, 0))
+        acc = acc * tl.exp(m - new_m) + tl.where(mask, tl.exp(x - new_m), 0.0)
+        m = new_m
+    out = part_ptr + (row.to(tl.int64) * num_chunks + chunk) * 6
+    tl.store(out + 0, best_raw)
+    tl.store(out + 1, best_raw_idx.to(tl.float32))
+    tl.store(out + 2, best_noisy)
+    tl.store(out + 3, best_idx.to(tl.float32))
+    tl.store(out + 4, m)
+    tl.store(out + 5, tl.sum(acc, 0))
+
+
+@triton.jit
+def _sample_combine_kernel(
+    logits_ptr, temperature_ptr, part_ptr, token_ptr, logprob_ptr, stride_row, num_chunks,
+    BLOCK_C: tl.constexpr,
+):
+    row = tl.program_id(0)
+    c = tl.arange(0, BLOCK_C)
+    cmask = c < num_chunks
+    base = part_ptr + row.to(tl.int64) * num_chunks * 6 + c * 6
+    raw_max = tl.load(base + 0, mask=cmask, other=float("-inf"))
+    raw_idx = tl.load(base + 1, mask=cmask, other=0.0).to(tl.int32)
+    noisy = tl.load(base + 2, mask=cmask, other=float("-inf"))
+    noisy_idx = tl.load(base + 3, mask=cmask, other=0.0).to(tl.int32)
+    m = tl.load(base + 4, mask=cmask, other=float("-inf"))
+    sums = tl.load(base + 5, mask=cmask, other=0.0)
+    temperature = tl.load(temperature_ptr + row).to(tl.float32)
+    greedy = temperature <= 0.0
+    temp = tl.where(greedy, 1.0, temperature)
+    greedy_idx = tl.sum(tl.where(c == tl.argmax(raw_max, 0), raw_idx, 0), 0)  # first chunk holding the max
+    sample_idx = tl.sum(tl.where(c == tl.argmax(noisy, 0), noisy_idx, 0), 0)
+    row_max = tl.max(m, 0)
+    lse = tl.log(tl.sum(tl.where(cmask, sums * tl.exp(m - row_max), 0.0), 0))
+    token = tl.where(greedy, greedy_idx, sample_idx)
+    x_token = tl.math.div_rn(tl.load(logits_ptr + row.to(tl.int64) * stride_row + token).to(tl.float32), temp)
+    tl.store(token_ptr + row, token.to(tl.int64))
+    tl.store(logprob_ptr + row, x_token - row_max - lse)
+
+
+_CHUNK = 2048
+
+
+def sample_untruncated(
+    logits: torch.Tensor,  # [B, V] float16 / bfloat16 / float32
+    temperature: torch.Tensor,  # [B] float32; <= 0 marks greedy rows
+    seeds: torch.Tensor,  # [B] int64 holding uint32 values
+    positions: torch.Tensor,  # [B] int64
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """`sample` for rows without top-k / top-p / min-p, split over the vocabulary so that a small batch
+    still fills the GPU (one program per 2048 tokens of a row, then a merge per row).
+
+    The caller guarantees that no row truncates (it knows the sampling parameters on the host). Same
+    tokens as `sample` (the same noise and the same first-index tie rule); logprobs agree to ~1e-6 (the
+    log-sum-exp is merged per chunk instead of summed in one pass). Returns new (token_ids int64 [B],
+    logprobs float32 [B]).
+    """
+    if logits.dim() != 2 or logits.dtype not in _LOGIT_DTYPES or logits.stride(1) != 1:
+        raise ValueError(f"logits must be [B, V] of {_LOGIT_DTYPES}, contiguous in V; got {logits.dtype} "
+                         f"{tuple(logits.shape)}")
+    num_rows, vocab = logits.shape
+    for name, t in (("temperature", temperature), ("seeds", seeds), ("positions", positions)):
+        if t.shape != (num_rows,) or t.device != logits.device or (num_rows and t.stride(0) != 1):
+            raise ValueError(f"{name} must be a contiguous [{num_rows}] tensor on {logits.device}")
+    num_chunks = triton.cdiv(vocab, _CHUNK)
+    token_ids = torch.empty(num_rows, dtype=torch.int64, device=logits.device)
+    logprobs = torch.empty(num_rows, dtype=torch.float32, device=logits.device)
+    if num_rows:
+        parts = torch.empty(num_rows, num_chunks, 6, dtype=torch.float32, device=logits.device)
+        _sample_chunk_kernel[(num_rows, num_chunks)](
+            logits, temperature, seeds, positions, parts, logits.stride(0), vocab, num_chunks,
+            CHUNK=_CHUNK, BLOCK_V=min(1024, _CHUNK), LIBDEVICE_LOG=logits.is_cuda, num_warps=4,
+        )
+        _sample_combine_kernel[(num_rows,)](
+            logits, temperature, parts, token_ids, logprobs, logits.stride(0), num_chunks,
+            BLOCK_C=triton.next_power_of_2(num_chunks), num_warps=1,
+        )
+    return token_ids, logprobs
+
+
 def sample(
     logits: torch.Tensor,  # [B, V] float16 / bfloat16 / float32
     temperature: torch.Tensor,  # [B] float32; <= 0 marks greedy rows

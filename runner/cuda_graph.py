@@ -6,6 +6,9 @@ the LM head and the sampler, and writes tokens and logprobs into static output t
 seq_len 0 and KV slot -1, so they read nothing, write nothing and their outputs are ignored. The graph's
 attention grid is sized for `max_model_len`, so one graph serves every context length.
 
+Each size has two variants: steps where no row truncates (top-k / top-p / min-p off, the RL default;
+captured at start-up) and steps where some row does (captured the first time one occurs).
+
 Not here: mixed prefill/decode steps and steps that want top-N logprobs — those run eagerly.
 """
 
@@ -33,8 +36,8 @@ class DecodeGraphs:
     def __init__(self, runner, sizes: list[int]) -> None:
         self.runner = runner
         self.sizes = sorted(sizes)
-        self.graphs: dict[int, torch.cuda.CUDAGraph] = {}
-        self.outputs: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}  # size -> (tokens [P], logprobs [P])
+        self.graphs: dict[tuple[int, bool], torch.cuda.CUDAGraph] = {}  # (size, truncation) -> graph
+        self.outputs: dict[tuple[int, bool], tuple[torch.Tensor, torch.Tensor]] = {}  # -> (tokens [P], logprobs [P])
         self.pool = None
 
     @property
@@ -51,30 +54,34 @@ class DecodeGraphs:
         self.runner.buffers.upload(self.max_size)
         torch.cuda.synchronize()
         for size in reversed(self.sizes):
-            self._capture_one(size)
+            self._capture_one(size, truncation=False)
         torch.cuda.synchronize()
         elapsed = time.perf_counter() - start
         logger.info("captured %d decode graphs (sizes %s) in %.1f s", len(self.sizes), self.sizes, elapsed)
         return elapsed
 
-    def _capture_one(self, size: int) -> None:
+    def _capture_one(self, size: int, truncation: bool) -> None:
+        """Capture one variant. The warm-up runs compute the step the buffers hold (during a run: the real
+        step, so they rewrite the same KV values), which compiles the kernels outside the capture."""
         stream = torch.cuda.Stream()
         stream.wait_stream(torch.cuda.current_stream())
         with torch.cuda.stream(stream):
-            for _ in range(2):  # warm-up: Triton autotuning / compilation outside the capture
-                self.runner.decode_forward(size)
+            for _ in range(2):
+                self.runner.decode_forward(size, truncation)
         torch.cuda.current_stream().wait_stream(stream)
         graph = torch.cuda.CUDAGraph()
         with torch.cuda.graph(graph, pool=self.pool):
-            tokens, logprobs = self.runner.decode_forward(size)
+            tokens, logprobs = self.runner.decode_forward(size, truncation)
         if self.pool is None:
             self.pool = graph.pool()
-        self.graphs[size] = graph
-        self.outputs[size] = (tokens, logprobs)
+        self.graphs[(size, truncation)] = graph
+        self.outputs[(size, truncation)] = (tokens, logprobs)
 
-    def replay(self, size: int) -> tuple[torch.Tensor, torch.Tensor]:
-        self.graphs[size].replay()
-        return self.outputs[size]
+    def replay(self, size: int, truncation: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
+        if (size, truncation) not in self.graphs:
+            self._capture_one(size, truncation)
+        self.graphs[(size, truncation)].replay()
+        return self.outputs[(size, truncation)]
 
     def release(self) -> None:
         self.graphs.clear()

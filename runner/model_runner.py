@@ -52,13 +52,13 @@ class ModelRunner:
         self.num_kv_heads = self.model.model.layers[0].self_attn.num_kv_heads  # this rank's
         if tp is None:
             self.weights = CheckpointWeights(self.model)
-            self.sampler = Sampler(self.device)
+            self.sampler = Sampler(self.device, config.deterministic)
         else:
             from runner.parallel.sampling import TensorParallelSampler
             from runner.parallel.weights import ShardedCheckpointWeights
 
             self.weights = ShardedCheckpointWeights(self.model, tp)
-            self.sampler = TensorParallelSampler(Sampler(self.device), tp, config.tp_sampling)
+            self.sampler = TensorParallelSampler(Sampler(self.device, config.deterministic), tp, config.tp_sampling)
         self.input_batch = InputBatch(
             max_num_seqs=config.max_num_seqs, max_model_len=max_model_len, block_size=config.block_size
         )
@@ -189,6 +189,7 @@ class ModelRunner:
             return self.spec.execute(sched)
         inputs = self.input_batch.gather(sched)
         top_n = int(self.input_batch.top_logprobs[inputs.slots[inputs.sample_rows]].max(initial=0))
+        truncation = self.input_batch.truncates(inputs.slots[inputs.sample_rows], self.model_config.vocab_size)
         num_reqs = inputs.slots.shape[0]
         if (
             self.graphs is not None
@@ -201,7 +202,7 @@ class ModelRunner:
             self._stage(inputs)
             self.fill_padding_rows(num_reqs, size)
             self.buffers.upload(size)
-            tokens, logprobs = self.graphs.replay(size)
+            tokens, logprobs = self.graphs.replay(size, truncation)
             return self._finish(inputs, tokens[:num_reqs], logprobs[:num_reqs], None)
         self._stage(inputs)
         self.buffers.upload(num_reqs)
@@ -215,14 +216,16 @@ class ModelRunner:
         logits = self.model.compute_logits(hidden[b.logits_indices[:R]])
         tokens, logprobs, top = self.sampler(
             logits, b.temperature[:R], b.top_k[:R], b.top_p[:R], b.min_p[:R], b.seeds[:R],
-            b.sample_positions[:R], top_n,
+            b.sample_positions[:R], top_n, truncation=truncation,
         )
         return self._finish(inputs, tokens, logprobs, top)
 
     # ---- CUDA graphs -----------------------------------------------------------------------------------
     @torch.inference_mode()
-    def decode_forward(self, size: int) -> tuple[torch.Tensor, torch.Tensor]:
-        """One pure-decode step over the first `size` rows of the step buffers (what a graph captures)."""
+    def decode_forward(self, size: int, truncation: bool = True) -> tuple[torch.Tensor, torch.Tensor]:
+        """One pure-decode step over the first `size` rows of the step buffers (what a graph captures).
+
+        truncation=False: no row uses top-k / top-p / min-p, so the sampler may take its split kernel."""
         b = self.buffers
         meta = AttentionMetadata(
             query_start_loc=b.query_start_loc[: size + 1],
@@ -237,7 +240,7 @@ class ModelRunner:
         logits = self.model.compute_logits(hidden)
         tokens, logprobs, _ = self.sampler(
             logits, b.temperature[:size], b.top_k[:size], b.top_p[:size], b.min_p[:size], b.seeds[:size],
-            b.sample_positions[:size],
+            b.sample_positions[:size], truncation=truncation,
         )
         return tokens, logprobs
 

@@ -24,19 +24,22 @@ def _prompts(n, vocab=1024, seed=0):
     return [torch.randint(2, vocab, (int(torch.randint(4, 60, (1,), generator=g)),), generator=g).tolist() for _ in range(n)]
 
 
-def test_graph_replay_is_bitwise_equal_to_eager_step(bf16_model):
+@pytest.mark.parametrize("top_p", [1.0, 0.9])  # the untruncated variant (start-up) and the truncated one (lazy)
+def test_graph_replay_is_bitwise_equal_to_eager_step(bf16_model, top_p):
     engine = Engine(EngineConfig(model=str(bf16_model), device="cuda", dtype="bfloat16", max_num_seqs=32,
                                  max_model_len=512, num_kv_blocks=256))
     runner = engine.runner
     assert runner.graphs is not None
     for p in _prompts(5):
-        engine.add_request(p, SamplingParams(max_tokens=40, ignore_eos=True, seed=3))
-    for _ in range(6):  # prefill, then a few decode steps
+        engine.add_request(p, SamplingParams(max_tokens=40, ignore_eos=True, seed=3, top_p=top_p))
+    for _ in range(6):  # prefill, then a few decode steps (the first truncated one captures its graph)
         engine.step()
+    truncation = top_p < 1.0
+    assert (runner.graphs.padded_size(5), truncation) in runner.graphs.graphs
     # the buffers now hold a real decode step: replay the captured graph and run the same step eagerly
     size = runner.graphs.padded_size(5)
-    g_tokens, g_logprobs = (t.clone() for t in runner.graphs.replay(size))
-    e_tokens, e_logprobs = runner.decode_forward(size)
+    g_tokens, g_logprobs = (t.clone() for t in runner.graphs.replay(size, truncation))
+    e_tokens, e_logprobs = runner.decode_forward(size, truncation)
     torch.cuda.synchronize()
     assert torch.equal(g_tokens[:5], e_tokens[:5])
     assert torch.equal(g_logprobs[:5], e_logprobs[:5])

@@ -169,3 +169,19 @@ def test_token_logprobs_match_the_sampler_and_log_softmax():
     torch.testing.assert_close(ours.cpu().double(), ref.gather(1, ids.cpu()[:, None])[:, 0], atol=1e-5, rtol=0)
     with pytest.raises(ValueError, match="token_ids"):
         token_logprobs(logits, ids.int(), temps)
+
+
+@pytest.mark.parametrize("vocab", [300, 5000])
+def test_untruncated_split_sampler_matches_the_reference(vocab):
+    from kernels.sampling import sample_untruncated
+
+    logits = _logits(9, vocab, seed=vocab)
+    logits[0, 123] = logits[0, 4000 % vocab] = logits[0].max() + 2.0  # greedy tie: the first index wins
+    params = _params(9, temperature=[0.0, 1.0, 0.8])
+    ids, lps = sample_untruncated(logits, params[0], params[4], params[5])
+    ref_ids, ref_lps, _ = sample_ref(logits.cpu(), *(p.cpu() for p in params))
+    assert torch.equal(ids.cpu(), ref_ids)
+    assert ids[0].item() == min(123, 4000 % vocab)
+    torch.testing.assert_close(lps.cpu(), ref_lps, atol=1e-5, rtol=0)
+    with pytest.raises(ValueError, match="seeds"):
+        sample_untruncated(logits, params[0], params[4][:3], params[5])

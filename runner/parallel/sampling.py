@@ -38,11 +38,12 @@ class TensorParallelSampler:
             raise ValueError(f"tp_sampling must be one of {TP_SAMPLING_MODES}, got {mode!r}")
         self.sampler, self.tp, self.mode = sampler, tp, mode
 
-    def __call__(self, logits, temperature, top_k, top_p, min_p, seeds, positions, num_top_logprobs: int = 0):
+    def __call__(self, logits, temperature, top_k, top_p, min_p, seeds, positions, num_top_logprobs: int = 0,
+                 truncation: bool = True):
         # logits [R, V/P]; the rest [R] (see Sampler)
         if self.mode == "allgather":
             return self.sampler(gather_vocab(self.tp, logits), temperature, top_k, top_p, min_p, seeds, positions,
-                                num_top_logprobs)
+                                num_top_logprobs, truncation=truncation)
         P, R = self.tp.size, logits.shape[0]
         pad = -R % P
         rows = (R + pad) // P
@@ -56,6 +57,7 @@ class TensorParallelSampler:
         tokens, logprobs, top = self.sampler(
             full, padded(temperature, 1.0)[mine], padded(top_k, 0)[mine], padded(top_p, 1.0)[mine],
             padded(min_p, 0.0)[mine], padded(seeds, 0)[mine], padded(positions, 0)[mine], num_top_logprobs,
+            truncation=truncation,
         )
         tokens = self.tp.all_gather(tokens).reshape(-1)[:R]  # [R]
         logprobs = self.tp.all_gather(logprobs).reshape(-1)[:R]  # [R]
