@@ -293,7 +293,7 @@ def test_fp32_master_is_diffed_on_bf16_bits():
     pending = differ_initial.encode(master)
     assert all(isinstance(u, Patch) for u in pending.updates)
     assert sum(u.indices.num_indices for u in pending.updates) == 0 or pending.stats.changed_fraction < 0.05
-    assert all(u.values.dtype == torch.bfloat16 for u in pending.updates)
+    assert all(u.values.dtype == torch.bfloat16 or u.is_delta for u in pending.updates)  # new bits or bit deltas
 
 
 def test_initial_snapshot_from_shared_checkpoint_gives_patches():
@@ -378,15 +378,18 @@ def corrupt_cases():
     def out_of_bounds(u, target):
         idx = u.indices.decode(torch.device("cpu"))
         idx[-1] = target.shapes[k][0] * target.shapes[k][1]  # one past the end
-        return [Patch(name=k, indices=PackedIndices.encode(idx), values=u.values, checksum=u.checksum)], "out of bounds"
+        return [Patch(name=k, indices=PackedIndices.encode(idx), values=u.values, checksum=u.checksum, escapes=u.escapes)], "out of bounds"
 
     def bad_checksum(u, target):
-        return [Patch(name=k, indices=u.indices, values=u.values, checksum=u.checksum + 1)], "checksum mismatch"
+        return [Patch(name=k, indices=u.indices, values=u.values, checksum=u.checksum + 1, escapes=u.escapes)], "checksum mismatch"
 
     def flipped_value(u, target):
         values = u.values.clone()
-        values.view(torch.int16)[0] ^= 1
-        return [Patch(name=k, indices=u.indices, values=values, checksum=u.checksum)], "checksum mismatch"
+        if u.is_delta:  # a different nonzero delta (0 would be an escape)
+            values[0] = 3 if values[0] != 3 else 5
+        else:
+            values.view(torch.int16)[0] ^= 1
+        return [Patch(name=k, indices=u.indices, values=values, checksum=u.checksum, escapes=u.escapes)], "checksum mismatch"
 
     def dense_bad_checksum(u, target):
         t = target.read_checkpoint_tensor(k).clone() + 1
@@ -402,10 +405,10 @@ def corrupt_cases():
         return [Dense.of("lm_head.weight", torch.zeros(VOCAB, HIDDEN, dtype=torch.bfloat16))], "unknown parameter"
 
     def bad_overflow(u, target):
-        return [Patch(name=k, indices=PackedIndices(gaps=u.indices.gaps, overflow=torch.tensor([7], dtype=torch.int32)), values=u.values, checksum=u.checksum)], "malformed index stream"
+        return [Patch(name=k, indices=PackedIndices(gaps=u.indices.gaps, overflow=torch.tensor([7], dtype=torch.int32)), values=u.values, checksum=u.checksum, escapes=u.escapes)], "malformed index stream"
 
     def values_length(u, target):
-        return [Patch(name=k, indices=u.indices, values=u.values[:-1], checksum=u.checksum)], "indices but values"
+        return [Patch(name=k, indices=u.indices, values=u.values[:-1], checksum=u.checksum, escapes=u.escapes)], "indices but values"
 
     def duplicate(u, target):
         return [u, u], "sent twice"
@@ -568,7 +571,7 @@ def test_bucket_roundtrip_is_a_valid_safetensors_file():
         if isinstance(a, Dense):
             assert torch.equal(a.tensor.view(torch.int16), b.tensor.view(torch.int16))
         else:
-            assert torch.equal(a.indices.gaps, b.indices.gaps) and torch.equal(a.values.view(torch.int16), b.values.view(torch.int16))
+            assert torch.equal(a.indices.gaps, b.indices.gaps) and torch.equal(a.values.view(torch.uint8), b.values.view(torch.uint8))
     loaded = safetensors_torch.load(to_safetensors_prefix(plan.header) + buf.numpy().tobytes())
     dense = next(u for u in updates if isinstance(u, Dense))
     assert torch.equal(loaded[dense.name], dense.tensor)
@@ -587,3 +590,65 @@ def test_import_is_cheap():
     code = "import sys, weight_updates, weight_updates.transports; print(sorted(m for m in ('nixl', 'nixl._api', 'ray') if m in sys.modules))"
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout
     assert out.strip() == "[]"
+
+
+def test_small_changes_travel_as_one_byte_bit_deltas():
+    from weight_updates import DiffConfig, TensorDictTarget, WeightDiffer, WeightReceiver
+
+    g = torch.Generator().manual_seed(0)
+    w0 = (torch.randn(4096, generator=g) * 0.02).to(torch.bfloat16)
+    target = TensorDictTarget({"w": w0.clone()})
+    receiver = WeightReceiver(target)
+    results = {}
+    for use_deltas in (True, False):
+        differ = WeightDiffer(target.checkpoint_specs(), config=DiffConfig(bit_deltas=use_deltas))
+        first = differ.encode({"w": target.read_checkpoint_tensor("w").clone()})
+        receiver.apply(receiver.version + 1, first.updates)
+        differ.commit(first)
+        # a small optimizer-like step on 1% of the weights: a few ulps each, some sign/exponent crossings
+        master = target.read_checkpoint_tensor("w").float()
+        idx = torch.randperm(4096, generator=g)[:41]
+        master[idx] += torch.randn(41, generator=g) * 1e-4
+        master[idx[:3]] = -master[idx[:3]]  # large bit jumps: these need the full-width encoding
+        push = differ.encode({"w": master})
+        (patch,) = push.updates
+        receiver.apply(receiver.version + 1, push.updates)
+        differ.commit(push)
+        assert torch.equal(target.read_checkpoint_tensor("w").view(torch.int16), master.to(torch.bfloat16).view(torch.int16))
+        results[use_deltas] = patch
+    # the sign flips do not fit in a byte: they travel as escapes, the rest as one-byte deltas
+    assert results[True].is_delta and not results[False].is_delta
+    assert 1 <= results[True].escapes.numel() <= 5
+    assert results[True].nbytes < results[False].nbytes
+    differ = WeightDiffer(target.checkpoint_specs())
+    base = differ.encode({"w": target.read_checkpoint_tensor("w").clone()})
+    receiver.apply(receiver.version + 1, base.updates)
+    differ.commit(base)
+    master = target.read_checkpoint_tensor("w").float()
+    master[:40] = (master[:40].to(torch.bfloat16).view(torch.int16) + 1).view(torch.bfloat16).float()  # +1 ulp
+    push = differ.encode({"w": master})
+    (patch,) = push.updates
+    assert patch.is_delta and patch.values.dtype == torch.int8 and patch.escapes.numel() == 0
+    assert patch.nbytes == 40 + 40  # one byte of delta and one byte of gap per change
+    receiver.apply(receiver.version + 1, push.updates)
+    differ.commit(push)
+    assert torch.equal(target.read_checkpoint_tensor("w"), master.to(torch.bfloat16))
+    # a delta patch against the wrong base is refused before anything is written
+    bits = master.to(torch.bfloat16).view(torch.int16).clone()
+    bits[100:140] += 1
+    stale = differ.encode({"w": bits.view(torch.bfloat16)})
+    assert stale.updates[0].is_delta
+    target.write_dense("w", torch.zeros(4096, dtype=torch.bfloat16))
+    receiver.invalidate_checksums()
+    before = target.read_checkpoint_tensor("w").clone()
+    with pytest.raises(ValueError, match="checksum mismatch"):
+        receiver.apply(receiver.version + 1, stale.updates)
+    assert torch.equal(target.read_checkpoint_tensor("w"), before)
+    # a delta patch whose escape count is wrong is refused too
+    from weight_updates import Patch
+
+    bad = Patch(name="w", indices=patch.indices, values=patch.values.masked_fill(torch.arange(40) == 0, 0),
+                escapes=patch.escapes, checksum=patch.checksum)
+    with pytest.raises(ValueError, match="escape"):
+        receiver.apply(receiver.version + 1, [bad])
+    assert torch.equal(target.read_checkpoint_tensor("w"), before)

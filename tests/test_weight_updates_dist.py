@@ -41,7 +41,7 @@ def trainer() -> None:
 
     adamw_like_step(master, gen)
     pending = differ.encode(master)
-    bad = [Patch(name=u.name, indices=u.indices, values=u.values, checksum=u.checksum + 1) if isinstance(u, Patch) and u.indices.num_indices else u for u in pending.updates]
+    bad = [Patch(name=u.name, indices=u.indices, values=u.values, checksum=u.checksum + 1, escapes=u.escapes) if isinstance(u, Patch) and u.indices.num_indices else u for u in pending.updates]
     try:
         sender.send(2, bad)
     except WeightUpdateError as e:

@@ -36,7 +36,7 @@ def trainer(conns) -> None:
 
     adamw_like_step(master, torch.Generator().manual_seed(SEED + 1))
     slices = [layer_slice(differ.encode(master).updates, r) for r in range(len(conns))]
-    slices[1][0] = Patch(name=slices[1][0].name, indices=slices[1][0].indices, values=slices[1][0].values, checksum=slices[1][0].checksum + 1)
+    slices[1][0] = Patch(name=slices[1][0].name, indices=slices[1][0].indices, values=slices[1][0].values, checksum=slices[1][0].checksum + 1, escapes=slices[1][0].escapes)
     with pytest.raises(WeightUpdateError, match="rollout ranks rejected version 2: {1: .checksum mismatch"):
         sender.send(2, slices)
 

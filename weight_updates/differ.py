@@ -16,7 +16,7 @@ from dataclasses import dataclass, field
 import torch
 
 from weight_updates.checksum import check_dtype_supported, checksum_tensor, patch_checksum_delta
-from weight_updates.encoding import MAX_PATCH_NUMEL, Dense, PackedIndices, Patch, Update
+from weight_updates.encoding import MAX_PATCH_NUMEL, Dense, PackedIndices, Patch, Update, apply_bit_deltas, bit_deltas
 from weight_updates.target import ParamSpec
 
 Weights = torch.nn.Module | Mapping[str, torch.Tensor] | Iterable[tuple[str, torch.Tensor]]
@@ -29,6 +29,9 @@ class DiffConfig:
     max_patch_ratio: float = 0.5
     """Send a Patch when its bytes are <= this fraction of the dense bytes; scatters cost more per
     byte than copies, so a patch must be clearly smaller to win."""
+    bit_deltas: bool = True
+    """Send a patch's values as int8 bit deltas against the last push when that is smaller (one byte per
+    changed element, plus the full value of each change too large for a byte)."""
 
     def __post_init__(self) -> None:
         if not 0.0 <= self.max_patch_ratio <= 1.0:
@@ -180,6 +183,11 @@ class WeightDiffer:
                 old_values = old.view(-1)[indices]  # [num_changed]
                 check = self._checksums[name] + patch_checksum_delta(old_values, values, indices)
                 patch = Patch(name=name, indices=packed, values=values, checksum=int(check.item()))
+                if self.config.bit_deltas and new.element_size() > 1:
+                    deltas, escapes = bit_deltas(old_values, values)
+                    delta_patch = Patch(name=name, indices=packed, values=deltas, escapes=escapes, checksum=patch.checksum)
+                    if delta_patch.nbytes < patch.nbytes:
+                        patch = delta_patch
                 return patch, indices, num_changed, check
         check = checksum_tensor(new)
         return Dense(name=name, tensor=new, checksum=int(check.item())), None, num_changed, check
@@ -199,6 +207,11 @@ class WeightDiffer:
                 else:
                     snap.copy_(push.new_tensors[update.name])
             else:
-                self._snapshot[update.name].view(-1)[push.patch_indices[update.name]] = update.values
+                flat = self._snapshot[update.name].view(-1)
+                indices = push.patch_indices[update.name]
+                values = update.values
+                if update.is_delta:
+                    values = apply_bit_deltas(flat[indices], update.values, update.escapes)
+                flat[indices] = values
             self._checksums[update.name] = push.new_checksums[update.name]
         self.generation += 1

@@ -118,16 +118,52 @@ class Dense:
 
 @dataclass(frozen=True, kw_only=True, slots=True)
 class Patch:
-    """New values at some flat indices of one parameter's checkpoint-shaped tensor."""
+    """New values at some flat indices of one parameter's checkpoint-shaped tensor.
+
+    `values` holds either the new bit patterns (engine dtype) or int8 bit deltas: new bits = old bits +
+    delta, as integers of the dtype's width, with 0 (never a real change) escaping to the next entry of
+    `escapes`, which holds the new value itself. A small optimizer step moves most bf16 weights by one or
+    two units in the last place, so most changes take one byte instead of two. Deltas are exact and need
+    the receiver's base to be the sender's, which the post-update checksum verifies before any write.
+    """
 
     name: str
     indices: PackedIndices  # num_indices == values.numel()
-    values: torch.Tensor  # [num_indices] engine dtype, the new bit patterns
+    values: torch.Tensor  # [num_indices] engine dtype (new bit patterns) or int8 (bit deltas, 0 = escape)
     checksum: int  # checksum.checksum of the parameter after the update
+    escapes: torch.Tensor | None = None  # [num_escapes] engine dtype, new values of the escaped deltas
+
+    @property
+    def is_delta(self) -> bool:
+        return self.values.dtype == torch.int8
 
     @property
     def nbytes(self) -> int:
-        return self.indices.nbytes + self.values.numel() * self.values.element_size()
-
+        extra = 0 if self.escapes is None else self.escapes.numel() * self.escapes.element_size()
+        return self.indices.nbytes + self.values.numel() * self.values.element_size() + extra
 
 Update = Dense | Patch
+
+_INT_OF = {1: torch.int8, 2: torch.int16, 4: torch.int32}
+
+
+def bit_deltas(old: torch.Tensor, new: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """(int8 deltas [n], escapes [k] of new's dtype): new bits = old bits + delta, or, where the delta
+    byte is 0, the next escape. old and new differ at every position."""
+    int_dtype = _INT_OF[new.element_size()]
+    delta = new.view(int_dtype).to(torch.int64) - old.view(int_dtype).to(torch.int64)  # [n]
+    fits = (delta >= -128) & (delta <= 127) & (delta != 0)
+    return torch.where(fits, delta, 0).to(torch.int8), new[~fits]
+
+
+def apply_bit_deltas(old: torch.Tensor, delta: torch.Tensor, escapes: torch.Tensor) -> torch.Tensor:
+    """New values [n] (old's dtype) from old values [n], int8 deltas [n] and escapes. Raises
+    WeightUpdateError when the number of escape bytes is not the number of escapes."""
+    int_dtype = _INT_OF[old.element_size()]
+    escaped = delta == 0  # [n]
+    if int(escaped.sum()) != escapes.numel():
+        raise WeightUpdateError(f"{int(escaped.sum())} escaped deltas but {escapes.numel()} escape values")
+    new = (old.view(int_dtype).to(torch.int64) + delta.to(torch.int64)).to(int_dtype).view(old.dtype)
+    if escapes.numel():
+        new[escaped] = escapes.to(old.dtype)
+    return new

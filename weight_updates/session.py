@@ -34,7 +34,7 @@ from dataclasses import dataclass
 import torch
 
 from weight_updates.checksum import checksum_tensor, patch_checksum_deltas, segment_sums
-from weight_updates.encoding import Dense, Patch, Update, decode_many
+from weight_updates.encoding import Dense, Patch, Update, apply_bit_deltas, decode_many
 from weight_updates.errors import WeightUpdateError
 from weight_updates.target import ParamSpec, WeightTarget
 
@@ -179,13 +179,15 @@ class UpdateSession:
         if update.name in self._updates:
             raise WeightUpdateError(f"{update.name}: sent twice in one session")
         payload = update.tensor if isinstance(update, Dense) else update.values
-        if payload.dtype != spec.dtype:
+        if payload.dtype != spec.dtype and not (isinstance(update, Patch) and update.is_delta):
             raise WeightUpdateError(f"{update.name}: dtype {payload.dtype} != engine dtype {spec.dtype}")
         if isinstance(update, Dense):
             if tuple(payload.shape) != spec.shape:
                 raise WeightUpdateError(f"{update.name}: shape {tuple(payload.shape)} != checkpoint shape {spec.shape}")
         elif payload.dim() != 1 or payload.numel() != update.indices.num_indices:
             raise WeightUpdateError(f"{update.name}: {update.indices.num_indices} indices but values of shape {tuple(payload.shape)}")
+        elif update.is_delta and (update.escapes is None or update.escapes.dtype != spec.dtype or update.escapes.dim() != 1):
+            raise WeightUpdateError(f"{update.name}: a bit-delta patch needs 1-D escape values of dtype {spec.dtype}")
 
     def _finish(self) -> UpdateResult:
         receiver, target = self._receiver, self._receiver.target
@@ -214,6 +216,8 @@ class UpdateSession:
                     raise WeightUpdateError(f"{name}: flat index {idx} out of bounds for {numel} elements")
         for s in patches:
             s.old = target.read_checkpoint_tensor(s.update.name).reshape(-1).index_select(0, s.indices)
+            if s.update.is_delta:  # bit deltas against the current weights -> the new values
+                s.payload = apply_bit_deltas(s.old, s.payload, s.update.escapes.to(device))
         expected = torch.tensor([s.update.checksum for s in staged], dtype=torch.int64).to(device, non_blocking=True)  # [num records]
         self._check_predicted_checksums(staged, patches, expected)
         t1 = time.perf_counter()

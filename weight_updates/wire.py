@@ -53,11 +53,14 @@ class BucketPlan:
 def _record_tensors(update: Update) -> list[tuple[str, torch.Tensor]]:
     if isinstance(update, Dense):
         return [(update.name, update.tensor)]
-    return [
+    tensors = [
         (f"{update.name}:gaps", update.indices.gaps),
         (f"{update.name}:overflow", update.indices.overflow),
         (f"{update.name}:values", update.values),
     ]
+    if update.escapes is not None:
+        tensors.append((f"{update.name}:escapes", update.escapes))
+    return tensors
 
 
 def plan_bucket(updates: Sequence[Update]) -> BucketPlan:
@@ -123,7 +126,9 @@ def _read_record(header: dict, data: torch.Tensor, record: dict) -> Update:
         return Dense(name=name, tensor=_tensor(header, data, name), checksum=checksum)
     if record["kind"] == "patch":
         indices = PackedIndices(gaps=_tensor(header, data, f"{name}:gaps"), overflow=_tensor(header, data, f"{name}:overflow"))
-        return Patch(name=name, indices=indices, values=_tensor(header, data, f"{name}:values"), checksum=checksum)
+        escapes = _tensor(header, data, f"{name}:escapes") if f"{name}:escapes" in header else None
+        return Patch(name=name, indices=indices, values=_tensor(header, data, f"{name}:values"), checksum=checksum,
+                     escapes=escapes)
     raise WeightUpdateError(f"{name}: unknown record kind {record['kind']!r}")
 
 

@@ -71,7 +71,8 @@ def _payloads(update) -> list[torch.Tensor]:
 
     if isinstance(update, Dense):
         return [update.tensor]
-    return [update.indices.gaps, update.indices.overflow, update.values]
+    escapes = update.escapes if update.escapes is not None else update.values.new_empty(0)
+    return [update.indices.gaps, update.indices.overflow, update.values, escapes]
 
 
 def broadcast_updates(tp, updates: list | None) -> list:
@@ -99,9 +100,9 @@ def broadcast_updates(tp, updates: list | None) -> list:
         elif m["kind"] == "dense":
             records.append(Dense(name=m["name"], tensor=tensors[0], checksum=m["checksum"]))
         else:
-            gaps, overflow, values = tensors
+            gaps, overflow, values, escapes = tensors
             records.append(Patch(name=m["name"], indices=PackedIndices(gaps=gaps, overflow=overflow), values=values,
-                                 checksum=m["checksum"]))
+                                 checksum=m["checksum"], escapes=escapes if values.dtype == torch.int8 else None))
     return records
 
 
