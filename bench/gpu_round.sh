@@ -1,7 +1,9 @@
 #!/usr/bin/env bash
 # One test-and-bench round on the GPU machine. From the repository root:
-#   bash bench/gpu_round.sh tests     GPU tests + decode-step profile + engine-only throughput
+#   bash bench/gpu_round.sh tests     GPU tests + decode-step profile + engine-only throughput (+ deterministic)
 #   bash bench/gpu_round.sh full      the generation benchmark against transformers (dynamic, static+compile)
+#   bash bench/gpu_round.sh spec      speculative decoding: target + online drafters, with/without speculation
+#   bash bench/gpu_round.sh tp        tensor parallelism on 2 GPUs (the nvidia-h200-x2 kind): tests + decode bench
 # Logs and JSON lines go under $OUT (default ./gpu_out).
 set -uo pipefail
 OUT=${OUT:-gpu_out}
@@ -22,5 +24,18 @@ case "${1:-tests}" in
   full)
     timeout 540 python3 bench/generate.py --batches 1,64,256 --hf-static --grpo > "$OUT/bench.log" 2>&1
     grep '^{' "$OUT/bench.log"; grep -v '^{' "$OUT/bench.log" | grep -i -A3 "error\|traceback" | tail -20
+    ;;
+  spec)
+    timeout 560 python3 bench/spec_decode.py --device cuda > "$OUT/spec.log" 2>&1
+    grep '^{' "$OUT/spec.log"; grep -v '^{' "$OUT/spec.log" | grep -i -A3 "error\|traceback" | tail -20
+    ;;
+  tp)
+    export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1
+    timeout 200 python3 -m pytest -q -p no:cacheprovider tests/test_tensor_parallel.py > "$OUT/tp_tests.log" 2>&1
+    tail -5 "$OUT/tp_tests.log"
+    timeout 200 python3 bench/tp_decode.py --device cuda --shape qwen2.5-0.5b --batch 256 > "$OUT/tp.log" 2>&1 \
+      || timeout 200 python3 bench/tp_decode.py --device cuda --shape qwen2.5-0.5b --batch 256 --enforce-eager \
+      > "$OUT/tp_eager.log" 2>&1
+    grep -h '^{' "$OUT"/tp*.log; tail -n 5 "$OUT"/tp*.log
     ;;
 esac
