@@ -162,3 +162,57 @@ def test_logprob_mismatch_values():
 def test_bridge_refuses_a_non_engine():
     with pytest.raises(ValueError, match="generate"):
         TrainerBridge(object())
+
+
+def test_after_dense_patch_and_ipc_pushes_greedy_equals_a_fresh_engine(model_dir, tmp_path):
+    """bf16 engine: after a dense push, a patch push and a shared-memory IPC push, the engine generates
+    exactly what a fresh engine loaded from the trainer's updated checkpoint generates."""
+    import json
+    import multiprocessing as mp
+    import shutil
+    import threading
+
+    from safetensors.torch import save_file
+
+    from weight_updates.transports.ipc import IpcReceiver, IpcSender
+
+    engine = make_engine(model_dir, dtype="bfloat16")
+    bridge = TrainerBridge(engine)
+    model = TrainingModel.from_pretrained(model_dir)  # fp32 master weights
+    g = torch.Generator().manual_seed(1)
+
+    def step(scale: float) -> None:  # an optimizer-like step on a few percent of the coordinates
+        with torch.no_grad():
+            for p in model.parameters():
+                p.add_(scale * torch.randn(p.shape, generator=g) * (torch.rand(p.shape, generator=g) < 0.05))
+
+    step(0.05)
+    assert bridge.push_weights(model).num_dense > 0
+    step(0.01)
+    assert bridge.push_weights(model).num_patch > 0
+    step(0.01)
+    pending = bridge.differ.encode(model.checkpoint_state())
+    trainer_end, rollout_end = mp.Pipe()
+    version = engine.policy_version + 1
+    sender = threading.Thread(target=lambda: IpcSender(trainer_end, bucket_bytes=4096, timeout_s=30).send(version, pending.updates))
+    sender.start()
+    result = IpcReceiver(rollout_end, engine.weight_receiver, timeout_s=30).serve_one(start_timeout_s=30)
+    sender.join(30)
+    engine.on_weights_updated(result.version)
+    bridge.differ.commit(pending)
+    assert result.num_patch > 0 and engine.policy_version == version
+
+    fresh_dir = tmp_path / "updated"
+    shutil.copytree(model_dir, fresh_dir)
+    (fresh_dir / "model.safetensors").unlink()
+    state = {n: t.to(torch.bfloat16).contiguous() for n, t in model.checkpoint_state().items()}
+    save_file(state, str(fresh_dir / "model.safetensors"))
+    config = json.loads((fresh_dir / "config.json").read_text())
+    config["dtype"] = "bfloat16"
+    (fresh_dir / "config.json").write_text(json.dumps(config))
+    _assert_engine_holds(engine, state)
+    fresh = make_engine(fresh_dir, dtype="bfloat16")
+    params = SamplingParams(temperature=0, max_tokens=8, ignore_eos=True)
+    ours = [o.outputs[0].token_ids for o in engine.generate(PROMPTS, params)]
+    theirs = [o.outputs[0].token_ids for o in fresh.generate(PROMPTS, params)]
+    assert ours == theirs
