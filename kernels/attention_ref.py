@@ -45,6 +45,7 @@ class AttentionPlan:
     q_index: torch.Tensor | None  # [B * Qm] int64 token of each padded query row (None: no padding)
     q_valid: torch.Tensor | None  # [B, Qm] bool
     mask: torch.Tensor  # [B, 1, G * Qm, S] bool, True = attend
+    bias: torch.Tensor  # [B, 1, G * Qm, S] float32, 0 where attended, -inf elsewhere (faster in SDPA)
 
 
 def plan_paged_attention(
@@ -72,7 +73,9 @@ def plan_paged_attention(
     q_pos = (seq_lens - q_lens)[:, None] + q_off[None, :]  # [B, Qm]
     mask = (key_pos[None, None, :] <= q_pos[:, :, None]) & (key_pos[None, None, :] < seq_lens[:, None, None])
     mask = mask[:, None, None].expand(num_reqs, 1, group, max_query_len, max_seq_len)
-    return AttentionPlan(gather, q_index, q_valid, mask.reshape(num_reqs, 1, group * max_query_len, max_seq_len))
+    mask = mask.reshape(num_reqs, 1, group * max_query_len, max_seq_len)
+    bias = torch.zeros(mask.shape, dtype=torch.float32, device=device).masked_fill_(~mask, float("-inf"))
+    return AttentionPlan(gather, q_index, q_valid, mask, bias)
 
 
 def rowwise_attention_ref(
@@ -130,7 +133,8 @@ def paged_attention_ref(
     if deterministic:
         out = rowwise_attention_ref(queries, keys, values, plan.mask, scale)
     else:
-        out = F.scaled_dot_product_attention(queries, keys, values, attn_mask=plan.mask, scale=scale)
+        bias = plan.bias if queries.dtype == torch.float32 else plan.bias.to(queries.dtype)
+        out = F.scaled_dot_product_attention(queries, keys, values, attn_mask=bias, scale=scale)
     out = out.view(num_reqs, num_kv_heads, group, max_query_len, head_dim).permute(0, 3, 1, 2, 4)
     out = out.reshape(num_reqs, max_query_len, num_heads, head_dim)  # [B, Qm, Hq, D]
     if plan.q_index is None:

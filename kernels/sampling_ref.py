@@ -134,13 +134,17 @@ def sample_ref(
     """
     processed = processed_logits_ref(logits, temperature, top_k, top_p, min_p)
     greedy = temperature <= 0
-    raw_logprobs = torch.log_softmax(logits.to(torch.float32), dim=-1)
-    logprobs_all = torch.where(greedy[:, None], raw_logprobs, torch.log_softmax(processed, dim=-1))
-    noise = gumbel_noise(seeds, positions, logits.shape[-1])
-    noisy = torch.where(processed > float("-inf"), processed + noise, processed)
-    sampled = torch.argmax(noisy, dim=-1)
-    greedy_ids = torch.argmax(logits, dim=-1)
-    token_ids = torch.where(greedy, greedy_ids, sampled)
+    any_greedy, all_greedy = bool(greedy.any()), bool(greedy.all())
+    logprobs_all = torch.log_softmax(processed, dim=-1) if not all_greedy else None
+    if any_greedy:  # greedy rows report the raw distribution
+        raw_logprobs = torch.log_softmax(logits.to(torch.float32), dim=-1)
+        logprobs_all = raw_logprobs if all_greedy else torch.where(greedy[:, None], raw_logprobs, logprobs_all)
+    token_ids = torch.argmax(logits, dim=-1) if any_greedy else None
+    if not all_greedy:
+        noise = gumbel_noise(seeds, positions, logits.shape[-1])
+        noisy = torch.where(processed > float("-inf"), processed + noise, processed)
+        sampled = torch.argmax(noisy, dim=-1)
+        token_ids = sampled if token_ids is None else torch.where(greedy, token_ids, sampled)
     logprobs = logprobs_all.gather(1, token_ids[:, None]).squeeze(1)
     top = None
     if num_top_logprobs > 0:
