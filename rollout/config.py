@@ -29,6 +29,9 @@ class SpeculativeConfig:
     """Draft tokens proposed per step (k)."""
     drafter: str | None = None
     """Path of a saved drafter directory; None starts from a freshly initialised drafter."""
+    auto_off: bool = True
+    """Stop speculating at batch sizes where measured throughput is higher without it (re-checked now and
+    then); the engine's `spec_decode_stats` say per batch size which mode won."""
 
     def __post_init__(self) -> None:
         if self.method not in ("eagle", "mtp"):

@@ -79,7 +79,8 @@ class Engine:
         if config.speculative is not None:
             from runner.spec_decode.controller import SpecController
 
-            self.spec_controller = SpecController(config.speculative.num_speculative_tokens)
+            self.spec_controller = SpecController(config.speculative.num_speculative_tokens,
+                                                  auto_off=config.speculative.auto_off)
             self._spec_totals = new_spec_stats(config.speculative.num_speculative_tokens)
         self.recent_sequences: deque[list[int]] = deque(maxlen=1024)
         """Token ids (prompt + completion) of recently finished samples, for online drafter training."""

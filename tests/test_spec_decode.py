@@ -263,3 +263,10 @@ def test_engine_auto_off_turns_speculation_off_when_it_loses(model64):
     # an untrained drafter accepts almost nothing, so plain decoding is faster
     assert bucket["tokens_per_s_plain"] > 0 and bucket["tokens_per_s_spec"] > 0
     assert bucket["speculating"] is (bucket["tokens_per_s_spec"] >= bucket["tokens_per_s_plain"])
+
+
+def test_auto_off_is_a_config_field(model64):
+    for flag in (True, False):
+        args = dict(model=str(model64), dtype="float32", max_num_seqs=8, num_kv_blocks=64, block_size=4)
+        engine = Engine(EngineConfig(**args, speculative=SpeculativeConfig(method="mtp", auto_off=flag)))
+        assert engine.spec_controller.auto_off is flag
