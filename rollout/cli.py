@@ -14,13 +14,16 @@ import time
 
 def _generate(args: argparse.Namespace) -> int:
     from rollout import Engine, EngineConfig, SamplingParams
+    from rollout.config import from_mapping, load_yaml
 
-    engine = Engine(
-        EngineConfig(
-            model=args.model, device=args.device, dtype=args.dtype, max_num_seqs=args.max_num_seqs,
-            max_model_len=args.max_model_len, enforce_eager=args.enforce_eager,
-        )
-    )
+    fields = load_yaml(args.config) if args.config else {}
+    flags = dict(model=args.model, device=args.device, dtype=args.dtype, max_num_seqs=args.max_num_seqs,
+                 max_model_len=args.max_model_len, enforce_eager=args.enforce_eager or None,
+                 deterministic=args.deterministic or None)
+    fields.update({k: v for k, v in flags.items() if v is not None})  # flags given override the file
+    if "model" not in fields:
+        raise ValueError("give --model (or `model:` in the --config file)")
+    engine = Engine(from_mapping(EngineConfig, fields, args.config or "command line"))
     params = SamplingParams(
         n=args.n, temperature=args.temperature, top_k=args.top_k, top_p=args.top_p, min_p=args.min_p,
         max_tokens=args.max_tokens, seed=args.seed, ignore_eos=args.ignore_eos,
@@ -55,7 +58,8 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="python -m rollout")
     sub = parser.add_subparsers(dest="cmd", required=True)
     g = sub.add_parser("generate", help="generate completions from a local Hugging Face model directory")
-    g.add_argument("--model", required=True)
+    g.add_argument("--model", help="local Hugging Face model directory")
+    g.add_argument("--config", help="an EngineConfig YAML (e.g. configs/engine_gpu.yaml); flags override it")
     g.add_argument("--prompt", action="append", help="a text prompt (needs tokenizer.json); repeatable")
     g.add_argument("--prompt-ids", action="append", help="comma-separated token ids; repeatable")
     g.add_argument("--n", type=int, default=1)
@@ -66,11 +70,12 @@ def main(argv: list[str] | None = None) -> int:
     g.add_argument("--max-tokens", type=int, default=64)
     g.add_argument("--seed", type=int, default=None)
     g.add_argument("--ignore-eos", action="store_true")
-    g.add_argument("--device", default="cpu")
-    g.add_argument("--dtype", default="auto")
-    g.add_argument("--max-num-seqs", type=int, default=256)
+    g.add_argument("--device", default=None, help="cpu (default), cuda, cuda:N")
+    g.add_argument("--dtype", default=None, help="auto (default), float32, bfloat16, float16")
+    g.add_argument("--max-num-seqs", type=int, default=None)
     g.add_argument("--max-model-len", type=int, default=None)
     g.add_argument("--enforce-eager", action="store_true")
+    g.add_argument("--deterministic", action="store_true")
     d = sub.add_parser("demo", help="the toy demo")
     d.add_argument("rest", nargs=argparse.REMAINDER)
     args, extra = parser.parse_known_args(argv)

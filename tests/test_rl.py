@@ -91,6 +91,9 @@ def test_configs_load_and_reject_mistakes(tmp_path):
     for name in ("grpo_toy.yaml", "grpo_toy_pool.yaml", "grpo_gpu.yaml"):
         load_run_config(CONFIGS / name)
     assert load_pool_config(CONFIGS / "pool_cpu.yaml", model="m").model == "m"
+    from rollout.config import EngineConfig, from_mapping, load_yaml
+
+    assert from_mapping(EngineConfig, {"model": "m", **load_yaml(CONFIGS / "engine_gpu.yaml")}).device == "cuda"
     bad = tmp_path / "bad.yaml"
     bad.write_text("rl:\n  stepz: 3\n")
     with pytest.raises(ValueError, match=r"stepz.*|bad\.yaml"):
