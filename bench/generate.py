@@ -89,7 +89,7 @@ def bench_engine(path, device, dtype, batch, prompt_len, new_tokens, n=1, max_nu
     return tokens / best, best
 
 
-def bench_hf(path, device, dtype, batch, prompt_len, new_tokens, static=False):
+def bench_hf(path, device, dtype, batch, prompt_len, new_tokens, static=False, n=1):
     """transformers `generate`, sampling at temperature 1 with every new token forced.
 
     static=True uses `cache_implementation="static"`, which transformers compiles; the warm-up runs the
@@ -101,7 +101,8 @@ def bench_hf(path, device, dtype, batch, prompt_len, new_tokens, static=False):
     g = torch.Generator().manual_seed(0)
     ids = torch.randint(2, model.config.vocab_size, (batch, prompt_len), generator=g).to(device)
     kw = dict(do_sample=True, temperature=1.0, top_k=0, top_p=1.0, max_new_tokens=new_tokens,
-              min_new_tokens=new_tokens, pad_token_id=0, eos_token_id=None, attention_mask=torch.ones_like(ids))
+              min_new_tokens=new_tokens, pad_token_id=0, eos_token_id=None, attention_mask=torch.ones_like(ids),
+              num_return_sequences=n)
     if static:
         kw["cache_implementation"] = "static"
     with torch.inference_mode():
@@ -114,7 +115,7 @@ def bench_hf(path, device, dtype, batch, prompt_len, new_tokens, static=False):
     elapsed = time.perf_counter() - t
     del model
     release_memory()
-    return batch * new_tokens / elapsed, elapsed
+    return batch * n * new_tokens / elapsed, elapsed
 
 
 def main() -> None:
@@ -128,6 +129,9 @@ def main() -> None:
     ap.add_argument("--hf-static", action="store_true", help="also time transformers with a static cache + compile")
     ap.add_argument("--no-hf", action="store_true")
     ap.add_argument("--grpo", action="store_true", help="also the GRPO shape: 64 prompts x n=16, prompt 256, 1024 new")
+    ap.add_argument("--group", default=None, metavar="PROMPTSxN",
+                    help="also prompts x n samples (RL-shaped; transformers gets num_return_sequences=n), "
+                         "e.g. 4x8 (default on the CPU)")
     ap.add_argument("--enforce-eager", action="store_true")
     ap.add_argument("--deterministic", action="store_true",
                     help="also run each batch in deterministic mode and report its throughput against the fast mode")
@@ -174,6 +178,19 @@ def main() -> None:
             engine_tps["grpo_64x16"] = tps
             emit(kind="generate", system="engine", workload="grpo_64x16", prompts=64, n=16, prompt_len=256,
                  new_tokens=1024, tokens_per_s=round(tps, 1), seconds=round(secs, 2), **common)
+        group = args.group or (None if cuda else "4x8")
+        if group:
+            num_prompts, n = (int(v) for v in group.lower().split("x"))
+            tps, secs = bench_engine(d, args.device, dtype, num_prompts, prompt_len, new_tokens, n=n,
+                                     enforce_eager=args.enforce_eager)
+            engine_tps[f"group{group}"] = tps
+            emit(kind="generate", system="engine", workload=f"group{group}", prompts=num_prompts, n=n,
+                 prompt_len=prompt_len, new_tokens=new_tokens, tokens_per_s=round(tps, 1), seconds=round(secs, 3),
+                 **common)
+            if not args.no_hf:
+                hf_tps, secs = bench_hf(d, args.device, dtype, num_prompts, prompt_len, new_tokens, n=n)
+                emit(kind="generate", system="hf_dynamic", workload=f"group{group}", tokens_per_s=round(hf_tps, 1),
+                     seconds=round(secs, 3), engine_speedup=round(tps / hf_tps, 2), **common)
         if args.no_hf:
             return
         # 2. transformers on the same model and workloads
