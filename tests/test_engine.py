@@ -220,7 +220,7 @@ def test_cli_generate_with_a_config_file(model_dir, tmp_path):
     cfg = tmp_path / "engine.yaml"
     cfg.write_text(f"model: {model_dir}\ndtype: float32\nmax_num_seqs: 4\n")
     proc = subprocess.run([sys.executable, "-m", "rollout", "generate", "--config", str(cfg), "--prompt-ids", "5,6,7",
-                           "--max-tokens", "3", "--seed", "1"], capture_output=True, text=True, timeout=120)
+                           "--max-tokens", "3", "--seed", "1", "--ignore-eos"], capture_output=True, text=True, timeout=120)
     assert proc.returncode == 0, proc.stderr
     assert len(json.loads(proc.stdout.splitlines()[0])["token_ids"]) == 3
     cfg.write_text(f"model: {model_dir}\nmax_num_seq: 4\n")
@@ -232,7 +232,7 @@ def test_cli_generate_with_a_config_file(model_dir, tmp_path):
 def test_cli_generate(model_dir):
     proc = subprocess.run(
         [sys.executable, "-m", "rollout", "generate", "--model", str(model_dir), "--prompt", "hello world",
-         "--n", "2", "--max-tokens", "5", "--seed", "3", "--dtype", "float32"],
+         "--n", "2", "--max-tokens", "5", "--seed", "3", "--dtype", "float32", "--ignore-eos"],
         capture_output=True, text=True, timeout=120,
     )
     assert proc.returncode == 0, proc.stderr
