@@ -133,6 +133,7 @@ def main() -> None:
                     help="also prompts x n samples (RL-shaped; transformers gets num_return_sequences=n), "
                          "e.g. 4x8 (default on the CPU)")
     ap.add_argument("--enforce-eager", action="store_true")
+    ap.add_argument("--async-scheduling", action="store_true", help="engine runs with EngineConfig.async_scheduling")
     ap.add_argument("--deterministic", action="store_true",
                     help="also run each batch in deterministic mode and report its throughput against the fast mode")
     args = ap.parse_args()
@@ -154,12 +155,12 @@ def main() -> None:
         elem = torch.finfo(getattr(torch, dtype)).bits // 8
         weight_bytes = sum(os.path.getsize(os.path.join(d, f)) for f in os.listdir(d) if f.endswith(".safetensors"))
         kv_per_token = 2 * mc.num_layers * mc.num_kv_heads * mc.head_dim * elem
-        common = dict(device=args.device, shape=shape, dtype=dtype)
+        common = dict(device=args.device, shape=shape, dtype=dtype, async_scheduling=args.async_scheduling)
         engine_tps: dict[str, float] = {}
         # 1. this engine, every workload (the rows that matter most come first)
         for batch in batches:
             tps, secs = bench_engine(d, args.device, dtype, batch, prompt_len, new_tokens,
-                                     enforce_eager=args.enforce_eager)
+                                     enforce_eager=args.enforce_eager, async_scheduling=args.async_scheduling)
             # a decode step reads all weights once plus each sequence's KV at its mean context
             step_bytes = weight_bytes + batch * kv_per_token * (prompt_len + new_tokens / 2)
             engine_tps[f"batch{batch}"] = tps
@@ -174,7 +175,7 @@ def main() -> None:
                      fraction_of_fast_mode=round(det_tps / tps, 3), **common)
         if args.grpo:
             tps, secs = bench_engine(d, args.device, dtype, 64, 256, 1024, n=16, max_num_seqs=1024,
-                                     enforce_eager=args.enforce_eager)
+                                     enforce_eager=args.enforce_eager, async_scheduling=args.async_scheduling)
             engine_tps["grpo_64x16"] = tps
             emit(kind="generate", system="engine", workload="grpo_64x16", prompts=64, n=16, prompt_len=256,
                  new_tokens=1024, tokens_per_s=round(tps, 1), seconds=round(secs, 2), **common)

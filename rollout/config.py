@@ -85,6 +85,9 @@ class EngineConfig:
     """Batch-invariant kernels: per-token results independent of batch composition and chunking."""
     speculative: SpeculativeConfig | None = None
     """Speculative decoding; None disables it."""
+    async_scheduling: bool = False
+    """Schedule and stage step t+1 while step t runs on the device (tokens of t reach t+1 on the device);
+    hides the host's per-step work behind the GPU's. Not with speculative decoding or tensor parallelism."""
     log_stats: bool = False
     """Log throughput and cache figures while generating."""
 
@@ -112,6 +115,8 @@ class EngineConfig:
             raise ValueError(f"EngineConfig.tp_sampling must be 'sharded' or 'allgather', got {self.tp_sampling!r}")
         if self.tensor_parallel_size > 1 and self.speculative is not None:
             raise ValueError("speculative decoding does not support tensor_parallel_size > 1 yet")
+        if self.async_scheduling and (self.speculative is not None or self.tensor_parallel_size > 1):
+            raise ValueError("async_scheduling does not support speculative decoding or tensor_parallel_size > 1 yet")
 
 
 def _resolve_type(tp: Any) -> Any:

@@ -75,6 +75,7 @@ class Engine:
         self._groups: dict[str, RequestGroup] = {}
         self._ids = itertools.count()
         self._receiver = None
+        self._inflight = None  # async scheduling: (SchedulerOutput, StepHandle) launched, not yet collected
         self.spec_controller = None  # SpecController (auto-off) when speculating
         if config.speculative is not None:
             from runner.spec_decode.controller import SpecController
@@ -132,7 +133,7 @@ class Engine:
             self.scheduler.abort([m.req_id for m in group.members])
 
     def has_unfinished_requests(self) -> bool:
-        return self.scheduler.has_unfinished()
+        return self.scheduler.has_unfinished() or self._inflight is not None
 
     def step(self) -> list[RequestOutput]:
         """Run one engine step; returns the current output of every prompt that changed.
@@ -148,6 +149,8 @@ class Engine:
 
     def _step(self) -> list[Request]:
         """schedule -> execute -> update; returns the requests that got tokens."""
+        if self.config.async_scheduling:
+            return self._step_async()
         batch_size = len(self.scheduler.running)
         if self.spec_controller is not None:
             self.scheduler.num_lookahead_tokens = self.spec_controller.lookahead(batch_size)
@@ -158,6 +161,27 @@ class Engine:
         if self.spec_controller is not None:
             self._after_spec_step(batch_size, sched, out, changed, time.perf_counter() - start)
         return changed
+
+    def _step_async(self) -> list[Request]:
+        """schedule(t+1) -> launch(t+1) -> collect(t) -> update(t): the host schedules and stages the next
+        step while the device runs the current one. Returns the requests that got tokens from step t."""
+        sched = self.scheduler.schedule()
+        self.scheduler.advance(sched)
+        handle = self.runner.launch(sched)
+        changed: list[Request] = []
+        if self._inflight is not None:
+            prev_sched, prev_handle = self._inflight
+            changed = self.scheduler.update(prev_sched, self.runner.collect(prev_handle), advanced=True)
+        self._inflight = None if sched.is_empty else (sched, handle)
+        return changed
+
+    def _drain(self) -> list[Request]:
+        """Finish the step in flight (async scheduling), so nothing runs while weights change."""
+        if self._inflight is None:
+            return []
+        sched, handle = self._inflight
+        self._inflight = None
+        return self.scheduler.update(sched, self.runner.collect(handle), advanced=True)
 
     def generate(
         self,
@@ -197,6 +221,8 @@ class Engine:
                         pending.discard(id(req.group))
         if bar is not None:
             bar.close()
+        if not self.scheduler.has_unfinished():
+            self._drain()  # a last step in flight can only hold tokens of finished requests
         return [self._output(self._groups.pop(g.request_id)) for g in groups]
 
     def close(self) -> None:
@@ -227,6 +253,7 @@ class Engine:
         problem) and leaves the weights and the version as they were. Running requests keep going; their
         later tokens record the new version, and no new request reuses prefix-cache blocks of older weights.
         """
+        self._drain()  # tokens of a step in flight belong to the old version
         if self.config.tensor_parallel_size > 1:
             result = self.runner.apply_weight_update(version, updates, self.policy_version)
         else:

@@ -136,7 +136,7 @@ class KVCacheManager:
         """Register the request's newly full, computed blocks in the prefix cache."""
         if req.kv_epoch != self.epoch:
             return
-        num_full = min(req.num_computed_tokens, req.num_tokens) // self.block_size
+        num_full = min(req.num_computed_tokens, req.num_tokens - req.num_placeholders) // self.block_size
         if num_full <= req.num_cached_blocks:
             return
         for i, key in enumerate(self._keys(req, num_full)):

@@ -54,6 +54,7 @@ class Request:
     token_ids: list[int] = field(default_factory=list)  # prompt + output
     num_prompt_tokens: int = 0
     num_computed_tokens: int = 0
+    num_placeholders: int = 0  # trailing -1 tokens standing for tokens of steps still in flight (async)
     status: RequestStatus = RequestStatus.WAITING
     block_ids: list[int] = field(default_factory=list)
     num_cached_blocks: int = 0  # leading blocks registered in the prefix cache

@@ -25,7 +25,7 @@ diffs, and finished or preempted ids tell the runner to free slots. Pure Python;
 from __future__ import annotations
 
 from collections import deque
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 from rollout.kv_cache_manager import KVCacheManager
 from rollout.request import Request, RequestStatus
@@ -62,6 +62,7 @@ class SchedulerOutput:
     total_num_scheduled_tokens: int
     finished_req_ids: set[str]  # left since the last step (finished or aborted): free their slots
     preempted_req_ids: set[str]  # preempted since the last step: free their slots
+    placeholders: dict[str, int] = field(default_factory=dict)  # async: req_id -> index of its placeholder
 
     @property
     def is_empty(self) -> bool:
@@ -151,6 +152,9 @@ class Scheduler:
         i = 0
         while i < len(self.running) and budget > 0:
             req = self.running[i]
+            if req.num_placeholders and self._complete(req):  # its last token is already in flight
+                i += 1
+                continue
             num_new = len(req.token_ids) - req.num_computed_tokens
             if self.num_lookahead_tokens:
                 num_new += self._lookahead(req)
@@ -219,8 +223,19 @@ class Scheduler:
         self.stats.num_steps += 1
         return out
 
-    def update(self, sched: SchedulerOutput, out: RunnerOutput) -> list[Request]:
-        """Advance computed counts, append sampled tokens, finish requests. Returns requests that changed."""
+    def advance(self, sched: SchedulerOutput) -> None:
+        """Async scheduling: account for `sched` before it has run. Computed counts advance now, and each
+        request that samples in it gets a placeholder token (-1), so the next step can be scheduled while
+        this one runs on the device. `update(sched, out, advanced=True)` puts the real tokens in."""
+        self._advance_computed(sched)
+        for req_id in sched.num_scheduled_tokens:
+            req = self.requests.get(req_id)
+            if req is not None and req.status is RequestStatus.RUNNING and req.num_computed_tokens >= req.num_tokens:
+                sched.placeholders[req_id] = req.num_tokens
+                req.token_ids.append(-1)
+                req.num_placeholders += 1
+
+    def _advance_computed(self, sched: SchedulerOutput) -> None:
         requests, block_size, stats = self.requests, self.kv.block_size, self.stats
         for req_id, n in sched.num_scheduled_tokens.items():
             req = requests.get(req_id)
@@ -233,6 +248,13 @@ class Scheduler:
                 self.kv.register_computed(req)
             if not req.group.prompt_blocks_ready and req.num_computed_tokens >= len(req.group.prompt_token_ids):
                 req.group.prompt_blocks_ready = True
+
+    def update(self, sched: SchedulerOutput, out: RunnerOutput, advanced: bool = False) -> list[Request]:
+        """Advance computed counts (unless `advance` did), append sampled tokens (or fill their
+        placeholders), finish requests. Returns the requests that got tokens."""
+        requests, block_size, stats = self.requests, self.kv.block_size, self.stats
+        if not advanced:
+            self._advance_computed(sched)
         changed: list[Request] = []
         finished: list[tuple[Request, RequestStatus]] = []
         version = self.policy_version
@@ -246,18 +268,29 @@ class Scheduler:
                 req.num_computed_tokens -= out.num_draft_tokens[idx] + 1 - len(tokens)
                 if out.num_draft_tokens[idx] > 0 and req.spec_stats is not None:
                     record_spec_step(req.spec_stats, out.num_draft_tokens[idx], len(tokens) - 1)
+            if advanced:  # one token per step: it fills the placeholder `advance` made
+                where = sched.placeholders[req_id]
+                req.token_ids[where] = tokens[0]
+                req.num_placeholders -= 1
+                end = where + 1
             for pos, token in enumerate(tokens):
-                req.token_ids.append(token)
+                if not advanced:
+                    req.token_ids.append(token)
+                    end = len(req.token_ids)
                 req.policy_versions.append(version)
                 if out.logprobs is not None:
                     req.logprobs.append(out.logprobs[idx][pos])
                 if out.top_logprobs is not None:
                     req.top_logprobs.append(out.top_logprobs[idx][pos])
                 stats.num_generated_tokens += 1
-                status = self._check_stop(req, token)
+                status = self._check_stop(req, token, end)
                 if status is not None:
+                    del req.token_ids[end:]  # tokens of later steps in flight are dropped
+                    req.num_placeholders = 0
                     finished.append((req, status))
                     break
+            if advanced and req.num_computed_tokens // block_size > req.num_cached_blocks:
+                self.kv.register_computed(req)  # blocks that the filled placeholder completed
             changed.append(req)
         if finished:
             done = {id(req) for req, _ in finished}
@@ -274,8 +307,12 @@ class Scheduler:
         room = min(req.max_tokens - req.num_output_tokens, self.max_model_len - req.num_tokens) - 1
         return max(0, min(self.num_lookahead_tokens, room))
 
-    def _check_stop(self, req: Request, token: int) -> RequestStatus | None:
-        num_tokens = len(req.token_ids)
+    def _complete(self, req: Request) -> bool:
+        """Whether the request's tokens, in flight included, already reach max_tokens or max_model_len."""
+        return req.num_tokens - req.num_prompt_tokens >= req.max_tokens or req.num_tokens >= self.max_model_len
+
+    def _check_stop(self, req: Request, token: int, num_tokens: int) -> RequestStatus | None:
+        """The request's status once `token`, its `num_tokens`-th token, is appended."""
         num_output = num_tokens - req.num_prompt_tokens
         if token in req.stop_ids and num_output > req.params.min_tokens:
             return RequestStatus.FINISHED_STOPPED
@@ -302,7 +339,13 @@ class Scheduler:
             seed=req.seed,
         )
 
+    def _drop_placeholders(self, req: Request) -> None:
+        if req.num_placeholders:
+            del req.token_ids[-req.num_placeholders :]
+            req.num_placeholders = 0
+
     def _preempt(self, req: Request) -> None:
+        self._drop_placeholders(req)  # tokens in flight are dropped and sampled again after recompute
         self.kv.free(req)
         req.num_computed_tokens = 0
         req.status = RequestStatus.PREEMPTED
@@ -315,6 +358,7 @@ class Scheduler:
 
     def _finish(self, req: Request, status: RequestStatus) -> None:
         """Free the request's blocks and forget it (its RequestGroup still holds it for the caller)."""
+        self._drop_placeholders(req)
         req.status = status
         req.group.num_finished += 1
         self.kv.free(req)

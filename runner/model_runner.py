@@ -20,6 +20,7 @@ from __future__ import annotations
 import gc
 import logging
 import math
+from dataclasses import dataclass, field
 
 import numpy as np
 import torch
@@ -34,6 +35,23 @@ from runner.sampler import Sampler
 from runner.step_buffers import StepBuffers
 
 logger = logging.getLogger(__name__)
+
+
+@dataclass(slots=True)
+class StepHandle:
+    """A launched step: where its results will land on the host, and for which slots."""
+
+    req_ids: list[str] = field(default_factory=list)  # requests of the sampling rows, in row order
+    slots: np.ndarray | None = None  # [R] int64 slot of each sampling row
+    positions: np.ndarray | None = None  # [R] int64 index of the sampled token in its slot's buffer
+    tokens: torch.Tensor | None = None  # [R] int64 host (pinned on CUDA), filled by a non-blocking copy
+    logprobs: torch.Tensor | None = None  # [R] float32 host
+    event: "torch.cuda.Event | None" = None  # recorded after the copies
+    output: RunnerOutput | None = None  # set when the step already ran to completion
+
+    @classmethod
+    def done(cls, output: RunnerOutput) -> "StepHandle":
+        return cls(output=output)
 
 
 class ModelRunner:
@@ -68,6 +86,15 @@ class ModelRunner:
         self.num_kv_blocks = 0
         self.kv_caches: list[tuple[torch.Tensor, torch.Tensor]] = []
         self.graphs = None  # DecodeGraphs once captured (CUDA, enforce_eager=False)
+        S = config.max_num_seqs
+        self.last_sampled = torch.zeros(S, dtype=torch.int64, device=self.device)  # [max_num_seqs] by slot
+        pin = self.device.type == "cuda"
+        self._out_buffers = [  # two pinned result buffers: a step in flight and the one being collected
+            (torch.zeros(S, dtype=torch.int64, pin_memory=pin), torch.zeros(S, dtype=torch.float32, pin_memory=pin))
+            for _ in range(2)
+        ]
+        self._out_flip = 0
+        self._upload_done: torch.cuda.Event | None = None
         self.spec = None  # SpeculativeRunner when config.speculative is set
         if config.speculative is not None:
             from runner.spec_decode.spec_runner import SpeculativeRunner
@@ -180,45 +207,112 @@ class ModelRunner:
             )
 
     # ---- one step ------------------------------------------------------------------------------------
-    @torch.inference_mode()
     def execute(self, sched: SchedulerOutput) -> RunnerOutput:
+        """Run one step and return its sampled tokens (launch, then wait for it)."""
+        return self.collect(self.launch(sched))
+
+    @torch.inference_mode()
+    def launch(self, sched: SchedulerOutput) -> "StepHandle":
+        """Enqueue one step on the device without waiting for it; `collect` returns its tokens.
+
+        Each sampling row gets a placeholder token (-1) in its slot right away, so the next step can be
+        staged before this one finishes: a placeholder input token is read on the device from
+        `last_sampled`, where this step's sampler writes. Steps that need top-N logprobs, and speculative
+        steps, run to completion here.
+        """
         self.input_batch.apply(sched)
         if sched.is_empty:
-            return RunnerOutput(req_ids=[], sampled_token_ids=[])
+            return StepHandle.done(RunnerOutput(req_ids=[], sampled_token_ids=[]))
         if self.spec is not None:
-            return self.spec.execute(sched)
+            return StepHandle.done(self.spec.execute(sched))
         inputs = self.input_batch.gather(sched)
         top_n = int(self.input_batch.top_logprobs[inputs.slots[inputs.sample_rows]].max(initial=0))
         truncation = self.input_batch.truncates(inputs.slots[inputs.sample_rows], self.model_config.vocab_size)
         num_reqs = inputs.slots.shape[0]
+        if self._upload_done is not None:  # the previous step's upload has left the pinned staging buffers
+            self._upload_done.synchronize()
+        b = self.buffers
+        R = inputs.sample_rows.shape[0]
         if (
             self.graphs is not None
             and inputs.max_query_len == 1
-            and inputs.sample_rows.shape[0] == num_reqs
+            and R == num_reqs
             and num_reqs <= self.graphs.max_size
             and top_n == 0
         ):
             size = self.graphs.padded_size(num_reqs)
             self._stage(inputs)
             self.fill_padding_rows(num_reqs, size)
-            self.buffers.upload(size)
+            self._upload(inputs, size)
             tokens, logprobs = self.graphs.replay(size, truncation)
-            return self._finish(inputs, tokens[:num_reqs], logprobs[:num_reqs], None)
+            return self._handle(inputs, tokens[:num_reqs], logprobs[:num_reqs])
         self._stage(inputs)
-        self.buffers.upload(num_reqs)
+        self._upload(inputs, num_reqs)
         meta = self._metadata(inputs)
-        b = self.buffers
         T = inputs.input_ids.shape[0]
         hidden = self.model(b.input_ids[:T], b.positions[:T], meta)
-        R = inputs.sample_rows.shape[0]
         if R == 0:
-            return RunnerOutput(req_ids=[], sampled_token_ids=[])
+            return StepHandle.done(RunnerOutput(req_ids=[], sampled_token_ids=[]))
         logits = self.model.compute_logits(hidden[b.logits_indices[:R]])
         tokens, logprobs, top = self.sampler(
             logits, b.temperature[:R], b.top_k[:R], b.top_p[:R], b.min_p[:R], b.seeds[:R],
             b.sample_positions[:R], top_n, truncation=truncation,
         )
-        return self._finish(inputs, tokens, logprobs, top)
+        if top is not None:
+            return StepHandle.done(self._finish(inputs, tokens, logprobs, top))
+        return self._handle(inputs, tokens, logprobs)
+
+    def _upload(self, inputs: StepInputs, num_block_rows: int) -> None:
+        """Copy the staged inputs to the device and fill placeholder input tokens from `last_sampled`."""
+        self.buffers.upload(num_block_rows)
+        pending = np.flatnonzero(inputs.input_ids < 0)  # tokens sampled by a step still in flight
+        if pending.size:
+            rows = np.searchsorted(inputs.query_start_loc[1:], pending, side="right")
+            slots = torch.from_numpy(inputs.slots[rows]).to(self.device, non_blocking=True)
+            where = torch.from_numpy(pending).to(self.device, non_blocking=True)
+            self.buffers.input_ids[where] = self.last_sampled[slots]
+        if self.device.type == "cuda":
+            self._upload_done = torch.cuda.Event()
+            self._upload_done.record()
+
+    def _handle(self, inputs: StepInputs, tokens: torch.Tensor, logprobs: torch.Tensor) -> "StepHandle":
+        """Start the copy of this step's results to the host and put placeholders in the sampling slots."""
+        rows = inputs.sample_rows
+        slots = inputs.slots[rows]
+        R = rows.shape[0]
+        self.last_sampled[torch.from_numpy(slots).to(self.device, non_blocking=True)] = tokens
+        out_tokens, out_logprobs = self._out_buffers[self._out_flip]
+        self._out_flip ^= 1
+        out_tokens[:R].copy_(tokens, non_blocking=True)
+        out_logprobs[:R].copy_(logprobs.float(), non_blocking=True)
+        event = None
+        if self.device.type == "cuda":
+            event = torch.cuda.Event()
+            event.record()
+        ib = self.input_batch
+        positions = ib.num_tokens[slots].copy()  # [R] where each sampled token goes
+        ib.token_ids[slots, positions] = -1
+        ib.num_tokens[slots] += 1
+        return StepHandle(req_ids=[inputs.req_ids[r] for r in rows.tolist()], slots=slots, positions=positions,
+                          tokens=out_tokens[:R], logprobs=out_logprobs[:R], event=event)
+
+    def collect(self, handle: "StepHandle") -> RunnerOutput:
+        """Wait for a launched step; write its tokens into the slots that still hold their requests."""
+        if handle.output is not None:
+            return handle.output
+        if handle.event is not None:
+            handle.event.synchronize()
+        token_list = handle.tokens.tolist()
+        logprob_list = handle.logprobs.tolist()
+        ib = self.input_batch
+        owned = np.fromiter((ib.slot_of.get(r, -1) == s for r, s in zip(handle.req_ids, handle.slots.tolist())),
+                            dtype=bool, count=len(handle.req_ids))
+        ib.token_ids[handle.slots[owned], handle.positions[owned]] = np.asarray(token_list, dtype=np.int64)[owned]
+        return RunnerOutput(
+            req_ids=handle.req_ids,
+            sampled_token_ids=[[t] for t in token_list],
+            logprobs=[[lp] for lp in logprob_list],
+        )
 
     # ---- CUDA graphs -----------------------------------------------------------------------------------
     @torch.inference_mode()
