@@ -263,14 +263,19 @@ class ModelRunner:
         return self._handle(inputs, tokens, logprobs)
 
     def _upload(self, inputs: StepInputs, num_block_rows: int) -> None:
-        """Copy the staged inputs to the device and fill placeholder input tokens from `last_sampled`."""
-        self.buffers.upload(num_block_rows)
+        """Copy the staged inputs to the device (three copies from pinned memory, no host wait) and fill
+        placeholder input tokens from `last_sampled`."""
+        h = self.buffers.host
         pending = np.flatnonzero(inputs.input_ids < 0)  # tokens sampled by a step still in flight
         if pending.size:
             rows = np.searchsorted(inputs.query_start_loc[1:], pending, side="right")
-            slots = torch.from_numpy(inputs.slots[rows]).to(self.device, non_blocking=True)
-            where = torch.from_numpy(pending).to(self.device, non_blocking=True)
-            self.buffers.input_ids[where] = self.last_sampled[slots]
+            StepBuffers.put(h.pending_index, pending)
+            StepBuffers.put(h.pending_slots, inputs.slots[rows])
+        StepBuffers.put(h.sample_slots, inputs.slots[inputs.sample_rows])
+        self.buffers.upload(num_block_rows)
+        if pending.size:
+            b = self.buffers
+            b.input_ids[b.pending_index[: pending.size]] = self.last_sampled[b.pending_slots[: pending.size]]
         if self.device.type == "cuda":
             self._upload_done = torch.cuda.Event()
             self._upload_done.record()
@@ -280,7 +285,7 @@ class ModelRunner:
         rows = inputs.sample_rows
         slots = inputs.slots[rows]
         R = rows.shape[0]
-        self.last_sampled[torch.from_numpy(slots).to(self.device, non_blocking=True)] = tokens
+        self.last_sampled[self.buffers.sample_slots[:R]] = tokens
         out_tokens, out_logprobs = self._out_buffers[self._out_flip]
         self._out_flip ^= 1
         out_tokens[:R].copy_(tokens, non_blocking=True)

@@ -13,7 +13,7 @@ import numpy as np
 import torch
 
 _INT_FIELDS = ("input_ids", "positions", "slot_mapping", "query_start_loc", "seq_lens", "logits_indices",
-               "top_k", "seeds", "sample_positions")
+               "top_k", "seeds", "sample_positions", "sample_slots", "pending_index", "pending_slots")
 _FLOAT_FIELDS = ("temperature", "top_p", "min_p")
 
 
@@ -27,13 +27,15 @@ class StepBuffers:
     input_ids, positions, slot_mapping: [max_tokens] int64
     query_start_loc: [max_num_seqs + 1] int64; seq_lens, logits_indices: [max_num_seqs] int64
     top_k, seeds, sample_positions: [max_num_seqs] int64; temperature, top_p, min_p: [max_num_seqs] f32
+    sample_slots: [max_num_seqs] int64, slot of each sampling row (where its token is kept on the device)
+    pending_index, pending_slots: [max_tokens] int64, input tokens still in flight and the slots that hold them
     block_tables: [max_num_seqs, max_blocks] int32
     """
 
     def __init__(self, max_tokens: int, max_num_seqs: int, max_blocks: int, device: torch.device) -> None:
         self.device = device
         sizes = {"input_ids": max_tokens, "positions": max_tokens, "slot_mapping": max_tokens,
-                 "query_start_loc": max_num_seqs + 1}
+                 "query_start_loc": max_num_seqs + 1, "pending_index": max_tokens, "pending_slots": max_tokens}
         int_sizes = [sizes.get(f, max_num_seqs) for f in _INT_FIELDS]
         pin = device.type == "cuda"
 
