@@ -52,6 +52,7 @@ class InputBatch:
         self.min_p = np.zeros(S, dtype=np.float32)  # [S]
         self.seed = np.zeros(S, dtype=np.int64)  # [S] uint32 values
         self.top_logprobs = np.zeros(S, dtype=np.int64)  # [S]
+        self.slot_epoch = np.zeros(S, dtype=np.int64)  # [S] bumped whenever a slot changes hands
         self.slot_of: dict[str, int] = {}
         self.free_slots = list(range(S - 1, -1, -1))
 
@@ -64,6 +65,7 @@ class InputBatch:
         for new in sched.new_reqs:
             slot = self.free_slots.pop()
             self.slot_of[new.req_id] = slot
+            self.slot_epoch[slot] += 1
             n = len(new.token_ids)
             self.token_ids[slot, :n] = new.token_ids
             self.num_tokens[slot] = n

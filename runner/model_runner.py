@@ -44,6 +44,7 @@ class StepHandle:
     req_ids: list[str] = field(default_factory=list)  # requests of the sampling rows, in row order
     slots: np.ndarray | None = None  # [R] int64 slot of each sampling row
     positions: np.ndarray | None = None  # [R] int64 index of the sampled token in its slot's buffer
+    epochs: np.ndarray | None = None  # [R] int64 the slots' owners at launch (InputBatch.slot_epoch)
     tokens: torch.Tensor | None = None  # [R] int64 host (pinned on CUDA), filled by a non-blocking copy
     logprobs: torch.Tensor | None = None  # [R] float32 host
     event: "torch.cuda.Event | None" = None  # recorded after the copies
@@ -299,7 +300,8 @@ class ModelRunner:
         ib.token_ids[slots, positions] = -1
         ib.num_tokens[slots] += 1
         return StepHandle(req_ids=[inputs.req_ids[r] for r in rows.tolist()], slots=slots, positions=positions,
-                          tokens=out_tokens[:R], logprobs=out_logprobs[:R], event=event)
+                          epochs=ib.slot_epoch[slots].copy(), tokens=out_tokens[:R], logprobs=out_logprobs[:R],
+                          event=event)
 
     def collect(self, handle: "StepHandle") -> RunnerOutput:
         """Wait for a launched step; write its tokens into the slots that still hold their requests."""
@@ -310,8 +312,7 @@ class ModelRunner:
         token_list = handle.tokens.tolist()
         logprob_list = handle.logprobs.tolist()
         ib = self.input_batch
-        owned = np.fromiter((ib.slot_of.get(r, -1) == s for r, s in zip(handle.req_ids, handle.slots.tolist())),
-                            dtype=bool, count=len(handle.req_ids))
+        owned = ib.slot_epoch[handle.slots] == handle.epochs  # slots freed or handed on since are left alone
         ib.token_ids[handle.slots[owned], handle.positions[owned]] = np.asarray(token_list, dtype=np.int64)[owned]
         return RunnerOutput(
             req_ids=handle.req_ids,
