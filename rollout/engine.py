@@ -76,6 +76,7 @@ class Engine:
         self._ids = itertools.count()
         self._receiver = None
         self._inflight = None  # async scheduling: (SchedulerOutput, StepHandle) launched, not yet collected
+        self._drained: list[Request] = []  # requests that got tokens in a drain, reported by the next step
         self.spec_controller = None  # SpecController (auto-off) when speculating
         if config.speculative is not None:
             from runner.spec_decode.controller import SpecController
@@ -133,7 +134,7 @@ class Engine:
             self.scheduler.abort([m.req_id for m in group.members])
 
     def has_unfinished_requests(self) -> bool:
-        return self.scheduler.has_unfinished() or self._inflight is not None
+        return self.scheduler.has_unfinished() or self._inflight is not None or bool(self._drained)
 
     def step(self) -> list[RequestOutput]:
         """Run one engine step; returns the current output of every prompt that changed.
@@ -168,20 +169,21 @@ class Engine:
         sched = self.scheduler.schedule()
         self.scheduler.advance(sched)
         handle = self.runner.launch(sched)
-        changed: list[Request] = []
+        changed, self._drained = self._drained, []  # tokens a drain collected are reported now
         if self._inflight is not None:
             prev_sched, prev_handle = self._inflight
-            changed = self.scheduler.update(prev_sched, self.runner.collect(prev_handle), advanced=True)
+            changed += self.scheduler.update(prev_sched, self.runner.collect(prev_handle), advanced=True)
         self._inflight = None if sched.is_empty else (sched, handle)
         return changed
 
-    def _drain(self) -> list[Request]:
-        """Finish the step in flight (async scheduling), so nothing runs while weights change."""
+    def _drain(self) -> None:
+        """Finish the step in flight (async scheduling), so nothing runs while weights change; the requests
+        it gave tokens to are reported by the next step."""
         if self._inflight is None:
-            return []
+            return
         sched, handle = self._inflight
         self._inflight = None
-        return self.scheduler.update(sched, self.runner.collect(handle), advanced=True)
+        self._drained += self.scheduler.update(sched, self.runner.collect(handle), advanced=True)
 
     def generate(
         self,
@@ -233,7 +235,11 @@ class Engine:
     # ---- weights ----------------------------------------------------------------------------------------
     @property
     def weight_receiver(self):
-        """The rollout side of weight updates (validate -> apply in place -> verify), created on first use."""
+        """The rollout side of weight updates (validate -> apply in place -> verify), created on first use.
+
+        Transports that write through it directly (IPC, torch.distributed, NIXL) should call
+        `on_weights_updated(version)` afterwards; with async scheduling the step in flight is finished first."""
+        self._drain()
         if self.config.tensor_parallel_size > 1:
             raise ValueError("with tensor_parallel_size > 1, weight updates go through apply_weight_update (every rank)")
         if self._receiver is None:

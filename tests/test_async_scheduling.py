@@ -75,3 +75,21 @@ def test_async_scheduling_config_errors():
 
     with pytest.raises(ValueError, match="async_scheduling"):
         EngineConfig(model="m", async_scheduling=True, speculative=SpeculativeConfig())
+
+
+def test_step_reports_requests_finished_during_a_drain(model):
+    from weight_updates import Dense
+
+    engine = Engine(EngineConfig(model=str(model), dtype="float32", async_scheduling=True, num_kv_blocks=64))
+    ids = [engine.add_request([3, 4, 5 + i], SamplingParams(max_tokens=2 + 3 * i, ignore_eos=True, seed=i))
+           for i in range(4)]
+    name = "model.norm.weight"
+    finished: dict[str, int] = {}
+    version = 0
+    while engine.has_unfinished_requests():
+        for out in engine.step():
+            if out.finished:
+                finished[out.request_id] = len(out.outputs[0].token_ids)
+        version += 1  # an update after every step: each one drains the step in flight
+        engine.apply_weight_update(version, [Dense.of(name, engine.runner.weights.view(name).clone())])
+    assert finished == {rid: 2 + 3 * i for i, rid in enumerate(ids)}
