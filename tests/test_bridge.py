@@ -216,3 +216,22 @@ def test_after_dense_patch_and_ipc_pushes_greedy_equals_a_fresh_engine(model_dir
     ours = [o.outputs[0].token_ids for o in engine.generate(PROMPTS, params)]
     theirs = [o.outputs[0].token_ids for o in fresh.generate(PROMPTS, params)]
     assert ours == theirs
+
+
+def test_adopting_the_engines_weights_makes_the_first_push_a_patch(model_dir):
+    engine = make_engine(model_dir, dtype="bfloat16")
+    bridge = TrainerBridge(engine)
+    model = TrainingModel.from_pretrained(model_dir)  # the checkpoint the engine loaded, in fp32
+    other = TrainingModel.from_pretrained(model_dir)
+    with torch.no_grad():
+        other.checkpoint_state()["model.norm.weight"].add_(1.0)
+    with pytest.raises(ValueError, match="model.norm.weight"):
+        bridge.adopt_engine_weights(other)
+    assert bridge.adopt_engine_weights(model) == len(model.checkpoint_state())
+    assert engine.policy_version == 0  # nothing was sent
+    name = "model.layers.0.mlp.up_proj.weight"
+    with torch.no_grad():
+        model.checkpoint_state()[name].view(-1)[:5] += 0.5
+    result = bridge.push_weights(model)
+    assert result.num_dense == 0 and result.num_patch >= 1 and result.nbytes < 1024
+    _assert_engine_holds(engine, {n: t.to(torch.bfloat16) for n, t in model.checkpoint_state().items()})

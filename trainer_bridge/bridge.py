@@ -242,16 +242,7 @@ class TrainerBridge:
         ValueError, as does a rejected update; either way the engine's weights, its version and the
         bridge's snapshot are unchanged.
         """
-        if hasattr(weights, "checkpoint_state"):
-            weights = weights.checkpoint_state()
-        elif isinstance(weights, torch.nn.Module):
-            weights = dict(weights.named_parameters())
-        elif not isinstance(weights, Mapping):
-            if not isinstance(weights, Iterable):
-                raise ValueError(f"cannot push weights of type {type(weights).__name__}")
-            weights = list(weights)
-        if not weights:
-            raise ValueError("push_weights got no parameters")
+        weights = _named_weights(weights)
         t0 = time.perf_counter()
         with torch.no_grad():
             push = self.differ.encode(weights)
@@ -266,7 +257,43 @@ class TrainerBridge:
             dense_nbytes=s.dense_nbytes, changed_fraction=s.changed_fraction, encode_s=t1 - t0, apply_s=t2 - t1,
         )
 
+    def adopt_engine_weights(self, weights) -> int:
+        """Record `weights` as what the engine already holds, sending nothing (trainer and engine started
+        from one checkpoint), so the next push is a patch instead of a full dense copy.
+
+        Checked first, tensor by tensor: the engine's checksum must equal that of `weights` cast to the
+        engine dtype. A mismatch raises ValueError naming the tensors and records nothing. Needs a local
+        engine (a pool's workers are not read). Returns the number of tensors adopted.
+        """
+        receiver = getattr(self.engine, "weight_receiver", None)
+        if receiver is None:
+            raise ValueError("adopt_engine_weights needs a local Engine; push the weights to a pool instead")
+        weights = _named_weights(weights)
+        with torch.no_grad():
+            push = self.differ.encode(weights)
+        differ_names = [u.name for u in push.updates if int(receiver.current_checksum(u.name, refresh=True)) != u.checksum]
+        if differ_names:
+            raise ValueError(f"the engine does not hold these weights: {len(differ_names)} tensors differ, e.g. "
+                             f"{differ_names[:3]}; push them instead")
+        self.differ.commit(push)
+        return len(push.updates)
+
     def logprob_mismatch(self, batch: RolloutBatch | PaddedBatch, trainer_logprobs: torch.Tensor) -> dict[str, float]:
         """Mismatch of the trainer's `token_logprobs(batch.input_ids)` ([B, T - 1]) against the rollout's."""
         padded = batch.padded(device=trainer_logprobs.device) if isinstance(batch, RolloutBatch) else batch
         return logprob_mismatch(padded.logprobs[:, 1:], trainer_logprobs, padded.loss_mask[:, 1:])
+
+
+def _named_weights(weights) -> Mapping[str, torch.Tensor] | list:
+    """Checkpoint-named tensors from a TrainingModel, an nn.Module, a mapping or (name, tensor) pairs."""
+    if hasattr(weights, "checkpoint_state"):
+        weights = weights.checkpoint_state()
+    elif isinstance(weights, torch.nn.Module):
+        weights = dict(weights.named_parameters())
+    elif not isinstance(weights, Mapping):
+        if not isinstance(weights, Iterable):
+            raise ValueError(f"cannot push weights of type {type(weights).__name__}")
+        weights = list(weights)
+    if not weights:
+        raise ValueError("push_weights got no parameters")
+    return weights
