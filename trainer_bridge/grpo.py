@@ -31,10 +31,7 @@ import torch
 
 from trainer_bridge.bridge import PaddedBatch, RolloutBatch, TrainerBridge
 from trainer_bridge.config import RLConfig, RunConfig
-from trainer_bridge.harness import (
-    MetricsLogger, ProblemStream, cli_main, held_out_problems, open_engine, prepare_model, run_rl, seed_everything,
-)
-from trainer_bridge.training_model import TrainingModel
+from trainer_bridge.harness import cli_main, load_policy, rl_session, run_rl
 
 
 def group_advantages(rewards: torch.Tensor, group_size: int, eps: float = 1e-6) -> torch.Tensor:
@@ -74,19 +71,12 @@ def grpo_loss(
 
 def train(cfg: RunConfig) -> dict:
     """Warm-up (toy) -> evaluate -> GRPO steps -> evaluate; returns the summary (also in summary.json)."""
-    if cfg.algorithm != "grpo":
-        raise ValueError(f"algorithm: this script runs grpo, the config says {cfg.algorithm!r}")
-    seed_everything(cfg)
     rl = cfg.rl
-    model_dir = prepare_model(cfg)
-    logger = MetricsLogger(cfg)
-    with open_engine(cfg, model_dir) as engine:
-        bridge = TrainerBridge(engine)
-        load = dict(dtype=cfg.trainer.dtype, device=cfg.trainer.device, deterministic=cfg.deterministic)
-        policy = TrainingModel.from_pretrained(model_dir, **load)
+    with rl_session(cfg, "grpo") as (bridge, model_dir):
+        policy = load_policy(cfg, model_dir)
         ref = None
         if rl.kl_coef > 0:
-            ref = TrainingModel.from_pretrained(model_dir, **load).eval()
+            ref = load_policy(cfg, model_dir).eval()
             ref.requires_grad_(False)
         opt = torch.optim.AdamW(policy.parameters(), lr=rl.lr, weight_decay=0.0)
 
@@ -95,8 +85,7 @@ def train(cfg: RunConfig) -> dict:
             padded = batch.padded(device=cfg.trainer.device)
             return update(policy, ref, opt, padded, advantages.to(cfg.trainer.device), rl, bridge)
 
-        summary = run_rl(cfg, bridge, logger, held_out_problems(cfg), ProblemStream(cfg, salt=2), policy, step)
-    return {**summary, "model": str(model_dir)}
+        return run_rl(cfg, bridge, model_dir, policy, step, salt=2)
 
 
 def update(policy, ref, opt, padded: PaddedBatch, advantages: torch.Tensor, rl: RLConfig, bridge: TrainerBridge) -> dict:

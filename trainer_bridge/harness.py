@@ -5,6 +5,7 @@
     ProblemStream             seeded training prompts that never repeat a held-out prompt
     evaluate(bridge, ...)     mean reward on the held-out prompts (sampled like training, and greedy)
     MetricsLogger             metrics.jsonl + per-step line + wandb (offline by default) + plot.png
+    rl_session / load_policy  the set-up both algorithms share (engine, bridge, the trainer's model)
     run_rl(...)               the step loop both algorithms share: rollout -> update -> push -> eval -> log
     cli_main(...)             the `--config FILE --set key=value` command line of both scripts
 
@@ -25,6 +26,7 @@ import torch
 from rollout.sampling_params import SamplingParams
 from trainer_bridge import toy_task
 from trainer_bridge.bridge import RolloutBatch, TrainerBridge
+from trainer_bridge.training_model import TrainingModel
 from trainer_bridge.config import RunConfig, load_run_config
 
 EVAL_SEED = 1_000_003
@@ -227,19 +229,40 @@ def push_metrics(result) -> dict[str, float]:
     }
 
 
+@contextmanager
+def rl_session(cfg: RunConfig, algorithm: str) -> Iterator[tuple[TrainerBridge, Path]]:
+    """Check the algorithm, seed everything, prepare the model, open the engine: yields (bridge, model_dir)."""
+    if cfg.algorithm != algorithm:
+        raise ValueError(f"algorithm: this script runs {algorithm}, the config says {cfg.algorithm!r}")
+    seed_everything(cfg)
+    model_dir = prepare_model(cfg)
+    with open_engine(cfg, model_dir) as engine:
+        yield TrainerBridge(engine), model_dir
+
+
+def load_policy(cfg: RunConfig, model_dir: Path) -> TrainingModel:
+    """The trainer's copy of the model, with the engine's deterministic setting."""
+    return TrainingModel.from_pretrained(model_dir, dtype=cfg.trainer.dtype, device=cfg.trainer.device,
+                                         deterministic=cfg.deterministic)
+
+
 def run_rl(
     cfg: RunConfig,
     bridge: TrainerBridge,
-    logger: MetricsLogger,
-    held_out: list[toy_task.Problem],
-    stream: ProblemStream,
+    model_dir: Path,
     policy: torch.nn.Module,
     update: Callable[[RolloutBatch, torch.Tensor], dict[str, float]],
+    *,
+    salt: int,
 ) -> dict:
     """First push (dense: it gives the bridge its snapshot), evaluate, then `cfg.rl.steps` steps of
     rollout -> `update(batch, rewards [B])` (one optimizer update, returns metrics) -> push `policy`, and a
-    final evaluation. Returns the run summary (also written to summary.json)."""
+    final evaluation on held-out prompts. `salt` separates the algorithms' training prompt streams.
+    Returns the run summary (also written to summary.json)."""
     rl, progress = cfg.rl, cfg.logging.progress
+    logger = MetricsLogger(cfg)
+    held_out = held_out_problems(cfg)
+    stream = ProblemStream(cfg, salt=salt)
     first = bridge.push_weights(policy)
     before = evaluate(bridge, cfg, held_out)
     logger.log(0, before)
@@ -273,6 +296,7 @@ def run_rl(
         "algorithm": cfg.algorithm, "steps": rl.steps, "reward_warmup": before["eval_reward"],
         "reward_final": after["eval_reward"], "greedy_warmup": before["eval_greedy"],
         "greedy_final": after["eval_greedy"], "final_policy_version": bridge.policy_version,
+        "model": str(model_dir),
     }
     summary["summary_json"] = str(logger.finish(summary))
     return summary

@@ -21,9 +21,7 @@ from torch import nn
 
 from trainer_bridge.bridge import PaddedBatch, RolloutBatch, TrainerBridge
 from trainer_bridge.config import RLConfig, RunConfig
-from trainer_bridge.harness import (
-    MetricsLogger, ProblemStream, cli_main, held_out_problems, open_engine, prepare_model, run_rl, seed_everything,
-)
+from trainer_bridge.harness import cli_main, load_policy, rl_session, run_rl
 from trainer_bridge.training_model import TrainingModel
 
 
@@ -113,24 +111,16 @@ def update(model: PolicyWithValue, opt, padded: PaddedBatch, rewards: torch.Tens
 
 def train(cfg: RunConfig) -> dict:
     """Warm-up (toy) -> evaluate -> PPO steps -> evaluate; returns the summary (also in summary.json)."""
-    if cfg.algorithm != "ppo":
-        raise ValueError(f"algorithm: this script runs ppo, the config says {cfg.algorithm!r}")
-    seed_everything(cfg)
     rl = cfg.rl
-    model_dir = prepare_model(cfg)
-    logger = MetricsLogger(cfg)
-    with open_engine(cfg, model_dir) as engine:
-        bridge = TrainerBridge(engine)
-        model = PolicyWithValue(TrainingModel.from_pretrained(
-            model_dir, dtype=cfg.trainer.dtype, device=cfg.trainer.device, deterministic=cfg.deterministic))
+    with rl_session(cfg, "ppo") as (bridge, model_dir):
+        model = PolicyWithValue(load_policy(cfg, model_dir))
         opt = torch.optim.AdamW(model.parameters(), lr=rl.lr, weight_decay=0.0)
 
         def step(batch: RolloutBatch, rewards: torch.Tensor) -> dict[str, float]:
             return update(model, opt, batch.padded(device=cfg.trainer.device), rewards.to(cfg.trainer.device), rl,
                           bridge)
 
-        summary = run_rl(cfg, bridge, logger, held_out_problems(cfg), ProblemStream(cfg, salt=3), model.policy, step)
-    return {**summary, "model": str(model_dir)}
+        return run_rl(cfg, bridge, model_dir, model.policy, step, salt=3)
 
 
 def main(argv: list[str] | None = None) -> int:
