@@ -48,13 +48,12 @@ def _generate(args: argparse.Namespace) -> int:
     return 0
 
 
-def _demo(args: argparse.Namespace) -> int:
-    from trainer_bridge.demo import main as demo_main
-
-    return demo_main(args.rest)
-
-
 def main(argv: list[str] | None = None) -> int:
+    argv = sys.argv[1:] if argv is None else list(argv)
+    if argv[:1] == ["demo"]:  # the demo parses its own options (--config, --set KEY=VALUE, ...)
+        from trainer_bridge.demo import main as demo_main
+
+        return demo_main(argv[1:])
     parser = argparse.ArgumentParser(prog="python -m rollout")
     sub = parser.add_subparsers(dest="cmd", required=True)
     g = sub.add_parser("generate", help="generate completions from a local Hugging Face model directory")
@@ -76,15 +75,10 @@ def main(argv: list[str] | None = None) -> int:
     g.add_argument("--max-model-len", type=int, default=None)
     g.add_argument("--enforce-eager", action="store_true")
     g.add_argument("--deterministic", action="store_true")
-    d = sub.add_parser("demo", help="the toy demo")
-    d.add_argument("rest", nargs=argparse.REMAINDER)
-    args, extra = parser.parse_known_args(argv)
-    if args.cmd == "demo":
-        args.rest = list(args.rest) + extra
-    elif extra:
-        parser.error(f"unrecognized arguments: {' '.join(extra)}")
+    sub.add_parser("demo", help="the toy GRPO demo (options: python -m rollout demo --help)")
+    args = parser.parse_args(argv)
     try:
-        return _generate(args) if args.cmd == "generate" else _demo(args)
+        return _generate(args)
     except ValueError as e:
         print(f"error: {e}", file=sys.stderr)
         return 2

@@ -137,3 +137,18 @@ def test_grpo_in_deterministic_mode_has_zero_logprob_mismatch(tmp_path):
     assert len(steps) == 3
     assert all(r["mismatch_abs_max"] == 0.0 for r in steps), [r["mismatch_abs_max"] for r in steps]
     assert [r["policy_version"] for r in steps] == [1, 2, 3]
+
+
+def test_demo_command_passes_its_options_through(tmp_path):
+    import subprocess
+    import sys
+
+    proc = subprocess.run(
+        [sys.executable, "-m", "rollout", "demo", "--set", "rl.steps=2", "--set", "toy_model.warmup_steps=10",
+         "--set", f"output_dir={tmp_path}", "--set", "logging.wandb=false", "--set", "logging.plot=false",
+         "--set", "task.num_eval_prompts=8"],
+        capture_output=True, text=True, timeout=300,
+    )
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    summary = json.loads((tmp_path / "summary.json").read_text())
+    assert summary["steps"] == 2 and summary["final_policy_version"] == 3
