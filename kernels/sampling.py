@@ -78,6 +78,42 @@ def _tempered(row_ptr, offs, mask, temp):
 
 
 @triton.jit
+def _row_key(seeds_ptr, positions_ptr, row):
+    """The row's 32-bit noise key from its seed and output position (`row_keys` of the reference)."""
+    seed = tl.load(seeds_ptr + row).to(tl.uint32)
+    position = tl.load(positions_ptr + row).to(tl.uint32)
+    return _mix32(_mix32(seed) + position * 0x9E3779B9)
+
+
+@triton.jit
+def _gumbel(row_key, offs, LIBDEVICE_LOG: tl.constexpr):
+    """Gumbel noise of tokens `offs`: -log(-log(u)), u = (23 hash bits + 0.5) / 2**23, inside (0, 1)."""
+    h = _mix32(row_key ^ offs.to(tl.uint32))
+    u = ((h >> 9).to(tl.float32) + 0.5) * (1.0 / 8388608.0)
+    return -_log(-_log(u, LIBDEVICE_LOG), LIBDEVICE_LOG)
+
+
+@triton.jit
+def _running_argmax(best, best_idx, values, start):
+    """Fold one block of values (token ids start..) into a running (max, first argmax)."""
+    block_max = tl.max(values, 0)
+    take = block_max > best
+    return tl.maximum(best, block_max), tl.where(take, start + tl.argmax(values, 0), best_idx)
+
+
+@triton.jit
+def _raw_max(row_ptr, vocab, BLOCK_V: tl.constexpr):
+    """(max, first argmax) of a row's raw logits."""
+    best = tl.full([], float("-inf"), tl.float32)
+    best_idx = tl.zeros([], tl.int32)
+    for start in range(0, vocab, BLOCK_V):
+        offs = start + tl.arange(0, BLOCK_V)
+        raw = tl.load(row_ptr + offs, mask=offs < vocab, other=float("-inf")).to(tl.float32)
+        best, best_idx = _running_argmax(best, best_idx, raw, start)
+    return best, best_idx
+
+
+@triton.jit
 def _bisect_threshold(
     row_ptr, vocab, temp, row_max, lo, hi, target, BY_MASS: tl.constexpr,
     BLOCK_V: tl.constexpr, NUM_PROBES: tl.constexpr,
@@ -118,16 +154,7 @@ def _sample_kernel(
     temp = tl.where(greedy, 1.0, temperature)
 
     # pass 1: raw max and first argmax
-    best_raw = tl.full([], float("-inf"), tl.float32)
-    best_idx = tl.zeros([], tl.int32)
-    for start in range(0, vocab, BLOCK_V):
-        offs = start + tl.arange(0, BLOCK_V)
-        raw = tl.load(row_ptr + offs, mask=offs < vocab, other=float("-inf")).to(tl.float32)
-        chunk_max = tl.max(raw, 0)
-        chunk_idx = start + tl.argmax(raw, 0)
-        take = chunk_max > best_raw
-        best_idx = tl.where(take, chunk_idx, best_idx)
-        best_raw = tl.maximum(best_raw, chunk_max)
+    best_raw, best_idx = _raw_max(row_ptr, vocab, BLOCK_V)
     row_max = tl.math.div_rn(best_raw, temp)  # division by t > 0 is monotone: max of the tempered row
 
     top_k = tl.load(top_k_ptr + row).to(tl.int64)
@@ -154,9 +181,7 @@ def _sample_kernel(
     threshold = tl.where(thr_key == min_key, float("-inf"), _key_to_float(thr_key))
 
     # last pass: Gumbel-max over the kept entries and their log-sum-exp
-    seed = tl.load(seeds_ptr + row).to(tl.uint32)
-    position = tl.load(positions_ptr + row).to(tl.uint32)
-    row_key = _mix32(_mix32(seed) + position * 0x9E3779B9)
+    row_key = _row_key(seeds_ptr, positions_ptr, row)
     kept_sum = tl.zeros([BLOCK_V], tl.float32)
     best_noisy = tl.full([], float("-inf"), tl.float32)
     best_sample = tl.zeros([], tl.int32)
@@ -167,14 +192,8 @@ def _sample_kernel(
         e = tl.exp(x - row_max)
         keep = mask & (x >= threshold) & (e >= min_p)
         kept_sum += tl.where(keep, e, 0.0)
-        h = _mix32(row_key ^ offs.to(tl.uint32))
-        u = ((h >> 9).to(tl.float32) + 0.5) * (1.0 / 8388608.0)
-        noisy = tl.where(keep, x - _log(-_log(u, LIBDEVICE_LOG), LIBDEVICE_LOG), float("-inf"))
-        chunk_max = tl.max(noisy, 0)
-        chunk_idx = start + tl.argmax(noisy, 0)
-        take = chunk_max > best_noisy
-        best_sample = tl.where(take, chunk_idx, best_sample)
-        best_noisy = tl.maximum(best_noisy, chunk_max)
+        noisy = tl.where(keep, x + _gumbel(row_key, offs, LIBDEVICE_LOG), float("-inf"))
+        best_noisy, best_sample = _running_argmax(best_noisy, best_sample, noisy, start)
     lse = tl.log(tl.sum(kept_sum, 0))  # log sum exp(x - row_max) over kept entries
     token = tl.where(greedy, best_idx, best_sample)
     x_token = tl.math.div_rn(tl.load(row_ptr + token).to(tl.float32), temp)
@@ -196,11 +215,7 @@ def _token_logprob_kernel(
     row_ptr = logits_ptr + row.to(tl.int64) * stride_row
     temperature = tl.load(temperature_ptr + row).to(tl.float32)
     temp = tl.where(temperature <= 0.0, 1.0, temperature)
-    best_raw = tl.full([], float("-inf"), tl.float32)
-    for start in range(0, vocab, BLOCK_V):
-        offs = start + tl.arange(0, BLOCK_V)
-        raw = tl.load(row_ptr + offs, mask=offs < vocab, other=float("-inf")).to(tl.float32)
-        best_raw = tl.maximum(best_raw, tl.max(raw, 0))
+    best_raw, _ = _raw_max(row_ptr, vocab, BLOCK_V)
     row_max = tl.math.div_rn(best_raw, temp)
     kept_sum = tl.zeros([BLOCK_V], tl.float32)
     for start in range(0, vocab, BLOCK_V):
@@ -254,9 +269,7 @@ def _sample_chunk_kernel(
     row_ptr = logits_ptr + row.to(tl.int64) * stride_row
     temperature = tl.load(temperature_ptr + row).to(tl.float32)
     temp = tl.where(temperature <= 0.0, 1.0, temperature)
-    seed = tl.load(seeds_ptr + row).to(tl.uint32)
-    position = tl.load(positions_ptr + row).to(tl.uint32)
-    row_key = _mix32(_mix32(seed) + position * 0x9E3779B9)
+    row_key = _row_key(seeds_ptr, positions_ptr, row)
     best_raw = tl.full([], float("-inf"), tl.float32)
     best_raw_idx = tl.zeros([], tl.int32)
     best_noisy = tl.full([], float("-inf"), tl.float32)
@@ -267,20 +280,10 @@ def _sample_chunk_kernel(
         offs = start + tl.arange(0, BLOCK_V)
         mask = offs < vocab
         raw = tl.load(row_ptr + offs, mask=mask, other=float("-inf")).to(tl.float32)
-        c_max = tl.max(raw, 0)
-        c_idx = start + tl.argmax(raw, 0)
-        take = c_max > best_raw
-        best_raw_idx = tl.where(take, c_idx, best_raw_idx)
-        best_raw = tl.maximum(best_raw, c_max)
+        best_raw, best_raw_idx = _running_argmax(best_raw, best_raw_idx, raw, start)
         x = tl.math.div_rn(raw, tl.zeros_like(raw) + temp)
-        h = _mix32(row_key ^ offs.to(tl.uint32))
-        u = ((h >> 9).to(tl.float32) + 0.5) * (1.0 / 8388608.0)
-        noisy = tl.where(mask, x - _log(-_log(u, LIBDEVICE_LOG), LIBDEVICE_LOG), float("-inf"))
-        n_max = tl.max(noisy, 0)
-        n_idx = start + tl.argmax(noisy, 0)
-        take = n_max > best_noisy
-        best_idx = tl.where(take, n_idx, best_idx)
-        best_noisy = tl.maximum(best_noisy, n_max)
+        noisy = tl.where(mask, x + _gumbel(row_key, offs, LIBDEVICE_LOG), float("-inf"))
+        best_noisy, best_idx = _running_argmax(best_noisy, best_idx, noisy, start)
         new_m = tl.maximum(m, tl.max(x, 0))
         acc = acc * tl.exp(m - new_m) + tl.where(mask, tl.exp(x - new_m), 0.0)
         m = new_m
