@@ -12,7 +12,6 @@ tp=1 line gives the single-process baseline. Random-weight models are written lo
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import sys
 import tempfile
@@ -22,6 +21,7 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 import torch  # noqa: E402
 
+from bench.generate import emit  # noqa: E402
 from runner.testing import QWEN25_05B, write_random_checkpoint  # noqa: E402
 
 SHAPES = {
@@ -29,10 +29,6 @@ SHAPES = {
                  num_attention_heads=4, num_key_value_heads=2),
     "qwen2.5-0.5b": QWEN25_05B,
 }
-
-
-def emit(**row) -> None:
-    print(json.dumps(row), flush=True)
 
 
 def run(model_dir: str, args, tp: int, mode: str) -> None:
