@@ -102,11 +102,15 @@ class Engine:
         params = params or SamplingParams()
         if not isinstance(params, SamplingParams):
             raise ValueError(f"params must be SamplingParams, got {type(params).__name__}")
+        text, token_ids = self._tokenize(prompt)
+        self._validate_prompt(token_ids, params)
+        return self._add(text, token_ids, params, request_id)
+
+    def _add(self, text: str | None, token_ids: list[int], params: SamplingParams, request_id: str | None) -> str:
+        """Queue a tokenized, validated prompt."""
         request_id = str(next(self._ids)) if request_id is None else str(request_id)
         if request_id in self._groups:
             raise ValueError(f"request id {request_id!r} is already in use")
-        text, token_ids = self._tokenize(prompt)
-        self._validate_prompt(token_ids, params)
         max_tokens = min(params.max_tokens, self.max_model_len - len(token_ids))
         base_seed = params.seed if params.seed is not None else self._rng.getrandbits(32)
         group = RequestGroup(request_id, text, list(token_ids), params)
@@ -200,10 +204,13 @@ class Engine:
             params = [params or SamplingParams()] * len(prompts)
         if len(params) != len(prompts):
             raise ValueError(f"got {len(params)} SamplingParams for {len(prompts)} prompts")
-        # validate every prompt before queueing any, so a bad one leaves nothing half-added
-        for prompt, p in zip(prompts, params):
-            self._validate_prompt(self._tokenize(prompt)[1], p)
-        ids = [self.add_request(prompt, p) for prompt, p in zip(prompts, params)]
+        # tokenize and validate every prompt before queueing any, so a bad one leaves nothing half-added
+        tokenized = [self._tokenize(prompt) for prompt in prompts]
+        for (_, token_ids), p in zip(tokenized, params):
+            if not isinstance(p, SamplingParams):
+                raise ValueError(f"params must be SamplingParams, got {type(p).__name__}")
+            self._validate_prompt(token_ids, p)
+        ids = [self._add(text, token_ids, p, None) for (text, token_ids), p in zip(tokenized, params)]
         groups = [self._groups[i] for i in ids]
         pending = {id(g) for g in groups}
         bar = None

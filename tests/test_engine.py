@@ -140,6 +140,9 @@ def test_generate_validates_all_prompts_first(engine):
     with pytest.raises(ValueError, match="empty"):
         engine.generate([[5, 6], []], SamplingParams(max_tokens=2))
     assert not engine.has_unfinished_requests()
+    with pytest.raises(ValueError, match="must be SamplingParams"):
+        engine.generate([[5, 6], [7]], [SamplingParams(max_tokens=2), {"max_tokens": 2}])
+    assert not engine.has_unfinished_requests()
 
 
 @pytest.mark.parametrize(
