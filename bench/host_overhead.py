@@ -34,10 +34,10 @@ def stub_execute(runner):
             return RunnerOutput(req_ids=[], sampled_token_ids=[])
         inputs = runner.input_batch.gather(sched)
         runner._stage(inputs)
-        runner.buffers.upload(len(inputs.slots))
+        runner._upload(inputs, len(inputs.slots))
         runner._metadata(inputs)
         rows = len(inputs.sample_rows)
-        return runner._finish(inputs, torch.randint(2, 60, (rows,)), torch.zeros(rows), None)
+        return runner.collect(runner._handle(inputs, torch.randint(2, 60, (rows,)), torch.zeros(rows)))
 
     return execute
 

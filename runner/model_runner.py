@@ -47,6 +47,7 @@ class StepHandle:
     epochs: np.ndarray | None = None  # [R] int64 the slots' owners at launch (InputBatch.slot_epoch)
     tokens: torch.Tensor | None = None  # [R] int64 host (pinned on CUDA), filled by a non-blocking copy
     logprobs: torch.Tensor | None = None  # [R] float32 host
+    top: tuple[torch.Tensor, torch.Tensor] | None = None  # device (ids [R, N], logprobs [R, N]) if asked for
     event: "torch.cuda.Event | None" = None  # recorded after the copies
     output: RunnerOutput | None = None  # set when the step already ran to completion
 
@@ -218,8 +219,7 @@ class ModelRunner:
 
         Each sampling row gets a placeholder token (-1) in its slot right away, so the next step can be
         staged before this one finishes: a placeholder input token is read on the device from
-        `last_sampled`, where this step's sampler writes. Steps that need top-N logprobs, and speculative
-        steps, run to completion here.
+        `last_sampled`, where this step's sampler writes. Speculative steps run to completion here.
         """
         self.input_batch.apply(sched)
         if sched.is_empty:
@@ -259,9 +259,7 @@ class ModelRunner:
             logits, b.temperature[:R], b.top_k[:R], b.top_p[:R], b.min_p[:R], b.seeds[:R],
             b.sample_positions[:R], top_n, truncation=truncation,
         )
-        if top is not None:
-            return StepHandle.done(self._finish(inputs, tokens, logprobs, top))
-        return self._handle(inputs, tokens, logprobs)
+        return self._handle(inputs, tokens, logprobs, top)
 
     def _upload(self, inputs: StepInputs, num_block_rows: int) -> None:
         """Copy the staged inputs to the device (three copies from pinned memory, no host wait) and fill
@@ -281,8 +279,10 @@ class ModelRunner:
             self._upload_done = torch.cuda.Event()
             self._upload_done.record()
 
-    def _handle(self, inputs: StepInputs, tokens: torch.Tensor, logprobs: torch.Tensor) -> "StepHandle":
-        """Start the copy of this step's results to the host and put placeholders in the sampling slots."""
+    def _handle(self, inputs: StepInputs, tokens: torch.Tensor, logprobs: torch.Tensor, top=None) -> "StepHandle":
+        """Start the copy of this step's results to the host and put placeholders in the sampling slots.
+
+        `top` (ids [R, N], logprobs [R, N] on the device), when asked for, is copied out at `collect`."""
         rows = inputs.sample_rows
         slots = inputs.slots[rows]
         R = rows.shape[0]
@@ -301,7 +301,7 @@ class ModelRunner:
         ib.num_tokens[slots] += 1
         return StepHandle(req_ids=[inputs.req_ids[r] for r in rows.tolist()], slots=slots, positions=positions,
                           epochs=ib.slot_epoch[slots].copy(), tokens=out_tokens[:R], logprobs=out_logprobs[:R],
-                          event=event)
+                          top=top, event=event)
 
     def collect(self, handle: "StepHandle") -> RunnerOutput:
         """Wait for a launched step; write its tokens into the slots that still hold their requests."""
@@ -314,10 +314,15 @@ class ModelRunner:
         ib = self.input_batch
         owned = ib.slot_epoch[handle.slots] == handle.epochs  # slots freed or handed on since are left alone
         ib.token_ids[handle.slots[owned], handle.positions[owned]] = np.asarray(token_list, dtype=np.int64)[owned]
+        top_list = None
+        if handle.top is not None:
+            ids, vals = handle.top[0].cpu().tolist(), handle.top[1].float().cpu().tolist()
+            top_list = [[list(zip(i, v))] for i, v in zip(ids, vals)]
         return RunnerOutput(
             req_ids=handle.req_ids,
             sampled_token_ids=[[t] for t in token_list],
             logprobs=[[lp] for lp in logprob_list],
+            top_logprobs=top_list,
         )
 
     # ---- CUDA graphs -----------------------------------------------------------------------------------
@@ -416,24 +421,6 @@ class ModelRunner:
             max_query_len=inputs.max_query_len,
             max_seq_len=inputs.max_seq_len,
             deterministic=self.config.deterministic,
-        )
-
-    def _finish(self, inputs: StepInputs, tokens, logprobs, top) -> RunnerOutput:
-        # the step's one device -> host copy
-        token_list = tokens.to("cpu", non_blocking=False).tolist()
-        logprob_list = logprobs.float().to("cpu").tolist()
-        top_list = None
-        if top is not None:
-            ids, vals = top[0].cpu().tolist(), top[1].float().cpu().tolist()
-            top_list = [[list(zip(i, v))] for i, v in zip(ids, vals)]
-        rows = inputs.sample_rows
-        sampled = [[t] for t in token_list]
-        self.input_batch.append_sampled(inputs.slots[rows], sampled)
-        return RunnerOutput(
-            req_ids=[inputs.req_ids[r] for r in rows.tolist()],
-            sampled_token_ids=sampled,
-            logprobs=[[lp] for lp in logprob_list],
-            top_logprobs=top_list,
         )
 
 

@@ -243,3 +243,14 @@ def test_cli_generate(model_dir):
     samples = [l for l in lines if "sample" in l]
     assert len(samples) == 2 and all(len(s["token_ids"]) == 5 for s in samples)
     assert any("tokens_per_s" in l for l in lines)
+
+
+def test_top_logprobs_in_outputs(engine):
+    outs = engine.generate([[5, 6, 7], [8, 9]], [SamplingParams(temperature=0, max_tokens=4, top_logprobs=3, ignore_eos=True),
+                                                 SamplingParams(max_tokens=4, seed=1, ignore_eos=True)])
+    greedy, plain = outs[0].outputs[0], outs[1].outputs[0]
+    assert plain.top_logprobs is None
+    assert len(greedy.top_logprobs) == len(greedy.token_ids) == 4
+    for token, lp, top in zip(greedy.token_ids, greedy.logprobs, greedy.top_logprobs):
+        assert len(top) == 3 and [v for _, v in top] == sorted((v for _, v in top), reverse=True)
+        assert top[0][0] == token and abs(top[0][1] - lp) < 1e-6  # greedy: the sampled token is the top one
