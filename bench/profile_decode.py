@@ -67,6 +67,7 @@ def profile(path: str, device: str, dtype: str, batch: int, prompt_len: int, ste
             sync()
         kernels = sorted(((e.key, e.device_time_total / 5) for e in prof.key_averages()), key=lambda x: -x[1])[:8]
         row["top_kernels_us"] = [(k[:60], round(t, 1)) for k, t in kernels]
+    engine.close()
     return row
 
 

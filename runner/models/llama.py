@@ -76,11 +76,16 @@ class RMSNorm(nn.Module):
         if x.is_cuda and (self.deterministic or not torch.is_grad_enabled()):
             from kernels.norm import fused_add_rms_norm, rms_norm
 
+            shape = x.shape  # the kernels take [T, H]; the trainer's dense forward passes [B, T, H]
+            x = x.reshape(-1, shape[-1])
             if residual is None:
-                return kernel_forward(lambda a, w: rms_norm(a, w, eps), lambda a, w: rms_norm_ref(a, w, eps),
-                                      x, self.weight)
-            return kernel_forward(lambda a, r, w: fused_add_rms_norm(a, r, w, eps),
-                                  lambda a, r, w: fused_add_rms_norm_ref(a, r, w, eps), x, residual, self.weight)
+                out = kernel_forward(lambda a, w: rms_norm(a, w, eps), lambda a, w: rms_norm_ref(a, w, eps),
+                                     x, self.weight)
+                return out.view(shape)
+            out, res = kernel_forward(lambda a, r, w: fused_add_rms_norm(a, r, w, eps),
+                                      lambda a, r, w: fused_add_rms_norm_ref(a, r, w, eps),
+                                      x, residual.reshape(-1, shape[-1]), self.weight)
+            return out.view(shape), res.view(shape)
         if residual is None:
             return rms_norm_ref(x, self.weight, eps)
         return fused_add_rms_norm_ref(x, residual, self.weight, eps)
