@@ -133,7 +133,8 @@ def main() -> None:
                     help="also prompts x n samples (RL-shaped; transformers gets num_return_sequences=n), "
                          "e.g. 4x8 (default on the CPU)")
     ap.add_argument("--enforce-eager", action="store_true")
-    ap.add_argument("--async-scheduling", action="store_true", help="engine runs with EngineConfig.async_scheduling")
+    ap.add_argument("--sync-scheduling", action="store_true",
+                    help="engine runs with EngineConfig(async_scheduling=False) (the default overlaps host and device)")
     ap.add_argument("--deterministic", action="store_true",
                     help="also run each batch in deterministic mode and report its throughput against the fast mode")
     args = ap.parse_args()
@@ -155,12 +156,13 @@ def main() -> None:
         elem = torch.finfo(getattr(torch, dtype)).bits // 8
         weight_bytes = sum(os.path.getsize(os.path.join(d, f)) for f in os.listdir(d) if f.endswith(".safetensors"))
         kv_per_token = 2 * mc.num_layers * mc.num_kv_heads * mc.head_dim * elem
-        common = dict(device=args.device, shape=shape, dtype=dtype, async_scheduling=args.async_scheduling)
+        sched_kw = {"async_scheduling": False} if args.sync_scheduling else {}
+        common = dict(device=args.device, shape=shape, dtype=dtype, async_scheduling=not args.sync_scheduling)
         engine_tps: dict[str, float] = {}
         # 1. this engine, every workload (the rows that matter most come first)
         for batch in batches:
             tps, secs = bench_engine(d, args.device, dtype, batch, prompt_len, new_tokens,
-                                     enforce_eager=args.enforce_eager, async_scheduling=args.async_scheduling)
+                                     enforce_eager=args.enforce_eager, **sched_kw)
             # a decode step reads all weights once plus each sequence's KV at its mean context
             step_bytes = weight_bytes + batch * kv_per_token * (prompt_len + new_tokens / 2)
             engine_tps[f"batch{batch}"] = tps
@@ -169,13 +171,14 @@ def main() -> None:
                  roofline_fraction=round((step_bytes / bw) / (batch / tps), 3), **common)
             if args.deterministic:
                 det_tps, det_secs = bench_engine(d, args.device, dtype, batch, prompt_len, new_tokens,
-                                                 enforce_eager=args.enforce_eager, deterministic=True)
+                                                 enforce_eager=args.enforce_eager, deterministic=True,
+                                                 **sched_kw)
                 emit(kind="generate", system="engine_deterministic", workload=f"batch{batch}", batch=batch,
                      tokens_per_s=round(det_tps, 1), seconds=round(det_secs, 3),
                      fraction_of_fast_mode=round(det_tps / tps, 3), **common)
         if args.grpo:
             tps, secs = bench_engine(d, args.device, dtype, 64, 256, 1024, n=16, max_num_seqs=1024,
-                                     enforce_eager=args.enforce_eager, async_scheduling=args.async_scheduling)
+                                     enforce_eager=args.enforce_eager, **sched_kw)
             engine_tps["grpo_64x16"] = tps
             emit(kind="generate", system="engine", workload="grpo_64x16", prompts=64, n=16, prompt_len=256,
                  new_tokens=1024, tokens_per_s=round(tps, 1), seconds=round(secs, 2), **common)
@@ -183,7 +186,7 @@ def main() -> None:
         if group:
             num_prompts, n = (int(v) for v in group.lower().split("x"))
             tps, secs = bench_engine(d, args.device, dtype, num_prompts, prompt_len, new_tokens, n=n,
-                                     enforce_eager=args.enforce_eager)
+                                     enforce_eager=args.enforce_eager, **sched_kw)
             engine_tps[f"group{group}"] = tps
             emit(kind="generate", system="engine", workload=f"group{group}", prompts=num_prompts, n=n,
                  prompt_len=prompt_len, new_tokens=new_tokens, tokens_per_s=round(tps, 1), seconds=round(secs, 3),

@@ -1,8 +1,9 @@
 """Batch-invariant matmul in Triton (deterministic mode's linear layers on CUDA).
 
 `F.linear` lets cuBLAS pick kernels, tile shapes and split-K by the number of rows, so a row can round
-differently in a batch of 1 and a batch of 256. Here every launch uses the same tiles, the same warps and
-stages, and walks K in the same fixed order with no split-K; M is never specialised on, so the compiled
+differently in a batch of 1 and a batch of 256. Here the tiles, warps and stages depend on the weight's
+shape alone (narrower column tiles for narrow weights, so that small projections still fill the GPU), every
+launch walks K in the same fixed order with no split-K, and M is never specialised on, so the compiled
 kernel does not change with the batch. A row's result then depends on that row and the weight only.
 Used by the engine and by the trainer's forward in deterministic mode; `kernels/matmul_ref.py` is the CPU
 counterpart (same contract, its own fixed order). Not here: a fast general GEMM, fp8, autotuning (tuning
@@ -16,7 +17,17 @@ import triton
 import triton.language as tl
 
 _DTYPES = (torch.float16, torch.bfloat16, torch.float32)
-BLOCK_M, BLOCK_N, BLOCK_K = 64, 64, 64
+BLOCK_M, BLOCK_K = 64, 64
+_TARGET_PROGRAMS = 128  # column tiles wanted per row tile: about one per SM of a large GPU
+
+
+def block_n(n: int) -> int:
+    """Column tile for a weight of n rows: the widest of 64 / 32 / 16 that still gives ~_TARGET_PROGRAMS tiles.
+    A function of the weight alone, never of the batch."""
+    for width in (64, 32):
+        if triton.cdiv(n, width) >= _TARGET_PROGRAMS:
+            return width
+    return 16
 
 
 @triton.jit(do_not_specialize=["M"])
@@ -68,11 +79,12 @@ def batch_invariant_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Te
     N = weight.shape[0]
     out = torch.empty((M, N), dtype=x.dtype, device=x.device)
     if M:
-        grid = (triton.cdiv(M, BLOCK_M), triton.cdiv(N, BLOCK_N))
+        bn = block_n(N)
+        grid = (triton.cdiv(M, BLOCK_M), triton.cdiv(N, bn))
         _batch_invariant_matmul_kernel[grid](
             x2, weight, bias if bias is not None else weight, out, M, N, K,
             x2.stride(0), weight.stride(0), out.stride(0),
-            HAS_BIAS=bias is not None, BLOCK_M=BLOCK_M, BLOCK_N=BLOCK_N, BLOCK_K=BLOCK_K,
+            HAS_BIAS=bias is not None, BLOCK_M=BLOCK_M, BLOCK_N=bn, BLOCK_K=BLOCK_K,
             IEEE=x.dtype == torch.float32, num_warps=4, num_stages=3,
         )
     return out.view(*lead, N)

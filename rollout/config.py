@@ -85,9 +85,10 @@ class EngineConfig:
     """Batch-invariant kernels: per-token results independent of batch composition and chunking."""
     speculative: SpeculativeConfig | None = None
     """Speculative decoding; None disables it."""
-    async_scheduling: bool = False
+    async_scheduling: bool | None = None
     """Schedule and stage step t+1 while step t runs on the device (tokens of t reach t+1 on the device);
-    hides the host's per-step work behind the GPU's. Not with speculative decoding or tensor parallelism."""
+    hides the host's per-step work behind the GPU's. Not with speculative decoding or tensor parallelism.
+    None (the default) turns it on wherever it is supported; the tokens are the same either way."""
     log_stats: bool = False
     """Log throughput and cache figures while generating."""
 
@@ -115,8 +116,11 @@ class EngineConfig:
             raise ValueError(f"EngineConfig.tp_sampling must be 'sharded' or 'allgather', got {self.tp_sampling!r}")
         if self.tensor_parallel_size > 1 and self.speculative is not None:
             raise ValueError("speculative decoding does not support tensor_parallel_size > 1 yet")
-        if self.async_scheduling and (self.speculative is not None or self.tensor_parallel_size > 1):
+        supported = self.speculative is None and self.tensor_parallel_size == 1
+        if self.async_scheduling and not supported:
             raise ValueError("async_scheduling does not support speculative decoding or tensor_parallel_size > 1 yet")
+        if self.async_scheduling is None:
+            self.async_scheduling = supported
 
 
 def _resolve_type(tp: Any) -> Any:

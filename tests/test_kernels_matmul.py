@@ -13,7 +13,7 @@ if not torch.cuda.is_available():
 
 import pytest  # noqa: E402
 
-from kernels.matmul import batch_invariant_linear  # noqa: E402
+from kernels.matmul import batch_invariant_linear, block_n  # noqa: E402
 from kernels.matmul_ref import batch_invariant_linear_ref  # noqa: E402
 
 CUDA = torch.cuda.is_available()
@@ -34,6 +34,10 @@ def test_matches_linear_fp32(m, n, k, bias):
                                atol=1e-4, rtol=1e-4)
 
 
+def test_column_tile_depends_on_the_weight_only():
+    assert (block_n(896), block_n(4864), block_n(9728)) == (16, 32, 64)
+
+
 def test_leading_dims_and_errors():
     x = torch.randn(2, 3, 16).to(DEVICE)
     w = torch.randn(8, 16).to(DEVICE)
@@ -46,9 +50,10 @@ def test_leading_dims_and_errors():
 
 @pytest.mark.skipif(not CUDA, reason="needs CUDA")
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
-def test_rows_are_batch_invariant_on_cuda(dtype):
+@pytest.mark.parametrize("n", [896, 4864, 9728])  # column tiles of 16, 32 and 64
+def test_rows_are_batch_invariant_on_cuda(dtype, n):
     g = torch.Generator().manual_seed(0)
-    w = (torch.randn(4864, 896, generator=g) * 0.02).to("cuda", dtype)
+    w = (torch.randn(n, 896, generator=g) * 0.02).to("cuda", dtype)
     x = torch.randn(300, 896, generator=g).to("cuda", dtype)
     full = batch_invariant_linear(x, w)
     for rows in (slice(0, 1), slice(7, 8), slice(3, 67), slice(250, 300)):

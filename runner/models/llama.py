@@ -26,6 +26,7 @@ from kernels.norm_ref import fused_add_rms_norm_ref, rms_norm_ref
 from kernels.rotary_ref import (
     apply_rotary_cos_sin, apply_rotary_ref, build_cos_sin_cache, rope_inv_freq, rotary_cos_sin,
 )
+from kernels.activation_ref import silu_and_mul_ref
 from kernels.attention_ref import rowwise_attention_ref
 from runner.attention import AttentionBackend, AttentionMetadata
 from runner.deterministic import kernel_forward
@@ -231,10 +232,15 @@ class MLP(nn.Module):
             self.intermediate = end - start
         self.gate_up_proj = Linear(cfg.hidden_size, 2 * self.intermediate, bias=False)
         self.down_proj = _row_linear(self.intermediate, cfg.hidden_size, False, tp)
+        self.deterministic = False
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        gate, up = self.gate_up_proj(x).split(self.intermediate, dim=-1)
-        return self.down_proj(F.silu(gate) * up)
+        gate_up = self.gate_up_proj(x)  # [..., 2 * intermediate]
+        if gate_up.is_cuda and (self.deterministic or not torch.is_grad_enabled()):
+            from kernels.activation import silu_and_mul  # one kernel, as in the engine (Triton on CUDA)
+
+            return self.down_proj(kernel_forward(silu_and_mul, silu_and_mul_ref, gate_up))
+        return self.down_proj(silu_and_mul_ref(gate_up))
 
 
 class DecoderLayer(nn.Module):
@@ -335,7 +341,7 @@ class DecoderForCausalLM(nn.Module):
         """Batch-invariant kernels everywhere (linears, LM head, dense attention) when True."""
         self.deterministic = deterministic
         for module in self.modules():
-            if isinstance(module, (Linear, Attention, RMSNorm)):
+            if isinstance(module, (Linear, Attention, RMSNorm, MLP)):
                 module.deterministic = deterministic
 
     def lm_head_weight(self) -> torch.Tensor:
