@@ -31,7 +31,7 @@ case "${1:-tests}" in
     grep '^{' "$OUT/bench.log"; grep -v '^{' "$OUT/bench.log" | grep -i -A3 "error\|traceback" | tail -20
     ;;
   spec)
-    timeout 560 python3 bench/spec_decode.py --device cuda > "$OUT/spec.log" 2>&1
+    timeout 560 python3 bench/spec_decode.py --device cuda ${SPEC_ARGS:-} > "$OUT/spec.log" 2>&1
     grep '^{' "$OUT/spec.log"; grep -v '^{' "$OUT/spec.log" | grep -i -A3 "error\|traceback" | tail -20
     ;;
   tp)

@@ -61,6 +61,7 @@ def main() -> None:
     ap.add_argument("--k", type=int, default=4)
     ap.add_argument("--new-tokens", type=int, default=None)
     ap.add_argument("--methods", default="eagle,mtp")
+    ap.add_argument("--target-seconds", type=float, default=None, help="target training time (default 12 quick, 180)")
     args = ap.parse_args()
     if args.device == "cpu":
         torch.set_num_threads(max(1, min(4, os.cpu_count() or 1)))
@@ -70,7 +71,7 @@ def main() -> None:
     new_tokens = args.new_tokens or (24 if quick else 128)
     tmp = tempfile.mkdtemp(prefix="spec_bench_")
     start = time.perf_counter()
-    path, loss = train_toy_target(tmp, seconds=12.0 if quick else 180.0, vocab_size=vocab, hidden_size=hidden,
+    path, loss = train_toy_target(tmp, seconds=args.target_seconds or (12.0 if quick else 180.0), vocab_size=vocab, hidden_size=hidden,
                                   num_layers=layers, seq_len=32 if quick else 64, device=args.device)
     emit(stage="target", loss=round(loss, 4), seconds=round(time.perf_counter() - start, 1), vocab=vocab,
          hidden=hidden, layers=layers)

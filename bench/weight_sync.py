@@ -4,7 +4,7 @@
 
     bf16 weights w0 (HF names, plain dict)  --AdamW step (lr 1e-6) on fp32 master, cast-->  w1
     both sides start from w0 with their checksums known (as after any earlier push), then
-    in-process:  v1 patch(w0 -> w1), v2 dense(w1)    (receiver in this process)
+    in-process:  v1 patch(w0 -> w1), v2 dense(w1), v3 dense(w1) without the rollback copy
     IPC:         v1 patch(w0 -> w1), v2 dense(w1)    to a spawned rollout process (/dev/shm or CUDA IPC)
 
 Per push: changed fraction, payload bytes, and seconds for encode (sender), transfer (sender's
@@ -148,12 +148,12 @@ def push_record(mode: str, version: int, pending, encode_s: float, total_s: floa
         changed_fraction=round(stats.changed_fraction, 6) if stats.num_patch else None,
         bytes=stats.nbytes,
         dense_bytes=stats.dense_nbytes,
-        encode_s=round(encode_s, 4),
-        transfer_s=round(max(0.0, total_s - receiver_s), 4),
-        validate_s=round(result["validate_s"], 4),
-        apply_s=round(result["apply_s"], 4),
-        verify_s=round(result["verify_s"], 4),
-        apply_verify_s=round(receiver_s, 4),
+        encode_s=round(encode_s, 6),
+        transfer_s=round(max(0.0, total_s - receiver_s), 6),
+        validate_s=round(result["validate_s"], 6),
+        apply_s=round(result["apply_s"], 6),
+        verify_s=round(result["verify_s"], 6),
+        apply_verify_s=round(receiver_s, 6),
     )
     emit(**record)
     return record
@@ -203,6 +203,9 @@ def main() -> None:
     bitwise_equal = all(torch.equal(receiver.target.tensors[n].view(torch.int16), w1[n].view(torch.int16)) for n in shapes)
     differ.reset()
     dense = timed_push("dense", differ, sender.send, 2, w1, device)
+    receiver.dense_rollback = False  # the same push without the rollback copy of the old weights
+    differ.reset()
+    dense_nr = timed_push("dense_no_rollback", differ, sender.send, 3, w1, device)
     del receiver, sender
 
     # Rank-local IPC to a spawned rollout process that also starts from w0.
@@ -239,6 +242,7 @@ def main() -> None:
         dense_update_bw_over_copy_bw=round(dense_update_bw / bandwidth, 3),
         # The apply phase also copies the old tensor for rollback: 4 bytes moved per payload byte.
         dense_apply_bw_incl_rollback_copy_over_copy_bw=round(2 * dense_update_bw / bandwidth, 3),
+        dense_no_rollback_update_bw_over_copy_bw=round(2 * dense_nr["dense_bytes"] / dense_nr["apply_s"] / bandwidth, 3),
         dense_update_bw_over_copy_bw_target_gpu=0.5,
     )
 

@@ -144,6 +144,10 @@ class CheckpointWeights:
     def write_dense(self, name: str, tensor: torch.Tensor) -> None:
         self.view(name).copy_(tensor)
 
+    def write_dense_many(self, pairs: list[tuple[str, torch.Tensor]]) -> None:
+        """`write_dense` of every pair, batched into a few multi-tensor copy kernels."""
+        torch._foreach_copy_([self.view(name) for name, _ in pairs], [t for _, t in pairs])
+
     def write_patch(self, name: str, flat_indices: torch.Tensor, values: torch.Tensor) -> None:
         view = self.view(name)
         assert view.is_contiguous()

@@ -505,6 +505,31 @@ def test_faulty_write_fails_verification_and_rolls_back():
     assert receiver.version == 0
 
 
+def test_without_dense_rollback_a_failed_read_back_says_what_was_not_restored():
+    class FlakyDense(FakeTarget):
+        def write_dense(self, name, tensor):
+            tensor = tensor.clone()
+            tensor.view(-1).view(torch.int16)[0] ^= 1
+            super().write_dense(name, tensor)
+
+    target = FlakyDense(torch.bfloat16)
+    receiver = WeightReceiver(target, dense_rollback=False)
+    name, shape = next(iter(target.shapes.items()))
+    receiver.current_checksum(name)
+    with pytest.raises(WeightUpdateError, match="without a rollback copy"):
+        receiver.apply(1, [Dense.of(name, torch.full(shape, 3.0, dtype=torch.bfloat16))])
+    assert receiver.version == 0
+    assert name not in receiver._checksums  # a patch against the unknown state cannot pass as valid
+
+
+def test_dense_rollback_off_writes_the_same_bits():
+    for rollback in (True, False):
+        target = TensorDictTarget({"a": torch.zeros(3, 4, dtype=torch.bfloat16), "b": torch.zeros(5)})
+        new = {"a": torch.randn(3, 4).to(torch.bfloat16), "b": torch.randn(5)}
+        WeightReceiver(target, dense_rollback=rollback).apply(1, [Dense.of(n, t) for n, t in new.items()])
+        assert_bitwise_equal(target.tensors, new)
+
+
 def test_failed_write_rolls_back_earlier_writes():
     target = FailingTarget(torch.bfloat16)
     receiver = WeightReceiver(target)

@@ -15,8 +15,10 @@ the result does not depend on reduction order, so CPU and CUDA agree bitwise; an
 linear in ``s``, a sparse patch changes it by ``sum over patched i of (s_new(i) - s_old(i)) * w(i)``,
 which lets both sides keep checksums current in O(changed) work (``patch_checksum_delta``).
 
-Tensors are processed in blocks through one reused int64 buffer; only the final 0-dim int64 tensor
-leaves the device when a caller asks for it. 8-byte dtypes are not supported.
+On the CPU, tensors are processed in blocks through one reused int64 buffer; on CUDA, ``checksum_tensors``
+runs one Triton launch per element size over any number of tensors (``kernels/checksum.py``, bitwise the
+same result). Only the final int64 tensor leaves the device when a caller asks for it. 8-byte dtypes are
+not supported.
 """
 
 import itertools
@@ -55,9 +57,32 @@ def _signed_bits(values: torch.Tensor) -> torch.Tensor:
     return values.view(_SIGNED_VIEW[values.element_size()])
 
 
+def checksum_tensors(tensors: Sequence[torch.Tensor]) -> torch.Tensor:
+    """[k] int64 checksums of k tensors on one device (no host copy): on CUDA a Triton launch per element
+    size, elsewhere ``checksum_tensor`` one by one."""
+    assert tensors
+    device = tensors[0].device
+    for t in tensors:
+        check_dtype_supported(t.dtype)
+    if device.type != "cuda":
+        return torch.stack([checksum_tensor(t) for t in tensors])
+    from kernels.checksum import checksum_many
+
+    out = torch.empty(len(tensors), dtype=torch.int64, device=device)
+    by_size: dict[int, list[int]] = {}
+    for i, t in enumerate(tensors):
+        by_size.setdefault(t.element_size(), []).append(i)
+    for members in by_size.values():
+        sums = checksum_many([tensors[i].contiguous() for i in members])
+        out[torch.tensor(members, dtype=torch.int64).to(device, non_blocking=True)] = sums
+    return out
+
+
 def checksum_tensor(t: torch.Tensor) -> torch.Tensor:
     """0-dim int64 checksum of ``t``'s bits, on ``t.device`` (no host copy)."""
     check_dtype_supported(t.dtype)
+    if t.is_cuda:
+        return checksum_tensors([t])[0]
     flat = _signed_bits(t.reshape(-1))  # [numel]
     table = _weight_table(t.device)
     # Blocks divide 2**22. One reused int64 buffer: same-dtype in-place ops are the fast kernels.

@@ -15,13 +15,17 @@
    parameter's current checksum, cached by the receiver, plus the patch's linear change, see
    ``checksum``). Patches' old values at their indices are gathered here for rollback.
 2. write through the target's ``write_dense`` / ``write_patch`` (the fused/sharded mapping is the
-   target's); each dense parameter is cloned first, for rollback.
+   target's; a target with ``write_dense_many`` gets all dense records in one call); the dense
+   parameters are first copied aside for rollback (one batched copy), unless the receiver was made
+   with ``dense_rollback=False``.
 3. verify by reading back through ``read_checkpoint_tensor``: dense parameters by a full checksum,
    patches by the exact bits at their indices (together with phase 1 that proves the post-update
    checksum). Any failure in 2 or 3 writes the old values back.
 
 A failed session raises ``WeightUpdateError`` naming the parameter and leaves weights and version as
-they were. Host syncs: a few per session (bounds, predicted checksums, verification), none per
+they were (without the dense rollback copy, a failure after writing — which phase 1 leaves only to a
+faulty target — restores the patches but not the dense parameters; the error says so and their cached
+checksums are dropped, so only a dense push of them is accepted next). Host syncs: a few per session (bounds, predicted checksums, verification), none per
 parameter; the checks over all patches run as a few batched kernels per dtype. This module does not
 move bytes between processes (see ``transports``) and does not decide encodings (see ``differ``).
 """
@@ -33,7 +37,7 @@ from dataclasses import dataclass
 
 import torch
 
-from weight_updates.checksum import checksum_tensor, patch_checksum_deltas, segment_sums
+from weight_updates.checksum import checksum_tensor, checksum_tensors, patch_checksum_deltas, segment_sums
 from weight_updates.encoding import Dense, Patch, Update, apply_bit_deltas, decode_many
 from weight_updates.errors import WeightUpdateError
 from weight_updates.target import ParamSpec, WeightTarget
@@ -71,11 +75,17 @@ class WeightReceiver:
     exact as long as every write goes through a session: call ``invalidate_checksums`` after
     writing weights any other way (a stale cache could hide a base mismatch). With it off, every
     patched parameter is checksummed in full before the patch (O(numel), on the target's device).
+
+    ``dense_rollback`` (default True) copies every densely updated parameter aside before writing, so
+    that a failed read-back can restore it; False saves that copy's time and memory (the size of the
+    dense update) at the cost described in the module docstring.
     """
 
-    def __init__(self, target: WeightTarget, *, version: int = 0, trust_cached_checksums: bool = True) -> None:
+    def __init__(self, target: WeightTarget, *, version: int = 0, trust_cached_checksums: bool = True,
+                 dense_rollback: bool = True) -> None:
         self.target = target
         self.trust_cached_checksums = trust_cached_checksums
+        self.dense_rollback = dense_rollback
         self.specs: dict[str, ParamSpec] = dict(target.checkpoint_specs())
         self.version = version
         self._checksums: dict[str, torch.Tensor] = {}  # name -> 0-dim int64 on target.device
@@ -223,34 +233,47 @@ class UpdateSession:
         t1 = time.perf_counter()
 
         # Phase 2: write, keeping old values for rollback.
+        dense = [s for s in staged if s.indices is None]
         written: list[_Staged] = []
         try:
-            for s in staged:
-                if s.indices is None:
-                    s.old = target.read_checkpoint_tensor(s.update.name).clone()
+            if dense and receiver.dense_rollback:
+                current = [target.read_checkpoint_tensor(s.update.name) for s in dense]
+                olds = [torch.empty_like(t) for t in current]
+                torch._foreach_copy_(olds, current)
+                for s, old in zip(dense, olds):
+                    s.old = old
+            write_many = getattr(target, "write_dense_many", None)
+            if dense and write_many is not None:
+                written += dense  # a failed batched write may have written any of them
+                write_many([(s.update.name, s.payload) for s in dense])
+            else:
+                for s in dense:
+                    written.append(s)
                     target.write_dense(s.update.name, s.payload)
-                else:
-                    target.write_patch(s.update.name, s.indices, s.payload)
+            for s in patches:
                 written.append(s)
+                target.write_patch(s.update.name, s.indices, s.payload)
             if device.type == "cuda":
                 torch.cuda.synchronize(device)
         except Exception as e:
             self._rollback(written)
-            raise WeightUpdateError(f"target write failed, weights restored: {e}") from e
+            raise WeightUpdateError(f"target write failed, {self._restored_what(dense)}: {e}") from e
         t2 = time.perf_counter()
 
         # Phase 3: read back and verify.
         failed = torch.zeros(len(staged), dtype=torch.bool, device=device)  # [num records]
-        for i, s in enumerate(staged):
-            if s.indices is None:
-                failed[i] = checksum_tensor(target.read_checkpoint_tensor(s.update.name)) != expected[i]
+        if dense:
+            rows = self._rows(staged, dense=True)
+            got = checksum_tensors([target.read_checkpoint_tensor(s.update.name) for s in dense])
+            failed[rows] = got != expected[rows]
         if patches:
             got = [target.read_checkpoint_tensor(s.update.name).reshape(-1).index_select(0, s.indices) for s in patches]
-            failed[self._patch_rows(staged)] = _count_differing_bits(got, [s.payload for s in patches]) > 0
+            failed[self._rows(staged, dense=False)] = _count_differing_bits(got, [s.payload for s in patches]) > 0
         bad = [s.update.name for s, f in zip(staged, failed.tolist()) if f]
         if bad:
             self._rollback(staged)
-            raise WeightUpdateError(f"verification after write failed for {bad[:5]}: the target did not hold the sent bits; weights restored")
+            raise WeightUpdateError(f"verification after write failed for {bad[:5]}: the target did not hold the sent bits; "
+                                    f"{self._restored_what(dense)}")
         t3 = time.perf_counter()
 
         for s, check in zip(staged, expected.unbind()):
@@ -269,10 +292,17 @@ class UpdateSession:
         )
 
     @staticmethod
-    def _patch_rows(staged: list[_Staged]) -> torch.Tensor:
-        """[num patches] int64: the rows of ``staged`` that are patches, on the target device."""
-        rows = [i for i, s in enumerate(staged) if s.indices is not None]
+    def _rows(staged: list[_Staged], *, dense: bool) -> torch.Tensor:
+        """int64 rows of ``staged`` that are dense records (or patches), on the target device."""
+        rows = [i for i, s in enumerate(staged) if (s.indices is None) == dense]
         return torch.tensor(rows, dtype=torch.int64).to(staged[0].payload.device, non_blocking=True)
+
+    def _restored_what(self, dense: list[_Staged]) -> str:
+        if not dense or self._receiver.dense_rollback:
+            return "weights restored"
+        self._receiver.invalidate_checksums([s.update.name for s in dense])
+        return (f"patches undone, but the {len(dense)} dense parameters were written without a rollback copy "
+                "(dense_rollback=False) and may hold new values: push them densely again")
 
     def _check_predicted_checksums(self, staged: list[_Staged], patches: list[_Staged], expected: torch.Tensor) -> None:
         """Raise unless every record's post-update checksum, predicted before writing, is ``expected``.
@@ -284,14 +314,13 @@ class UpdateSession:
             return
         receiver = self._receiver
         predicted = torch.zeros(len(staged), dtype=torch.int64, device=expected.device)  # [num records]
-        for i, s in enumerate(staged):
-            if s.indices is None:
-                predicted[i] = checksum_tensor(s.payload)
+        if len(patches) < len(staged):
+            predicted[self._rows(staged, dense=True)] = checksum_tensors([s.payload for s in staged if s.indices is None])
         if patches:
             refresh = not receiver.trust_cached_checksums
             bases = torch.stack([receiver.current_checksum(s.update.name, refresh=refresh) for s in patches])  # [num patches]
             deltas = patch_checksum_deltas([s.old for s in patches], [s.payload for s in patches], [s.indices for s in patches])
-            predicted[self._patch_rows(staged)] = bases + deltas
+            predicted[self._rows(staged, dense=False)] = bases + deltas
         got = predicted.tolist()
         bad = [(s, g) for s, g in zip(staged, got) if g != s.update.checksum]
         if bad:
@@ -305,8 +334,9 @@ class UpdateSession:
     def _rollback(self, written: list[_Staged]) -> None:
         target = self._receiver.target
         for s in reversed(written):
-            assert s.old is not None
             if s.indices is None:
+                if s.old is None:  # dense_rollback=False
+                    continue
                 target.write_dense(s.update.name, s.old)
             else:
                 target.write_patch(s.update.name, s.indices, s.old)

@@ -47,6 +47,9 @@ class WeightTarget(Protocol):
         """Scatter ``values`` at int64 ``flat_indices`` of the checkpoint-shaped tensor, in place."""
         ...
 
+    # Optional: ``write_dense_many(pairs: list[tuple[str, torch.Tensor]])``, ``write_dense`` of every pair in
+    # as few launches as the target can (sessions use it when present).
+
     @property
     def device(self) -> torch.device: ...
 
@@ -78,6 +81,9 @@ class TensorDictTarget:
 
     def write_dense(self, name: str, tensor: torch.Tensor) -> None:
         self.tensors[name].copy_(tensor)
+
+    def write_dense_many(self, pairs: list[tuple[str, torch.Tensor]]) -> None:
+        torch._foreach_copy_([self.tensors[name] for name, _ in pairs], [t for _, t in pairs])
 
     def write_patch(self, name: str, flat_indices: torch.Tensor, values: torch.Tensor) -> None:
         self.tensors[name].view(-1)[flat_indices] = values
