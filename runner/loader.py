@@ -144,6 +144,11 @@ class CheckpointWeights:
     def write_dense(self, name: str, tensor: torch.Tensor) -> None:
         self.view(name).copy_(tensor)
 
+    def writable_views(self, names: list[str]) -> list[torch.Tensor] | None:
+        """The live views of `names` for batched patch writes; None if any is not contiguous (a column shard)."""
+        views = [self.view(name) for name in names]
+        return views if all(v.is_contiguous() for v in views) else None
+
     def write_dense_many(self, pairs: list[tuple[str, torch.Tensor]]) -> None:
         """`write_dense` of every pair, batched into a few multi-tensor copy kernels."""
         torch._foreach_copy_([self.view(name) for name, _ in pairs], [t for _, t in pairs])

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import dataclasses
+
 import pytest
 import torch
 
@@ -109,3 +111,41 @@ def test_async_scheduling_matches_sync_on_the_gpu(bf16_model, deterministic):
         assert same == len(pairs) and all(x.logprobs == y.logprobs for x, y in pairs)
     else:  # batch composition differs by the steps in flight, so rare last-bit differences may flip a token
         assert same >= 0.9 * len(pairs), f"only {same}/{len(pairs)} samples identical"
+
+
+def test_weight_updates_on_the_gpu_are_bitwise_and_validated(bf16_model):
+    """Patch (batched gather/scatter over the engine's live views) then dense pushes into a CUDA engine:
+    the engine holds the trainer's bits, greedy output equals a fresh engine's on the same weights, and a
+    corrupt patch changes nothing."""
+    from weight_updates import Dense, Patch, WeightDiffer
+
+    kw = dict(model=str(bf16_model), device="cuda", dtype="bfloat16", max_num_seqs=8, max_model_len=256,
+              num_kv_blocks=64)
+    engine = Engine(EngineConfig(**kw))
+    weights = engine.runner.weights
+    master = {n: weights.view(n).float().clone() for n in weights.layout}  # the trainer's fp32 copy
+    differ = WeightDiffer(engine.weight_specs(), device="cuda")
+    differ.commit(differ.encode(master))  # both sides start from the checkpoint
+    g = torch.Generator(device="cuda").manual_seed(0)
+    for t in master.values():
+        t += (torch.rand(t.shape, generator=g, device="cuda") < 0.01) * t.abs() * 0.05
+    pending = differ.encode(master)
+    assert pending.stats.num_patch > 0
+    corrupt = [dataclasses.replace(u, checksum=u.checksum + 1) if i == 0 else u for i, u in enumerate(pending.updates)]
+    before = {n: weights.view(n).clone() for n in weights.layout}
+    with pytest.raises(ValueError, match="checksum"):
+        engine.apply_weight_update(1, corrupt)
+    assert all(torch.equal(weights.view(n), before[n]) for n in weights.layout) and engine.policy_version == 0
+    engine.apply_weight_update(1, pending.updates)
+    differ.commit(pending)
+    assert all(isinstance(u, Patch) for u in pending.updates)
+    for n, t in master.items():
+        assert torch.equal(weights.view(n).view(torch.int16), t.to(torch.bfloat16).view(torch.int16)), n
+    differ.reset()
+    engine.apply_weight_update(2, differ.encode(master).updates)  # dense
+    fresh = Engine(EngineConfig(**kw))
+    fresh.apply_weight_update(1, [Dense.of(n, t.to(torch.bfloat16)) for n, t in master.items()])
+    params = SamplingParams(temperature=0.0, max_tokens=16, ignore_eos=True)
+    prompts = _prompts(4)
+    assert [o.outputs[0].token_ids for o in engine.generate(prompts, params)] == \
+        [o.outputs[0].token_ids for o in fresh.generate(prompts, params)]

@@ -92,6 +92,9 @@ class FakeTarget:
     def write_dense(self, name, tensor):
         self.read_checkpoint_tensor(name).copy_(tensor)
 
+    def writable_views(self, names):  # row ranges of the runtime tensors: contiguous (batched patches on CUDA)
+        return [self.read_checkpoint_tensor(n) for n in names]
+
     def write_patch(self, name, flat_indices, values):
         key, first = self.loc[name]
         shape = self.shapes[name]
@@ -476,6 +479,9 @@ class FlakyTarget(FakeTarget):
             values.view(torch.int16)[0] ^= 1
             self.flipped = True
         super().write_patch(name, flat_indices, values)
+
+
+FlakyTarget.writable_views = None  # its fault lives in write_patch, which the batched path would bypass
 
 
 class FailingTarget(FakeTarget):

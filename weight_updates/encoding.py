@@ -144,24 +144,26 @@ class Patch:
 
 Update = Dense | Patch
 
-_INT_OF = {1: torch.int8, 2: torch.int16, 4: torch.int32}
+INT_VIEW = {1: torch.int8, 2: torch.int16, 4: torch.int32}
 
 
 def bit_deltas(old: torch.Tensor, new: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """(int8 deltas [n], escapes [k] of new's dtype): new bits = old bits + delta, or, where the delta
     byte is 0, the next escape. old and new differ at every position."""
-    int_dtype = _INT_OF[new.element_size()]
+    int_dtype = INT_VIEW[new.element_size()]
     delta = new.view(int_dtype).to(torch.int64) - old.view(int_dtype).to(torch.int64)  # [n]
     fits = (delta >= -128) & (delta <= 127) & (delta != 0)
     return torch.where(fits, delta, 0).to(torch.int8), new[~fits]
 
 
-def apply_bit_deltas(old: torch.Tensor, delta: torch.Tensor, escapes: torch.Tensor) -> torch.Tensor:
+def apply_bit_deltas(old: torch.Tensor, delta: torch.Tensor, escapes: torch.Tensor, *, checked: bool = False) -> torch.Tensor:
     """New values [n] (old's dtype) from old values [n], int8 deltas [n] and escapes. Raises
-    WeightUpdateError when the number of escape bytes is not the number of escapes."""
-    int_dtype = _INT_OF[old.element_size()]
+    WeightUpdateError when the number of escape bytes is not the number of escapes (a host sync; skipped
+    when the caller has `checked` the counts already). Concatenated patches decode together: escapes are
+    consumed in order."""
+    int_dtype = INT_VIEW[old.element_size()]
     escaped = delta == 0  # [n]
-    if int(escaped.sum()) != escapes.numel():
+    if not checked and int(escaped.sum()) != escapes.numel():
         raise WeightUpdateError(f"{int(escaped.sum())} escaped deltas but {escapes.numel()} escape values")
     new = (old.view(int_dtype).to(torch.int64) + delta.to(torch.int64)).to(int_dtype).view(old.dtype)
     if escapes.numel():

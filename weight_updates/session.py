@@ -38,7 +38,7 @@ from dataclasses import dataclass
 import torch
 
 from weight_updates.checksum import checksum_tensor, checksum_tensors, patch_checksum_deltas, segment_sums
-from weight_updates.encoding import Dense, Patch, Update, apply_bit_deltas, decode_many
+from weight_updates.encoding import INT_VIEW, Dense, Patch, Update, apply_bit_deltas, decode_many
 from weight_updates.errors import WeightUpdateError
 from weight_updates.target import ParamSpec, WeightTarget
 
@@ -65,6 +65,37 @@ class _Staged:
     indices: torch.Tensor | None  # [num_changed] int64 on device (patch only)
     payload: torch.Tensor  # dense: checkpoint shape; patch: [num_changed]; engine dtype, on device
     old: torch.Tensor | None = None  # the same shape as payload: values before the write
+
+
+@dataclass(kw_only=True, slots=True)
+class _PatchGroup:
+    """The session's patches of one dtype, read and written together: one batched gather / scatter
+    (`kernels/scatter.py`) on CUDA when the target lends its live tensors, else per patch."""
+
+    members: list[_Staged]
+    indices: torch.Tensor  # [n] int64: the members' flat indices, concatenated
+    segment: torch.Tensor  # [n] int64: which member each element belongs to
+    sizes: list[int]  # elements per member
+    views: list[torch.Tensor] | None  # the members' live contiguous tensors, or None
+    old: torch.Tensor | None = None  # [n] values before the write
+    new: torch.Tensor | None = None  # [n] values to write
+
+    def gather(self, target: WeightTarget) -> torch.Tensor:
+        if self.views is not None:
+            from kernels.scatter import gather_many
+
+            return gather_many(self.views, self.indices, self.segment)
+        return torch.cat([target.read_checkpoint_tensor(s.update.name).reshape(-1).index_select(0, s.indices)
+                          for s in self.members])
+
+    def scatter(self, target: WeightTarget, values: torch.Tensor) -> None:
+        if self.views is not None:
+            from kernels.scatter import scatter_many
+
+            scatter_many(self.views, self.indices, self.segment, values)
+            return
+        for s, v in zip(self.members, values.split(self.sizes)):
+            target.write_patch(s.update.name, s.indices, v)
 
 
 class WeightReceiver:
@@ -213,21 +244,12 @@ class UpdateSession:
             for u in self._updates.values()
         ]
         patches = [s for s in staged if isinstance(s.update, Patch)]
+        groups: list[_PatchGroup] = []
         if patches:
-            all_indices, malformed, last = decode_many([s.update.indices for s in patches], device)
-            for s, indices in zip(patches, all_indices):
-                s.indices = indices
-            for s, (bad, idx) in zip(patches, torch.stack([malformed.to(torch.int64), last], dim=1).tolist()):
-                name = s.update.name
-                if bad:
-                    raise WeightUpdateError(f"{name}: malformed index stream (escape count != overflow count, or an overflow gap < 1)")
-                numel = receiver.specs[name].numel
-                if idx >= numel:
-                    raise WeightUpdateError(f"{name}: flat index {idx} out of bounds for {numel} elements")
-        for s in patches:
-            s.old = target.read_checkpoint_tensor(s.update.name).reshape(-1).index_select(0, s.indices)
-            if s.update.is_delta:  # bit deltas against the current weights -> the new values
-                s.payload = apply_bit_deltas(s.old, s.payload, s.update.escapes.to(device))
+            self._check_patch_streams(patches, device)
+            groups = self._patch_groups(patches, device)
+            for g in groups:
+                self._stage_group(g, device)
         expected = torch.tensor([s.update.checksum for s in staged], dtype=torch.int64).to(device, non_blocking=True)  # [num records]
         self._check_predicted_checksums(staged, patches, expected)
         t1 = time.perf_counter()
@@ -250,13 +272,13 @@ class UpdateSession:
                 for s in dense:
                     written.append(s)
                     target.write_dense(s.update.name, s.payload)
-            for s in patches:
-                written.append(s)
-                target.write_patch(s.update.name, s.indices, s.payload)
+            for g in groups:
+                written += g.members
+                g.scatter(target, g.new)
             if device.type == "cuda":
                 torch.cuda.synchronize(device)
         except Exception as e:
-            self._rollback(written)
+            self._rollback(written, groups)
             raise WeightUpdateError(f"target write failed, {self._restored_what(dense)}: {e}") from e
         t2 = time.perf_counter()
 
@@ -266,12 +288,15 @@ class UpdateSession:
             rows = self._rows(staged, dense=True)
             got = checksum_tensors([target.read_checkpoint_tensor(s.update.name) for s in dense])
             failed[rows] = got != expected[rows]
-        if patches:
-            got = [target.read_checkpoint_tensor(s.update.name).reshape(-1).index_select(0, s.indices) for s in patches]
-            failed[self._rows(staged, dense=False)] = _count_differing_bits(got, [s.payload for s in patches]) > 0
+        row_of = {id(s): i for i, s in enumerate(staged)}
+        for g in groups:
+            int_dtype = INT_VIEW[g.new.element_size()]
+            differ = torch.ne(g.gather(target).view(int_dtype), g.new.view(int_dtype)).to(torch.int64)  # [n]
+            rows = torch.tensor([row_of[id(s)] for s in g.members], dtype=torch.int64).to(device, non_blocking=True)
+            failed[rows] = segment_sums(differ, g.sizes) > 0
         bad = [s.update.name for s, f in zip(staged, failed.tolist()) if f]
         if bad:
-            self._rollback(staged)
+            self._rollback(staged, groups)
             raise WeightUpdateError(f"verification after write failed for {bad[:5]}: the target did not hold the sent bits; "
                                     f"{self._restored_what(dense)}")
         t3 = time.perf_counter()
@@ -290,6 +315,60 @@ class UpdateSession:
             apply_s=t2 - t1,
             verify_s=t3 - t2,
         )
+
+    def _check_patch_streams(self, patches: list[_Staged], device: torch.device) -> None:
+        """Decode every patch's index stream; check streams, bounds and escape counts in one host sync."""
+        all_indices, malformed, last = decode_many([s.update.indices for s in patches], device)
+        for s, indices in zip(patches, all_indices):
+            s.indices = indices
+        bad_escapes = torch.zeros(len(patches), dtype=torch.int64, device=device)  # [num patches]
+        delta_rows = [i for i, s in enumerate(patches) if s.update.is_delta]
+        if delta_rows:
+            escaped = torch.cat([patches[i].payload == 0 for i in delta_rows]).to(torch.int64)
+            counts = segment_sums(escaped, [patches[i].payload.numel() for i in delta_rows])
+            wanted = torch.tensor([patches[i].update.escapes.numel() for i in delta_rows], dtype=torch.int64)
+            bad_escapes[torch.tensor(delta_rows).to(device)] = (counts != wanted.to(device)).to(torch.int64)
+        checks = torch.stack([malformed.to(torch.int64), last, bad_escapes], dim=1).tolist()
+        for s, (bad, idx, escapes) in zip(patches, checks):
+            name = s.update.name
+            if bad:
+                raise WeightUpdateError(f"{name}: malformed index stream (escape count != overflow count, or an overflow gap < 1)")
+            numel = self._receiver.specs[name].numel
+            if idx >= numel:
+                raise WeightUpdateError(f"{name}: flat index {idx} out of bounds for {numel} elements")
+            if escapes:
+                raise WeightUpdateError(f"{name}: the escaped deltas do not match its {s.update.escapes.numel()} escape values")
+
+    def _patch_groups(self, patches: list[_Staged], device: torch.device) -> list[_PatchGroup]:
+        target = self._receiver.target
+        by_dtype: dict[torch.dtype, list[_Staged]] = {}
+        for s in patches:
+            by_dtype.setdefault(self._receiver.specs[s.update.name].dtype, []).append(s)
+        lend = getattr(target, "writable_views", None) if device.type == "cuda" else None
+        groups = []
+        for members in by_dtype.values():
+            sizes = [s.indices.numel() for s in members]
+            segment = torch.repeat_interleave(torch.arange(len(members)), torch.tensor(sizes)).to(device, non_blocking=True)
+            groups.append(_PatchGroup(
+                members=members, indices=torch.cat([s.indices for s in members]), segment=segment, sizes=sizes,
+                views=None if lend is None else lend([s.update.name for s in members]),
+            ))
+        return groups
+
+    def _stage_group(self, g: _PatchGroup, device: torch.device) -> None:
+        """Gather the group's current values; turn bit deltas into new values (all of the group's at once)."""
+        g.old = g.gather(self._receiver.target)
+        olds = g.old.split(g.sizes)
+        news = [s.payload for s in g.members]
+        deltas = [j for j, s in enumerate(g.members) if s.update.is_delta]
+        if deltas:
+            decoded = apply_bit_deltas(torch.cat([olds[j] for j in deltas]), torch.cat([news[j] for j in deltas]),
+                                       torch.cat([g.members[j].update.escapes for j in deltas]).to(device), checked=True)
+            for j, values in zip(deltas, decoded.split([g.sizes[j] for j in deltas])):
+                news[j] = values
+        g.new = torch.cat(news)
+        for s, old, new in zip(g.members, olds, g.new.split(g.sizes)):
+            s.old, s.payload = old, new
 
     @staticmethod
     def _rows(staged: list[_Staged], *, dense: bool) -> torch.Tensor:
@@ -331,30 +410,15 @@ class UpdateSession:
                 f"{kind} give {g} (corrupt data, or a patch against a different base version)"
             )
 
-    def _rollback(self, written: list[_Staged]) -> None:
+    def _rollback(self, written: list[_Staged], groups: list[_PatchGroup]) -> None:
         target = self._receiver.target
+        touched = {id(s) for s in written}
+        for g in groups:
+            if any(id(s) in touched for s in g.members):
+                g.scatter(target, g.old)  # unwritten members get their current values back: a no-op
         for s in reversed(written):
-            if s.indices is None:
-                if s.old is None:  # dense_rollback=False
-                    continue
+            if s.indices is None and s.old is not None:  # None: dense_rollback=False
                 target.write_dense(s.update.name, s.old)
-            else:
-                target.write_patch(s.update.name, s.indices, s.old)
-
-
-def _count_differing_bits(got: list[torch.Tensor], sent: list[torch.Tensor]) -> torch.Tensor:
-    """[k] int64: how many elements of ``got[i]`` differ bitwise from ``sent[i]`` (same shapes)."""
-    out = torch.zeros(len(got), dtype=torch.int64, device=sent[0].device)
-    by_dtype: dict[torch.dtype, list[int]] = {}
-    for i, t in enumerate(sent):
-        by_dtype.setdefault(t.dtype, []).append(i)
-    for members in by_dtype.values():
-        int_dtype = {1: torch.int8, 2: torch.int16, 4: torch.int32}[sent[members[0]].element_size()]
-        a = torch.cat([got[i] for i in members]).view(int_dtype)
-        b = torch.cat([sent[i] for i in members]).view(int_dtype)
-        counts = segment_sums(torch.ne(a, b).to(torch.int64), [sent[i].numel() for i in members])
-        out[torch.tensor(members, dtype=torch.int64).to(out.device, non_blocking=True)] = counts
-    return out
 
 
 def apply_update(target: WeightTarget, version: int, updates: Iterable[Update], *, current_version: int = 0) -> UpdateResult:

@@ -47,8 +47,11 @@ class WeightTarget(Protocol):
         """Scatter ``values`` at int64 ``flat_indices`` of the checkpoint-shaped tensor, in place."""
         ...
 
-    # Optional: ``write_dense_many(pairs: list[tuple[str, torch.Tensor]])``, ``write_dense`` of every pair in
-    # as few launches as the target can (sessions use it when present).
+    # Optional, used by sessions when present:
+    #   write_dense_many(pairs: list[tuple[str, torch.Tensor]]): ``write_dense`` of every pair, batched.
+    #   writable_views(names) -> list[torch.Tensor] | None: contiguous checkpoint-shaped tensors sharing the
+    #     live storage, which a session may scatter patches into directly (None where the layout does not
+    #     allow it, e.g. column shards).
 
     @property
     def device(self) -> torch.device: ...
@@ -87,6 +90,9 @@ class TensorDictTarget:
 
     def write_patch(self, name: str, flat_indices: torch.Tensor, values: torch.Tensor) -> None:
         self.tensors[name].view(-1)[flat_indices] = values
+
+    def writable_views(self, names: list[str]) -> list[torch.Tensor]:
+        return [self.tensors[name] for name in names]
 
     @property
     def device(self) -> torch.device:
