@@ -245,14 +245,18 @@ class Engine:
         """The rollout side of weight updates (validate -> apply in place -> verify), created on first use.
 
         Transports that write through it directly (IPC, torch.distributed, NIXL) should call
-        `on_weights_updated(version)` afterwards; with async scheduling the step in flight is finished first."""
+        `on_weights_updated(version)` afterwards; with async scheduling the step in flight is finished first.
+        Every record is checked (shape, dtype, bounds, checksum) before anything is written; the engine keeps
+        no copy of the old values of densely updated tensors (it would need as much free device memory as
+        the update), so only a target that fails to hold written bits, caught by the read-back, could leave
+        them changed, and that error says so."""
         self._drain()
         if self.config.tensor_parallel_size > 1:
             raise ValueError("with tensor_parallel_size > 1, weight updates go through apply_weight_update (every rank)")
         if self._receiver is None:
             from weight_updates import WeightReceiver
 
-            self._receiver = WeightReceiver(self.runner.weights, version=self.policy_version)
+            self._receiver = WeightReceiver(self.runner.weights, version=self.policy_version, dense_rollback=False)
         return self._receiver
 
     def weight_specs(self) -> dict:

@@ -137,7 +137,7 @@ class _Rank:
 
             records = broadcast_updates(self.tp, updates)
             if self.receiver is None:
-                self.receiver = WeightReceiver(runner.weights, version=msg["current_version"])
+                self.receiver = WeightReceiver(runner.weights, version=msg["current_version"], dense_rollback=False)
             return self.receiver.apply(msg["version"], records)
         raise AssertionError(f"unknown op {op!r}")
 
