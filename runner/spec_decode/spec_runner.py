@@ -30,6 +30,15 @@ from runner.spec_decode.drafter import Drafter, load_drafter, new_drafter, rope_
 from runner.spec_decode.rejection import rejection_sample, sample_draft
 
 
+def _upload(array: np.ndarray, device: torch.device) -> torch.Tensor:
+    """A host array on `device`. On CUDA through pinned memory without blocking the host: a pageable copy
+    would wait for the device to drain, once per small index array of the step."""
+    host = torch.from_numpy(np.ascontiguousarray(array))
+    if device.type != "cuda":
+        return host.to(device)
+    return host.pin_memory().to(device, non_blocking=True)
+
+
 class SpeculativeRunner:
     def __init__(self, runner) -> None:
         cfg = runner.config.speculative
@@ -86,13 +95,13 @@ class SpeculativeRunner:
         if K > 0:
             drafts, q = self._propose(inputs, num_drafts, R, K)  # [R, K], [R, K, V]
             d_rows, d_j = np.nonzero(np.arange(K)[None, :] < num_drafts[:, None])
-            flat = torch.from_numpy(cu[rows[d_rows]] + 1 + d_j).to(dev)
-            b.input_ids[flat] = drafts[torch.from_numpy(d_rows).to(dev), torch.from_numpy(d_j).to(dev)]
+            flat = _upload(cu[rows[d_rows]] + 1 + d_j, dev)
+            b.input_ids[flat] = drafts[_upload(d_rows, dev), _upload(d_j, dev)]
 
         hidden, aux = target.forward_with_aux(b.input_ids[:T], b.positions[:T], meta, self.drafter.aux_layers)
 
         last = cu[rows + 1] - 1  # [R] flat index of each sampling row's last token
-        base = torch.from_numpy(last - num_drafts).to(dev)  # [R] flat index of the row's last accepted token
+        base = _upload(last - num_drafts, dev)  # [R] flat index of the row's last accepted token
         if R:
             top_n = int(ib.top_logprobs[slots_r].max())
             if K == 0:
@@ -105,9 +114,9 @@ class SpeculativeRunner:
                 top = None if top is None else (top[0][:, None], top[1][:, None])
             else:
                 idx = np.minimum((last - num_drafts)[:, None] + np.arange(K + 1)[None, :], last[:, None])  # [R, K + 1]
-                logits = target.compute_logits(hidden[torch.from_numpy(idx.reshape(-1)).to(dev)])
+                logits = target.compute_logits(hidden[_upload(idx.reshape(-1), dev)])
                 output_ids, num_accepted, logprobs, top = rejection_sample(
-                    logits.view(R, K + 1, -1), drafts, q, torch.from_numpy(num_drafts).to(dev), b.temperature[:R],
+                    logits.view(R, K + 1, -1), drafts, q, _upload(num_drafts, dev), b.temperature[:R],
                     b.top_k[:R], b.top_p[:R], b.min_p[:R], b.seeds[:R], b.sample_positions[:R], top_n,
                 )
         self._catch_up(inputs, meta, hidden, aux, base, output_ids if R else None, num_accepted if R else None)
@@ -123,11 +132,11 @@ class SpeculativeRunner:
         slots_r = inputs.slots[inputs.sample_rows]  # [R]
         drafts = torch.zeros(R, K, dtype=torch.int64, device=dev)
         q = torch.zeros(R, K, V, dtype=torch.float32, device=dev)
-        h = self.draft_hidden[torch.from_numpy(slots_r).to(dev)]  # [R, H]
+        h = self.draft_hidden[_upload(slots_r, dev)]  # [R, H]
         last_pos = ib.num_tokens[slots_r] - 1  # [R] position of each row's last token
         for j in range(K):
             act = np.nonzero(num_drafts > j)[0]
-            act_t = torch.from_numpy(act).to(dev)
+            act_t = _upload(act, dev)
             tokens, q_j = sample_draft(
                 target.compute_logits(h[act_t]), b.temperature[:R][act_t], b.top_k[:R][act_t], b.top_p[:R][act_t],
                 b.min_p[:R][act_t], b.seeds[:R][act_t], b.sample_positions[:R][act_t] + j,
@@ -138,10 +147,10 @@ class SpeculativeRunner:
             if nxt.shape[0] == 0:
                 continue
             # the drafter reads its own output as h at the positions the target has not verified yet
-            nxt_t = torch.from_numpy(nxt).to(dev)
+            nxt_t = _upload(nxt, dev)
             positions = last_pos[nxt] + j  # [A]
             meta = self._single_token_meta(slots_r[nxt], positions)
-            pos_t = torch.from_numpy(positions).to(dev)
+            pos_t = _upload(positions, dev)
             h[nxt_t] = self.drafter(target.model.embed_tokens(drafts[nxt_t, j]), h[nxt_t],
                                     rope_for(target, pos_t, h.dtype), meta)
         return drafts, q
@@ -154,10 +163,10 @@ class SpeculativeRunner:
         max_blocks = -(-int(seq_lens.max()) // bs)
         slot_mapping = ib.block_table[slots, positions // bs].astype(np.int64) * bs + positions % bs
         return AttentionMetadata(
-            query_start_loc=torch.arange(n + 1, dtype=torch.int32).to(dev),
-            seq_lens=torch.from_numpy(seq_lens.astype(np.int32)).to(dev),
-            block_tables=torch.from_numpy(np.ascontiguousarray(ib.block_table[slots, :max_blocks])).to(dev),
-            slot_mapping=torch.from_numpy(slot_mapping).to(dev),
+            query_start_loc=torch.arange(n + 1, dtype=torch.int32, device=dev),
+            seq_lens=_upload(seq_lens.astype(np.int32), dev),
+            block_tables=_upload(ib.block_table[slots, :max_blocks], dev),
+            slot_mapping=_upload(slot_mapping, dev),
             max_query_len=1,
             max_seq_len=int(seq_lens.max()),
             deterministic=self.runner.config.deterministic,
@@ -179,7 +188,7 @@ class SpeculativeRunner:
         if pending.shape[0]:
             slots = inputs.slots[pending]
             known = ib.token_ids[slots, inputs.seq_lens[pending].astype(np.int64)]  # the next prompt token
-            next_ids[torch.from_numpy(cu[pending + 1] - 1).to(dev)] = torch.from_numpy(known).to(dev)
+            next_ids[_upload(cu[pending + 1] - 1, dev)] = _upload(known, dev)
         if output_ids is not None:
             stop = base + num_accepted  # [R] flat index of each row's last accepted position
             next_ids[stop] = output_ids.gather(1, num_accepted[:, None]).squeeze(1)
@@ -187,7 +196,7 @@ class SpeculativeRunner:
         out = self.drafter(target.model.embed_tokens(next_ids), features,
                            rope_for(target, b.positions[:T], hidden.dtype), meta)  # [T, H]
         if output_ids is not None:
-            slots_t = torch.from_numpy(inputs.slots[inputs.sample_rows]).to(dev)
+            slots_t = _upload(inputs.slots[inputs.sample_rows], dev)
             self.draft_hidden[slots_t] = out[stop]
 
     def _finish(self, inputs, output_ids, num_accepted, logprobs, top, num_drafts) -> RunnerOutput:
