@@ -1,0 +1,323 @@
+"""Tensor parallelism on 2 CUDA GPUs with NCCL, in bfloat16: the GPU counterpart of test_tensor_parallel.py.
+
+Checks, on random-weight Qwen2-like models (hidden 256, vocab 1024):
+  - logits of the TP=2 engine against the single-GPU engine, both bf16, for kv heads < ranks (replicated,
+    tied LM head) and kv heads divisible by the ranks (split, untied LM head), measured against an fp32
+    single-GPU reference of the same weights; and once in fp32, where only the summation order differs
+    (the sharp check: bf16 noise hides errors of a few percent, e.g. row-parallel outputs scaled by 1.1);
+  - greedy decode (CUDA graphs replaying NCCL collectives; eagerly for the second model) against a
+    teacher-forced prefill of the same sequences on the same TP engine;
+  - seeded tokens and logprobs identical between tp_sampling="sharded" and "allgather";
+  - the sampler's peak memory on rank 0 with batch-sharded sampling about 1/2 of the all-gather path's
+    (measured with the CUDA allocator, printed as one JSON line);
+  - Dense and Patch weight updates applied on every rank, compared with the single-GPU engine;
+  - close() stops the worker rank.
+Tokens are not compared with the single-GPU engine: in bf16 its logits differ from TP's in the last bits
+(see BF16_* below), which may flip a near-tie. Skipped unless at least 2 CUDA devices are visible.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+
+import pytest
+import torch
+
+from rollout import Engine, EngineConfig, SamplingParams
+from runner.model_runner import full_sequence_logits
+from runner.parallel.memory import SamplerPeak
+from runner.testing import write_random_checkpoint
+from weight_updates import Dense, PackedIndices, Patch, checksum
+
+pytestmark = [pytest.mark.cuda,
+              pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs 2 CUDA GPUs (NCCL tensor parallelism)")]
+
+# NVLink multicast stays off in NCCL / PyTorch / NVSHMEM, here and in the spawned worker rank (it inherits
+# this environment): a program that uses it can put a shared host's GPUs out of service. Read by NCCL when
+# the communicator is created, i.e. at an engine's first collective, after this module is imported.
+for _name, _value in (("NCCL_NVLS_ENABLE", "0"), ("TORCH_SYMM_MEM_DISABLE_MULTICAST", "1"), ("NVSHMEM_DISABLE_NVLS", "1")):
+    os.environ.setdefault(_name, _value)
+
+VOCAB = 1024
+# kv heads (1) < ranks (2): each rank holds a replica of the kv head; tied embeddings: a vocab-parallel LM head
+MODEL = dict(family="qwen2", vocab_size=VOCAB, hidden_size=256, intermediate_size=512, num_hidden_layers=3,
+             num_attention_heads=4, num_key_value_heads=1, tie_word_embeddings=True, max_position_embeddings=512)
+# kv heads (2) divisible by ranks: one kv head per rank; an untied LM head (a vocab-parallel Linear)
+MODEL_SPLIT_KV = dict(family="llama", vocab_size=VOCAB, hidden_size=256, intermediate_size=512, num_hidden_layers=3,
+                      num_attention_heads=8, num_key_value_heads=2, max_position_embeddings=512)
+PROMPTS = [[3, 4, 5], [6, 7, 8, 9, 10], [11, 12], [13, 14, 15, 16]]
+PARAMS = [
+    SamplingParams(n=2, max_tokens=12, seed=1, ignore_eos=True),
+    SamplingParams(temperature=0.0, max_tokens=10, ignore_eos=True),
+    SamplingParams(top_k=8, top_p=0.9, seed=3, max_tokens=12, ignore_eos=True, top_logprobs=2),
+    SamplingParams(temperature=0.7, min_p=0.05, seed=4, max_tokens=8, ignore_eos=True),
+]  # 5 sampling rows: an odd batch, so eager batch-sharded sampling pads (graph steps pad to a captured size)
+
+# bf16 tolerance of TP logits. bf16 keeps 8 significant bits; on these random models its rounding errors
+# compound through the layers to a mean |logit error| of ~2% of the logits' spread and a max of ~0.3 at
+# |logit| ~7 (single-process bf16 vs fp32 of the same weights). TP rounds each rank's partial product of
+# o_proj / down_proj to bf16 and the all-reduce sums the two in another order, so its rounding errors are
+# different ones of the same size, not zero: a fixed tolerance against the single-GPU bf16 logits would be
+# either loose or flaky. Instead TP's error against an fp32 reference must stay within a factor of the
+# single-GPU bf16 engine's own error (measured: 0.84-1.33x for the max, 1.00-1.04x for the mean, with
+# the CPU engines in bf16, 12 random models); a wrong shard or a missing reduction is off by O(the spread).
+BF16_MEAN_FACTOR = 1.5
+BF16_MAX_FACTOR = 2.0
+BF16_MEAN_OF_SPREAD = 0.05  # single-GPU bf16 itself: mean error <= 5% of the fp32 logits' std (~2% measured)
+# fp32: TP sums each row-parallel product over two halves of the input and adds them in the all-reduce; one
+# GPU sums in one GEMM. Only the order of fp32 additions differs (~1e-6 relative each), so the logits (std
+# ~1.6) agree to well below 1e-3; row-parallel outputs off by 10% move them by ~0.2 (max), a wrong shard by O(1).
+FP32_ATOL = 1e-3
+# Greedy decode vs teacher-forced prefill on one engine (other matmul shapes, the decode attention kernel):
+# in nats, ~8 bf16 spacings at the logits' scale (2**-5 for |logit| in [4, 8)); measured <= 0.06 on the CPU.
+DECODE_VS_PREFILL_NATS = 0.25
+
+
+@pytest.fixture(scope="module")
+def model_dir(tmp_path_factory):
+    return write_random_checkpoint(tmp_path_factory.mktemp("gpu_tp_qwen2"), dtype="bfloat16", **MODEL)
+
+
+def _config(model_dir, dtype: str = "bfloat16", **kw) -> EngineConfig:
+    # No prefix caching: full_sequence_logits writes KV blocks 0..n of an idle engine behind the cache
+    # manager's back, which must not become a later request's cached prefix.
+    return EngineConfig(model=str(model_dir), device="cuda", dtype=dtype, max_num_seqs=64, num_kv_blocks=256,
+                        max_model_len=256, enable_prefix_caching=False, **kw)
+
+
+def _closing(engine: Engine):
+    yield engine
+    if engine.runner is not None:
+        engine.close()
+
+
+@pytest.fixture(scope="module")
+def engine_1(model_dir):
+    """One GPU, bf16, CUDA graphs."""
+    yield from _closing(Engine(_config(model_dir)))
+
+
+@pytest.fixture(scope="module")
+def engine_32(model_dir):
+    """One GPU, fp32 of the same (bf16) weights: the reference the bf16 engines are measured against."""
+    yield from _closing(Engine(_config(model_dir, dtype="float32", enforce_eager=True)))
+
+
+@pytest.fixture(scope="module")
+def engine_tp(model_dir):
+    """TP=2 (cuda:0 in this process, cuda:1 in a spawned worker), batch-sharded sampling, CUDA graphs."""
+    yield from _closing(Engine(_config(model_dir, tensor_parallel_size=2)))
+
+
+@pytest.fixture(scope="module")
+def engine_ag(model_dir):
+    yield from _closing(Engine(_config(model_dir, tensor_parallel_size=2, tp_sampling="allgather")))
+
+
+def _tokens(outs):
+    return [[c.token_ids for c in o.outputs] for o in outs]
+
+
+def _ids(n: int, seed: int) -> list[int]:
+    g = torch.Generator().manual_seed(seed)
+    return torch.randint(2, VOCAB, (n,), generator=g).tolist()
+
+
+def _prompts(n: int, seed: int) -> list[list[int]]:
+    g = torch.Generator().manual_seed(seed)
+    return [torch.randint(2, VOCAB, (int(torch.randint(3, 30, (1,), generator=g)),), generator=g).tolist()
+            for _ in range(n)]
+
+
+def _logits(engine: Engine, ids: list[int]) -> torch.Tensor:
+    """[len(ids), vocab] float32 on the host, from an idle engine (TP: gathered over the ranks)."""
+    assert not engine.has_unfinished_requests()
+    engine.step()  # an empty step frees finished requests' runner slots: full_sequence_logits wants none
+    if engine.config.tensor_parallel_size > 1:
+        out = engine.runner.full_sequence_logits(ids)
+    else:
+        out = full_sequence_logits(engine.runner, ids)
+    return out.float().cpu()
+
+
+def _assert_bf16_close(tp: torch.Tensor, one: torch.Tensor, ref: torch.Tensor) -> None:
+    """tp, one: bf16 logits of the TP and the single-GPU engine; ref: fp32 single-GPU logits; [N, V] each."""
+    assert tp.shape == one.shape == ref.shape
+    err_one, err_tp = (one - ref).abs(), (tp - ref).abs()
+    stats = (f"TP vs fp32: mean {err_tp.mean():.4f} max {err_tp.max():.4f}; single-GPU bf16 vs fp32: mean "
+             f"{err_one.mean():.4f} max {err_one.max():.4f}; TP vs single-GPU max {(tp - one).abs().max():.4f}; "
+             f"fp32 logits std {ref.std():.3f}")
+    assert 0 < err_one.mean() <= BF16_MEAN_OF_SPREAD * ref.std(), stats
+    assert err_tp.mean() <= BF16_MEAN_FACTOR * err_one.mean(), stats
+    assert err_tp.max() <= BF16_MAX_FACTOR * err_one.max(), stats
+
+
+def _assert_greedy_matches_prefill(engine: Engine, prompts: list[list[int]], max_tokens: int = 24) -> int:
+    """Greedy-decode `prompts` on a TP engine, then score each prompt + completion in one prefill on the same
+    engine: every decoded token must be the prefill's argmax up to DECODE_VS_PREFILL_NATS, with the same
+    logprob within it, and exactly the argmax at >= 90% of positions. Returns rank 0's graph replays."""
+    graphs = engine.runner.runner.graphs  # rank 0's; None with enforce_eager
+    replays = 0
+    if graphs is not None:
+        plain = graphs.replay
+
+        def counting(*args, **kwargs):
+            nonlocal replays
+            replays += 1
+            return plain(*args, **kwargs)
+
+        graphs.replay = counting
+    try:
+        outs = engine.generate(prompts, SamplingParams(temperature=0.0, max_tokens=max_tokens, ignore_eos=True))
+    finally:
+        if graphs is not None:
+            del graphs.replay
+    exact = total = 0
+    for prompt, out in zip(prompts, outs):
+        tokens, logprobs = out.outputs[0].token_ids, out.outputs[0].logprobs
+        assert len(tokens) == max_tokens
+        n = len(prompt)
+        lsm = _logits(engine, prompt + tokens)[n - 1 : n - 1 + len(tokens)].log_softmax(-1)  # [T, V]
+        chosen = lsm.gather(1, torch.tensor(tokens)[:, None])[:, 0]  # [T]
+        gap = lsm.max(-1).values - chosen  # [T], 0 where the decoded token is the prefill's argmax
+        lp_diff = (chosen - torch.tensor(logprobs)).abs()
+        assert gap.max() <= DECODE_VS_PREFILL_NATS, (prompt, gap.tolist())
+        assert lp_diff.max() <= DECODE_VS_PREFILL_NATS, (prompt, lp_diff.tolist())
+        exact += int((gap == 0).sum())
+        total += len(tokens)
+    assert exact >= 0.9 * total, f"decoded token is the prefill's argmax at only {exact}/{total} positions"
+    return replays
+
+
+# ---- logits: TP=2 vs one GPU, bf16 ---------------------------------------------------------------------
+def test_tp_logits_match_single_gpu_in_bf16(engine_1, engine_32, engine_tp):
+    ids = _ids(48, seed=0)
+    _assert_bf16_close(_logits(engine_tp, ids), _logits(engine_1, ids), _logits(engine_32, ids))
+
+
+def test_tp_logits_match_single_gpu_in_fp32(model_dir, engine_32):
+    ids = _ids(48, seed=0)
+    with Engine(_config(model_dir, dtype="float32", tensor_parallel_size=2, enforce_eager=True)) as engine:
+        diff = (_logits(engine, ids) - _logits(engine_32, ids)).abs().max().item()
+    assert diff < FP32_ATOL, f"max |TP - single GPU| = {diff:.2e} in fp32"
+
+
+def test_tp_untied_llama_with_split_kv_heads(tmp_path):
+    """kv heads split over the ranks, an untied LM head; eager decode (no CUDA graphs) on the TP engine."""
+    path = write_random_checkpoint(tmp_path, dtype="bfloat16", seed=1, **MODEL_SPLIT_KV)
+    ids = _ids(48, seed=1)
+    with Engine(_config(path, enforce_eager=True)) as one, Engine(_config(path, dtype="float32", enforce_eager=True)) as ref:
+        one_logits, ref_logits = _logits(one, ids), _logits(ref, ids)
+    with Engine(_config(path, tensor_parallel_size=2, enforce_eager=True)) as engine:
+        assert engine.runner.weights.view("lm_head.weight").shape == (VOCAB // 2, 256)  # this rank's half
+        assert engine.runner.weights.view("model.layers.0.self_attn.k_proj.weight").shape == (32, 256)  # 1 of 2 kv heads
+        _assert_bf16_close(_logits(engine, ids), one_logits, ref_logits)
+        assert _assert_greedy_matches_prefill(engine, _prompts(5, seed=2)) == 0
+
+
+# ---- decode under CUDA graphs ----------------------------------------------------------------------------
+def test_tp_greedy_decode_with_graphs_matches_prefill(engine_tp):
+    """Decode steps replay graphs that captured the NCCL all-reduces and the sampler's all-to-all / all-gather;
+    5 rows run in the graph of size 8 (3 padding rows)."""
+    replays = _assert_greedy_matches_prefill(engine_tp, _prompts(5, seed=3))
+    assert replays >= 20  # 23 pure-decode steps of 5 rows, all graph replays on rank 0
+
+
+# ---- sampling: batch-sharded vs all-gather --------------------------------------------------------------
+def test_tp_seeded_tokens_equal_between_sharded_and_allgather(engine_tp, engine_ag):
+    """Both sample the same logits with the same counter-based noise, row by row: exactly the same tokens."""
+    sharded = engine_tp.generate(PROMPTS, PARAMS)
+    gathered = engine_ag.generate(PROMPTS, PARAMS)
+    assert _tokens(sharded) == _tokens(gathered)
+    for a, b in zip(sharded, gathered):
+        for x, y in zip(a.outputs, b.outputs):
+            assert max(abs(p - q) for p, q in zip(x.logprobs, y.logprobs)) < 1e-5
+            if x.top_logprobs:  # values only: tied bf16 logits may be listed in either order
+                for pos_x, pos_y in zip(x.top_logprobs, y.top_logprobs):
+                    assert max(abs(p - q) for (_, p), (_, q) in zip(pos_x, pos_y)) < 1e-5
+
+
+def test_batch_sharded_sampling_halves_peak_logits_memory(engine_tp, engine_ag, capsys):
+    """Measured on rank 0 (cuda:0) with the CUDA allocator's peak around each eager sampler call: the prefill
+    step's 64 rows (the decode steps replay graphs captured with the plain sampler; these untruncated rows
+    use the graph captured at start-up, so no capture runs inside the measurement).
+
+    Sharded: the all-to-all output and its [64/2, V] rearrangement (2 x R V / 2 bf16 = 128 KiB); all-gather:
+    the gathered [2, 64, V/2] and its [64, V] rearrangement (2 x R V = 256 KiB). Everything else (per-row
+    vectors, in 512-byte allocator blocks) is a few KiB, so the ratio must be 0.5 within 0.1."""
+    prompts = [[i + 2, i + 3] for i in range(64)]  # 64 sampling rows in the prefill step
+    params = SamplingParams(max_tokens=3, seed=5, ignore_eos=True)
+    peaks, tokens = {}, {}
+    for name, engine in (("sharded", engine_tp), ("allgather", engine_ag)):
+        rank0 = engine.runner.runner
+        plain = rank0.sampler
+        rank0.sampler = SamplerPeak(plain, rank0.device)
+        try:
+            tokens[name] = _tokens(engine.generate(prompts, params))
+        finally:
+            peaks[name], rank0.sampler = rank0.sampler.peak_bytes, plain
+    ratio = peaks["sharded"] / max(peaks["allgather"], 1)
+    with capsys.disabled():
+        print("\n" + json.dumps({"test": "gpu_tp_sampler_peak", "rows": 64, "vocab": VOCAB, "dtype": "bfloat16",
+                                 "sharded_bytes": peaks["sharded"], "allgather_bytes": peaks["allgather"],
+                                 "ratio": round(ratio, 3)}))
+    assert tokens["sharded"] == tokens["allgather"]
+    assert peaks["sharded"] > 0 and 0.4 <= ratio <= 0.6, peaks
+
+
+# ---- weight updates ----------------------------------------------------------------------------------------
+def _update_records(engine_1) -> tuple[list, list]:
+    """Dense and patch records (full checkpoint coordinates, bf16) for sharded-by-row, sharded-by-column,
+    vocab-sharded (tied), replicated-kv and replicated tensors, and the same updates in fp32."""
+    g = torch.Generator().manual_seed(0)
+    bf16, fp32 = [], []
+    for name in ("model.layers.0.self_attn.q_proj.weight", "model.layers.1.self_attn.o_proj.weight",
+                 "model.embed_tokens.weight", "model.norm.weight"):
+        old = engine_1.runner.weights.view(name).cpu()
+        new = (old.float() + 0.05 * torch.randn(old.shape, generator=g)).to(old.dtype)
+        bf16.append(Dense.of(name, new))
+        fp32.append(Dense.of(name, new.float()))
+    for name in ("model.layers.0.self_attn.k_proj.weight", "model.layers.1.mlp.down_proj.weight",
+                 "model.layers.0.mlp.up_proj.weight", "model.layers.1.self_attn.v_proj.bias"):
+        new = engine_1.runner.weights.view(name).cpu().clone().view(-1)
+        idx = torch.randperm(new.numel(), generator=g)[: new.numel() // 4].sort().values
+        new[idx] += 0.2 * torch.randn(idx.numel(), generator=g)
+        indices = PackedIndices.encode(idx)
+        bf16.append(Patch(name=name, indices=indices, values=new[idx].clone(), checksum=checksum(new)))
+        fp32.append(Patch(name=name, indices=indices, values=new[idx].float(), checksum=checksum(new.float())))
+    return bf16, fp32
+
+
+def test_weight_update_under_tp_matches_single_gpu(engine_1, engine_32, engine_tp):
+    from weight_updates import WeightUpdateError
+
+    ids = _ids(48, seed=4)
+    before = _logits(engine_tp, ids)
+    records, records_32 = _update_records(engine_1)
+    last = records[-1]
+    bad = Patch(name=last.name, indices=last.indices, values=last.values, checksum=last.checksum ^ 1)
+    with pytest.raises(WeightUpdateError, match="checksum mismatch"):
+        engine_tp.apply_weight_update(1, records[:-1] + [bad])
+    assert engine_tp.policy_version == 0
+    assert torch.equal(_logits(engine_tp, ids), before)  # nothing written on any rank
+    for engine, recs in ((engine_1, records), (engine_32, records_32), (engine_tp, records)):
+        engine.apply_weight_update(1, recs)
+        assert engine.policy_version == 1
+    for r in records:  # rank 0's shard holds exactly the single-GPU engine's values at its coordinates
+        slot = engine_tp.runner.weights.layout[r.name]
+        start, end = slot.shard
+        full = engine_1.runner.weights.view(r.name)
+        assert torch.equal(engine_tp.runner.weights.view(r.name).cpu(), full.narrow(slot.dim, start, end - start).cpu()), r.name
+    tp, one = _logits(engine_tp, ids), _logits(engine_1, ids)
+    _assert_bf16_close(tp, one, _logits(engine_32, ids))  # rank 1's shards: through the logits
+    assert (tp - before).abs().mean() > 5 * (tp - one).abs().mean()  # the update moved the logits
+
+
+def test_close_stops_the_worker_rank(engine_ag):
+    workers = engine_ag.runner._workers
+    assert len(workers) == 1 and all(w.is_alive() for w in workers)
+    with engine_ag:
+        pass
+    assert engine_ag.runner is None
+    assert not any(w.is_alive() for w in workers)
