@@ -41,19 +41,14 @@ def _checksum_blocks_kernel(
     else:
         base = addr.to(tl.pointer_type(tl.int32))
     offs = start + tl.arange(0, BLOCK).to(tl.int64)  # [BLOCK] flat element indices
-    bits = tl.load(base + offs, mask=offs < numel, other=0)
-    # T[j] = (mix32(j) mod 2**15) | 1: the torch table's int64 arithmetic masked to 32 bits is exactly
-    # uint32 arithmetic, which the GPU does natively
-    h = (offs & ((1 << CHUNK_BITS) - 1)).to(tl.uint32) * 2654435761
+    s = tl.load(base + offs, mask=offs < numel, other=0).to(tl.int64)  # sign-extended bits
+    # T[j] = (mix32(j) mod 2**15) | 1, in int64 exactly as the torch table is built
+    h = ((offs & ((1 << CHUNK_BITS) - 1)) * 2654435761) & 0xFFFFFFFF
     h = h ^ (h >> 16)
-    h = h * 0x45D9F3B
+    h = (h * 0x45D9F3B) & 0xFFFFFFFF
     h = h ^ (h >> 16)
-    w = ((h & 0x7FFF) | 1).to(tl.int32) + 2 * (offs >> CHUNK_BITS).to(tl.int32)  # < 2**16 below 2**36 elements
-    if ELEM == 4:
-        terms = bits.to(tl.int64) * w.to(tl.int64)
-    else:  # |bits| <= 2**15 and w < 2**16: the product fits int32
-        terms = (bits.to(tl.int32) * w).to(tl.int64)
-    tl.store(partial_ptr + pid, tl.sum(terms, 0))
+    w = ((h & 0x7FFF) | 1) + 2 * (offs >> CHUNK_BITS)
+    tl.store(partial_ptr + pid, tl.sum(s * w, 0))
 
 
 def checksum_many(tensors: Sequence[torch.Tensor]) -> torch.Tensor:

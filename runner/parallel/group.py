@@ -37,9 +37,12 @@ class TPGroup:
             self._tensors = _gloo(dist.PrefixStore("tensors", store), rank, size, timeout)
 
     def close(self) -> None:
-        """Release the NCCL communicators (gloo groups need nothing)."""
-        if hasattr(self._tensors, "shutdown"):
-            self._tensors.shutdown()
+        """Release the NCCL communicators (gloo groups need nothing). Called when no collective is in flight,
+        so `abort` (which waits for no peer) is safe, where a graceful destroy could wait on a rank that has
+        already gone."""
+        release = getattr(self._tensors, "abort", None) or getattr(self._tensors, "shutdown", None)
+        if release is not None:
+            release()
 
     # ---- tensor collectives (on the rank's device) ---------------------------------------------------
     def all_reduce(self, x: torch.Tensor) -> torch.Tensor:

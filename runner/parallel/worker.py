@@ -251,11 +251,11 @@ class TensorParallelRunner:
             self.tp.broadcast_json({"op": "release"})
             self.runner.release()
         finally:
+            self.tp.close()  # while the workers close theirs, not after waiting for them
             for w in self._workers:
                 w.join(timeout=60)
                 if w.is_alive():
                     logger.warning("tensor-parallel worker %s did not exit; terminating it", w.name)
                     w.terminate()
-            self.tp.close()
             if os.path.exists(self._store):
                 os.unlink(self._store)
