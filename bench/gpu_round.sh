@@ -5,6 +5,7 @@
 #   bash bench/gpu_round.sh full      the generation benchmark against transformers (dynamic, static+compile)
 #   bash bench/gpu_round.sh spec      speculative decoding: target + online drafters, with/without speculation
 #   bash bench/gpu_round.sh tp        tensor parallelism on 2 GPUs (the nvidia-h200-x2 kind): tests + decode bench
+#   bash bench/gpu_round.sh weights   weight-sync benchmark on the GPU, with an operator profile of one round
 # Logs and JSON lines go under $OUT (default ./gpu_out).
 set -uo pipefail
 OUT=${OUT:-gpu_out}
@@ -33,6 +34,10 @@ case "${1:-tests}" in
   spec)
     timeout 560 python3 bench/spec_decode.py --device cuda ${SPEC_ARGS:-} > "$OUT/spec.log" 2>&1
     grep '^{' "$OUT/spec.log"; grep -v '^{' "$OUT/spec.log" | grep -i -A3 "error\|traceback" | tail -20
+    ;;
+  weights)
+    timeout 300 python3 bench/weight_sync.py --device cuda --profile > "$OUT/weight_sync.jsonl" 2> "$OUT/weight_sync.err"
+    grep -v '"profile"' "$OUT/weight_sync.jsonl"; grep '"profile"' "$OUT/weight_sync.jsonl" | head -30; tail -3 "$OUT/weight_sync.err"
     ;;
   tp)
     export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1

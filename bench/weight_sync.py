@@ -192,11 +192,27 @@ def in_process_round(specs, w0, w1, device: torch.device, quiet: bool):
     return patch, dense, dense_nr, equal
 
 
+def profile_round(specs, w0, w1, device: torch.device, top: int = 15) -> None:
+    """One more in-process round under the torch profiler: the operators with the most self time (host and
+    device), one JSON line each, to show where a session's time goes."""
+    activities = [torch.profiler.ProfilerActivity.CPU]
+    if device.type == "cuda":
+        activities.append(torch.profiler.ProfilerActivity.CUDA)
+    with torch.profiler.profile(activities=activities) as prof:
+        in_process_round(specs, w0, w1, device, quiet=True)
+    events = prof.key_averages()
+    for key in ("self_cpu_time_total", "self_device_time_total") if device.type == "cuda" else ("self_cpu_time_total",):
+        for e in sorted(events, key=lambda e: -getattr(e, key))[:top]:
+            emit(event="profile", sort=key, op=e.key[:80], calls=e.count, self_ms=round(getattr(e, key) / 1e3, 3))
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--model", choices=["0.5b", "1.5b"], default="0.5b")
     parser.add_argument("--device", choices=["cpu", "cuda"], default="cpu")
     parser.add_argument("--quick", action="store_true", help="tiny shapes, a smoke test")
+    parser.add_argument("--profile", action="store_true",
+                        help="also profile one more in-process round and print its top operators (JSON lines)")
     args = parser.parse_args()
     model = "quick" if args.quick else args.model
     device = torch.device(args.device)
@@ -218,6 +234,8 @@ def main() -> None:
     # RL loop pays once, not per step; the second is reported.
     in_process_round(specs, w0, w1, device, quiet=True)
     patch, dense, dense_nr, bitwise_equal = in_process_round(specs, w0, w1, device, quiet=False)
+    if args.profile:
+        profile_round(specs, w0, w1, device)
 
     # Rank-local IPC to a spawned rollout process that also starts from w0.
     ctx = mp.get_context("spawn")
