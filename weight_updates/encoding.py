@@ -16,7 +16,7 @@ from dataclasses import dataclass
 
 import torch
 
-from weight_updates.checksum import checksum, segment_sums
+from weight_updates.checksum import checksum, concat_to, segment_sums, to_device
 from weight_updates.errors import WeightUpdateError
 
 GAP_DTYPES = (torch.uint8, torch.uint16, torch.int32)
@@ -79,20 +79,20 @@ def decode_many(packed: Sequence[PackedIndices], device: torch.device) -> tuple[
     lengths = [p.num_indices for p in packed]
     num_overflow = [p.overflow.numel() for p in packed]
     sentinel = torch.ones(1, dtype=torch.int32)  # keeps the overflow gather in range when nothing escaped
-    gaps = torch.cat([p.gaps.to(device, non_blocking=True).to(torch.int64) for p in packed])  # [total]
-    overflow = torch.cat([*(p.overflow.to(device, non_blocking=True) for p in packed), sentinel.to(device)]).to(torch.int64)  # [escapes + 1]
+    gaps = concat_to([p.gaps for p in packed], torch.int32, device).to(torch.int64)  # [total]
+    overflow = concat_to([*(p.overflow for p in packed), sentinel], torch.int32, device).to(torch.int64)  # [escapes + 1]
     escapes = gaps == 0  # [total]
     rank = (torch.cumsum(escapes, 0) - 1).clamp_(0, overflow.numel() - 1)  # [total] which overflow value
     gaps = torch.where(escapes, overflow[rank], gaps)
     num_escapes = segment_sums(escapes.to(torch.int64), lengths)  # [k]
     num_bad_overflow = segment_sums((overflow[:-1] < 1).to(torch.int64), num_overflow)  # [k]
-    expected_escapes = torch.tensor(num_overflow, dtype=torch.int64).to(device, non_blocking=True)
+    expected_escapes = to_device(torch.tensor(num_overflow, dtype=torch.int64), device)
     malformed = (num_escapes != expected_escapes) | (num_bad_overflow > 0)
     # Per-stream cumsum: the global running sum minus what came before the stream.
     running = torch.cat([gaps.new_zeros(1), torch.cumsum(gaps, 0)])  # [total + 1]
-    bounds = torch.tensor([0, *itertools.accumulate(lengths)], dtype=torch.int64).to(device, non_blocking=True)  # [k + 1]
+    bounds = to_device(torch.tensor([0, *itertools.accumulate(lengths)], dtype=torch.int64), device)  # [k + 1]
     before = running[bounds[:-1]]  # [k]
-    sizes = torch.tensor(lengths, dtype=torch.int64).to(device, non_blocking=True)  # [k]
+    sizes = to_device(torch.tensor(lengths, dtype=torch.int64), device)  # [k]
     indices = running[1:] - torch.repeat_interleave(before, sizes, output_size=sum(lengths)) - 1  # [total]
     last = torch.where(sizes > 0, running[bounds[1:]] - before - 1, -1)  # [k]
     return list(torch.split(indices, lengths)), malformed, last

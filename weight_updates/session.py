@@ -37,7 +37,7 @@ from dataclasses import dataclass
 
 import torch
 
-from weight_updates.checksum import checksum_tensor, checksum_tensors, patch_checksum_deltas, segment_sums
+from weight_updates.checksum import checksum_tensor, checksum_tensors, concat_to, patch_checksum_deltas, segment_sums, to_device
 from weight_updates.encoding import INT_VIEW, Dense, Patch, Update, apply_bit_deltas, decode_many
 from weight_updates.errors import WeightUpdateError
 from weight_updates.target import ParamSpec, WeightTarget
@@ -239,10 +239,8 @@ class UpdateSession:
 
         # Phase 1: stage on device, check bounds, predict checksums.
         t0 = time.perf_counter()
-        staged = [
-            _Staged(update=u, indices=None, payload=(u.tensor if isinstance(u, Dense) else u.values).to(device, non_blocking=True))
-            for u in self._updates.values()
-        ]
+        updates = list(self._updates.values())
+        staged = [_Staged(update=u, indices=None, payload=p) for u, p in zip(updates, _stage_payloads(updates, device))]
         patches = [s for s in staged if isinstance(s.update, Patch)]
         groups: list[_PatchGroup] = []
         if patches:
@@ -250,7 +248,7 @@ class UpdateSession:
             groups = self._patch_groups(patches, device)
             for g in groups:
                 self._stage_group(g, device)
-        expected = torch.tensor([s.update.checksum for s in staged], dtype=torch.int64).to(device, non_blocking=True)  # [num records]
+        expected = to_device(torch.tensor([s.update.checksum for s in staged], dtype=torch.int64), device)  # [num records]
         self._check_predicted_checksums(staged, patches, expected)
         t1 = time.perf_counter()
 
@@ -292,7 +290,7 @@ class UpdateSession:
         for g in groups:
             int_dtype = INT_VIEW[g.new.element_size()]
             differ = torch.ne(g.gather(target).view(int_dtype), g.new.view(int_dtype)).to(torch.int64)  # [n]
-            rows = torch.tensor([row_of[id(s)] for s in g.members], dtype=torch.int64).to(device, non_blocking=True)
+            rows = to_device(torch.tensor([row_of[id(s)] for s in g.members], dtype=torch.int64), device)
             failed[rows] = segment_sums(differ, g.sizes) > 0
         bad = [s.update.name for s, f in zip(staged, failed.tolist()) if f]
         if bad:
@@ -327,7 +325,7 @@ class UpdateSession:
             escaped = torch.cat([patches[i].payload == 0 for i in delta_rows]).to(torch.int64)
             counts = segment_sums(escaped, [patches[i].payload.numel() for i in delta_rows])
             wanted = torch.tensor([patches[i].update.escapes.numel() for i in delta_rows], dtype=torch.int64)
-            bad_escapes[torch.tensor(delta_rows).to(device)] = (counts != wanted.to(device)).to(torch.int64)
+            bad_escapes[to_device(torch.tensor(delta_rows), device)] = (counts != to_device(wanted, device)).to(torch.int64)
         checks = torch.stack([malformed.to(torch.int64), last, bad_escapes], dim=1).tolist()
         for s, (bad, idx, escapes) in zip(patches, checks):
             name = s.update.name
@@ -348,7 +346,8 @@ class UpdateSession:
         groups = []
         for members in by_dtype.values():
             sizes = [s.indices.numel() for s in members]
-            segment = torch.repeat_interleave(torch.arange(len(members)), torch.tensor(sizes)).to(device, non_blocking=True)
+            counts = to_device(torch.tensor(sizes, dtype=torch.int64), device)
+            segment = torch.repeat_interleave(torch.arange(len(members), device=device), counts, output_size=sum(sizes))  # [n]
             groups.append(_PatchGroup(
                 members=members, indices=torch.cat([s.indices for s in members]), segment=segment, sizes=sizes,
                 views=None if lend is None else lend([s.update.name for s in members]),
@@ -363,7 +362,7 @@ class UpdateSession:
         deltas = [j for j, s in enumerate(g.members) if s.update.is_delta]
         if deltas:
             decoded = apply_bit_deltas(torch.cat([olds[j] for j in deltas]), torch.cat([news[j] for j in deltas]),
-                                       torch.cat([g.members[j].update.escapes for j in deltas]).to(device), checked=True)
+                                       concat_to([g.members[j].update.escapes for j in deltas], g.old.dtype, device), checked=True)
             for j, values in zip(deltas, decoded.split([g.sizes[j] for j in deltas])):
                 news[j] = values
         g.new = torch.cat(news)
@@ -374,7 +373,7 @@ class UpdateSession:
     def _rows(staged: list[_Staged], *, dense: bool) -> torch.Tensor:
         """int64 rows of ``staged`` that are dense records (or patches), on the target device."""
         rows = [i for i, s in enumerate(staged) if (s.indices is None) == dense]
-        return torch.tensor(rows, dtype=torch.int64).to(staged[0].payload.device, non_blocking=True)
+        return to_device(torch.tensor(rows, dtype=torch.int64), staged[0].payload.device)
 
     def _restored_what(self, dense: list[_Staged]) -> str:
         if not dense or self._receiver.dense_rollback:
@@ -419,6 +418,24 @@ class UpdateSession:
         for s in reversed(written):
             if s.indices is None and s.old is not None:  # None: dense_rollback=False
                 target.write_dense(s.update.name, s.old)
+
+
+def _stage_payloads(updates: list[Update], device: torch.device) -> list[torch.Tensor]:
+    """Every record's payload (dense tensor or patch values) on ``device``. Host patch values bound for CUDA
+    (many small tensors) travel in one pinned copy per dtype, not one pageable copy each; dense tensors are
+    large enough to move one by one."""
+    payloads = [u.tensor if isinstance(u, Dense) else u.values for u in updates]
+    out = list(payloads)
+    if device.type == "cuda":
+        by_dtype: dict[torch.dtype, list[int]] = {}
+        for i, (u, p) in enumerate(zip(updates, payloads)):
+            if isinstance(u, Patch) and p.device.type == "cpu":
+                by_dtype.setdefault(p.dtype, []).append(i)
+        for dtype, members in by_dtype.items():
+            flat = concat_to([payloads[i].reshape(-1) for i in members], dtype, device)
+            for i, part in zip(members, flat.split([payloads[i].numel() for i in members])):
+                out[i] = part.view(payloads[i].shape)
+    return [p.to(device, non_blocking=True) for p in out]
 
 
 def apply_update(target: WeightTarget, version: int, updates: Iterable[Update], *, current_version: int = 0) -> UpdateResult:
