@@ -213,3 +213,12 @@ def test_close_stops_the_worker_ranks(engine_ag):
         pass
     assert engine_ag.runner is None
     assert not any(w.is_alive() for w in workers)
+
+
+def test_rank_devices_must_exist():
+    from runner.parallel.worker import check_rank_devices
+
+    check_rank_devices("cpu", 2, 0)
+    check_rank_devices("cuda", 2, 2)
+    with pytest.raises(ValueError, match="needs cuda:1 .. cuda:2, but this host has 2 GPU"):
+        check_rank_devices("cuda:1", 2, 2)

@@ -15,19 +15,22 @@
    parameter's current checksum, cached by the receiver, plus the patch's linear change, see
    ``checksum``). Patches' old values at their indices are gathered here for rollback.
 2. write through the target's ``write_dense`` / ``write_patch`` (the fused/sharded mapping is the
-   target's; a target with ``write_dense_many`` gets all dense records in one call); the dense
-   parameters are first copied aside for rollback (one batched copy), unless the receiver was made
-   with ``dense_rollback=False``.
+   target's; a target with ``write_dense_many`` gets all dense records in one call, and on CUDA a target
+   with ``writable_views`` gets all patches of a dtype in one scatter); the dense parameters are first
+   copied aside for rollback (one batched copy), unless the receiver was made with
+   ``dense_rollback=False``.
 3. verify by reading back through ``read_checkpoint_tensor``: dense parameters by a full checksum,
    patches by the exact bits at their indices (together with phase 1 that proves the post-update
-   checksum). Any failure in 2 or 3 writes the old values back.
+   checksum). Any failure in 2 or 3 writes the old values back (dense ones only with the rollback copy).
 
 A failed session raises ``WeightUpdateError`` naming the parameter and leaves weights and version as
-they were (without the dense rollback copy, a failure after writing — which phase 1 leaves only to a
-faulty target — restores the patches but not the dense parameters; the error says so and their cached
-checksums are dropped, so only a dense push of them is accepted next). Host syncs: a few per session (bounds, predicted checksums, verification), none per
-parameter; the checks over all patches run as a few batched kernels per dtype. This module does not
-move bytes between processes (see ``transports``) and does not decide encodings (see ``differ``).
+they were. Without the dense rollback copy, a failure after writing (which phase 1 leaves only to a
+faulty target) restores the patches but not the dense parameters; the error says so, and their cached
+checksums are dropped, so a later patch of them is checked against the weights as they are. Host syncs: a few per session
+(bounds, predicted checksums, verification), none per parameter; the checks over all patches run as a
+few batched kernels per dtype, and host metadata travels to the device in one pinned copy per kind.
+This module does not move bytes between processes (see ``transports``) and does not decide encodings
+(see ``differ``).
 """
 
 import dataclasses

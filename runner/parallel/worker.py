@@ -38,6 +38,14 @@ def rank_device(device: str, rank: int) -> torch.device:
     return base if base.type == "cpu" else torch.device("cuda", (base.index or 0) + rank)
 
 
+def check_rank_devices(device: str, size: int, num_gpus: int) -> None:
+    """ValueError unless the `size` ranks of a group on `device` each find their GPU among `num_gpus`."""
+    last = rank_device(device, size - 1)
+    if last.type == "cuda" and last.index >= num_gpus:
+        raise ValueError(f"tensor_parallel_size={size} on {device} needs {rank_device(device, 0)} .. {last}, "
+                         f"but this host has {num_gpus} GPU(s)")
+
+
 # ---- plain-data encoding of the scheduler's output -------------------------------------------------------
 def _fields(obj) -> dict:
     return {f.name: getattr(obj, f.name) for f in dataclasses.fields(obj)}
@@ -176,6 +184,7 @@ class TensorParallelRunner:
         from runner.parallel.group import TPGroup
 
         size = config.tensor_parallel_size
+        check_rank_devices(config.device, size, torch.cuda.device_count())
         fd, store = tempfile.mkstemp(prefix="tp_store_")
         os.close(fd)
         os.unlink(store)  # the file store creates it
