@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
 # One test-and-bench round on the GPU machine. From the repository root:
 #   bash bench/gpu_round.sh tests     GPU tests + decode-step profile
-#   bash bench/gpu_round.sh engine    engine-only throughput: fast vs deterministic mode, then with sync scheduling
+#   bash bench/gpu_round.sh engine    engine-only throughput: fast vs deterministic mode (and a profile of the
+#                                     deterministic step), then with sync scheduling
 #   bash bench/gpu_round.sh full      the generation benchmark against transformers (dynamic, static+compile)
 #   bash bench/gpu_round.sh spec      speculative decoding: target + online drafters, with/without speculation
 #   bash bench/gpu_round.sh tp        tensor parallelism on 2 GPUs (the nvidia-h200-x2 kind): tests + decode bench
@@ -24,6 +25,8 @@ case "${1:-tests}" in
   engine)
     timeout 300 python3 bench/generate.py --batches 1,64,256 --no-hf --grpo --deterministic > "$OUT/bench.log" 2>&1
     grep '^{' "$OUT/bench.log"; grep -v '^{' "$OUT/bench.log" | grep -i -A3 "error\|traceback" | tail -20
+    timeout 90 python3 bench/profile_decode.py --batch 64 --deterministic > "$OUT/profile_det.jsonl" 2> "$OUT/profile_det.err"
+    cat "$OUT/profile_det.jsonl"
     timeout 260 python3 bench/generate.py --batches 1,64,256 --no-hf --grpo --sync-scheduling > "$OUT/bench_sync.log" 2>&1
     grep '^{' "$OUT/bench_sync.log"; grep -v '^{' "$OUT/bench_sync.log" | grep -i -A3 "error\|traceback" | tail -20
     ;;

@@ -23,9 +23,11 @@ from rollout import Engine, EngineConfig, SamplingParams  # noqa: E402
 from runner.testing import write_random_checkpoint  # noqa: E402
 
 
-def profile(path: str, device: str, dtype: str, batch: int, prompt_len: int, steps: int, eager: bool) -> dict:
+def profile(path: str, device: str, dtype: str, batch: int, prompt_len: int, steps: int, eager: bool,
+            deterministic: bool = False) -> dict:
     engine = Engine(EngineConfig(model=path, device=device, dtype=dtype, max_num_seqs=batch,
-                                 max_model_len=prompt_len + steps + 64, enforce_eager=eager))
+                                 max_model_len=prompt_len + steps + 64, enforce_eager=eager,
+                                 deterministic=deterministic, async_scheduling=False))
     g = torch.Generator().manual_seed(0)
     prompts = torch.randint(2, engine.model_config.vocab_size, (batch, prompt_len), generator=g).tolist()
     for p in prompts:
@@ -50,7 +52,7 @@ def profile(path: str, device: str, dtype: str, batch: int, prompt_len: int, ste
         times["update_ms"] += t3 - t2
     total = time.perf_counter() - t_all
     row = {k: round(v / steps * 1e3, 4) for k, v in times.items()}
-    row.update(batch=batch, eager=eager, step_ms=round(total / steps * 1e3, 4),
+    row.update(batch=batch, eager=eager, deterministic=deterministic, step_ms=round(total / steps * 1e3, 4),
                tokens_per_s=round(batch * steps / total, 1))
     if device.startswith("cuda") and runner.graphs is not None:
         size = runner.graphs.padded_size(batch)
@@ -80,13 +82,15 @@ def main() -> None:
     ap.add_argument("--prompt-len", type=int, default=128)
     ap.add_argument("--steps", type=int, default=64)
     ap.add_argument("--eager", action="store_true")
+    ap.add_argument("--deterministic", action="store_true", help="profile the engine in deterministic mode")
     args = ap.parse_args()
     spec = dict(SHAPES[args.shape])
     family = spec.pop("family")
     with tempfile.TemporaryDirectory() as d:
         write_random_checkpoint(d, family=family, dtype=args.dtype, std=0.02, **spec)
         for b in args.batch or [1, 64]:
-            print(json.dumps(profile(d, args.device, args.dtype, b, args.prompt_len, args.steps, args.eager)), flush=True)
+            print(json.dumps(profile(d, args.device, args.dtype, b, args.prompt_len, args.steps, args.eager,
+                                             args.deterministic)), flush=True)
 
 
 if __name__ == "__main__":
