@@ -19,9 +19,11 @@ import torch
 import triton
 import triton.language as tl
 
+from kernels.scatter import typed_pointer
+
 _BLOCK = 4096
 _CHUNK_BITS = 22  # w(i) = T[i mod 2**22] + 2 * (i div 2**22), as in weight_updates.checksum
-_POINTER_TYPES = {1: tl.int8, 2: tl.int16, 4: tl.int32}
+_ELEMENT_SIZES = (1, 2, 4)
 
 
 @triton.jit
@@ -33,13 +35,7 @@ def _checksum_blocks_kernel(
     tid = tl.load(block_tensor_ptr + pid)
     start = tl.load(block_start_ptr + pid)  # int64
     numel = tl.load(numels_ptr + tid)
-    addr = tl.load(ptrs_ptr + tid)
-    if ELEM == 1:
-        base = addr.to(tl.pointer_type(tl.int8))
-    elif ELEM == 2:
-        base = addr.to(tl.pointer_type(tl.int16))
-    else:
-        base = addr.to(tl.pointer_type(tl.int32))
+    base = typed_pointer(tl.load(ptrs_ptr + tid), ELEM)
     offs = start + tl.arange(0, BLOCK).to(tl.int64)  # [BLOCK] flat element indices
     s = tl.load(base + offs, mask=offs < numel, other=0).to(tl.int64)  # sign-extended bits
     # T[j] = (mix32(j) mod 2**15) | 1, in int64 exactly as the torch table is built
@@ -56,7 +52,7 @@ def checksum_many(tensors: Sequence[torch.Tensor]) -> torch.Tensor:
     if not tensors:
         raise ValueError("checksum_many needs at least one tensor")
     device, elem = tensors[0].device, tensors[0].element_size()
-    if elem not in _POINTER_TYPES:
+    if elem not in _ELEMENT_SIZES:
         raise ValueError(f"checksums support 1-, 2- and 4-byte dtypes, not {tensors[0].dtype}")
     for t in tensors:
         if t.device != device or t.element_size() != elem or not t.is_contiguous():

@@ -23,17 +23,22 @@ _INT_OF = {1: torch.int8, 2: torch.int16, 4: torch.int32}
 
 
 @triton.jit
+def typed_pointer(addr, ELEM: tl.constexpr):
+    """An int64 address (a tensor's data_ptr) as a pointer to same-width signed integers of ELEM bytes."""
+    if ELEM == 1:
+        return addr.to(tl.pointer_type(tl.int8))
+    elif ELEM == 2:
+        return addr.to(tl.pointer_type(tl.int16))
+    else:
+        return addr.to(tl.pointer_type(tl.int32))
+
+
+@triton.jit
 def _element_pointers(ptrs_ptr, segment_ptr, indices_ptr, offs, mask, ELEM: tl.constexpr):
     seg = tl.load(segment_ptr + offs, mask=mask, other=0)
     idx = tl.load(indices_ptr + offs, mask=mask, other=0)
     addr = tl.load(ptrs_ptr + seg, mask=mask, other=0)
-    if ELEM == 1:
-        base = addr.to(tl.pointer_type(tl.int8))
-    elif ELEM == 2:
-        base = addr.to(tl.pointer_type(tl.int16))
-    else:
-        base = addr.to(tl.pointer_type(tl.int32))
-    return base + idx
+    return typed_pointer(addr, ELEM) + idx
 
 
 @triton.jit
