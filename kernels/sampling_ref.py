@@ -84,8 +84,12 @@ def processed_logits_ref(
     top_k: torch.Tensor,  # [B] int32/int64; 0 = off
     top_p: torch.Tensor,  # [B] float32; 1 = off
     min_p: torch.Tensor,  # [B] float32; 0 = off
+    uses: tuple[bool, bool, bool] | None = None,
 ) -> torch.Tensor:
-    """Tempered logits with truncated entries set to -inf, float32 [B, V]."""
+    """Tempered logits with truncated entries set to -inf, float32 [B, V].
+
+    `uses`: whether any row uses (top-k, top-p, min-p), when the caller knows it on the host; otherwise
+    it is read from the tensors (a host sync for device tensors)."""
     x = logits.to(torch.float32)
     vocab = x.shape[-1]
     temp = torch.where(temperature > 0, temperature, torch.ones_like(temperature)).to(torch.float32)
@@ -94,13 +98,15 @@ def processed_logits_ref(
 
     k = top_k.to(torch.int64)
     use_k = (k > 0) & (k < vocab)
-    if bool(use_k.any()):
+    any_k, any_p, any_min = uses if uses is not None else (bool(use_k.any()), bool((top_p < 1.0).any()),
+                                                           bool((min_p > 0.0).any()))
+    if any_k:
         sorted_x = torch.sort(x, dim=-1, descending=True).values
         kth = sorted_x.gather(1, (k.clamp(1, vocab) - 1)[:, None])  # [B, 1]
         x = torch.where(use_k[:, None] & (x < kth), neg_inf, x)
 
     use_p = top_p < 1.0
-    if bool(use_p.any()):
+    if any_p:
         probs = torch.softmax(x, dim=-1)
         sorted_p = torch.sort(probs, dim=-1, descending=True).values
         cum = torch.cumsum(sorted_p, dim=-1)
@@ -110,7 +116,7 @@ def processed_logits_ref(
         x = torch.where(use_p[:, None] & (probs < threshold), neg_inf, x)
 
     use_min = min_p > 0.0
-    if bool(use_min.any()):
+    if any_min:
         probs = torch.softmax(x, dim=-1)
         cut = probs.max(dim=-1, keepdim=True).values * min_p.to(torch.float32)[:, None]
         x = torch.where(use_min[:, None] & (probs < cut), neg_inf, x)

@@ -123,11 +123,15 @@ class InputBatch:
             max_seq_len=int(seq_lens.max()) if len(req_ids) else 0,
         )
 
+    def truncation_uses(self, slots: np.ndarray, vocab_size: int) -> tuple[bool, bool, bool]:
+        """Whether any of these slots samples with (top-k, top-p, min-p)."""
+        top_k = self.top_k[slots]
+        return (bool(((top_k > 0) & (top_k < vocab_size)).any()), bool((self.top_p[slots] < 1.0).any()),
+                bool((self.min_p[slots] > 0.0).any()))
+
     def truncates(self, slots: np.ndarray, vocab_size: int) -> bool:
         """Whether any of these slots samples with top-k, top-p or min-p."""
-        top_k = self.top_k[slots]
-        return bool(((top_k > 0) & (top_k < vocab_size)).any() or (self.top_p[slots] < 1.0).any()
-                    or (self.min_p[slots] > 0.0).any())
+        return any(self.truncation_uses(slots, vocab_size))
 
     def append_sampled(self, slots: np.ndarray, tokens: list[list[int]]) -> None:
         """Append each row's sampled tokens to its slot."""

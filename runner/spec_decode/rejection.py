@@ -42,13 +42,14 @@ def sample_draft(
     min_p: torch.Tensor,  # [B] f32
     seeds: torch.Tensor,  # [B] int64 uint32 values
     positions: torch.Tensor,  # [B] int64 output position of the drafted token
+    uses: tuple[bool, bool, bool] | None = None,  # any row with (top-k, top-p, min-p), if known on the host
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """One draft token per row and the distribution q it was drawn from.
 
     Returns (token_ids int64 [B], q float32 [B, V]); greedy rows take the argmax of the raw logits (their q
     is not used by the verifier).
     """
-    processed = processed_logits_ref(logits, temperature, top_k, top_p, min_p)  # [B, V]
+    processed = processed_logits_ref(logits, temperature, top_k, top_p, min_p, uses)  # [B, V]
     q = torch.softmax(processed, dim=-1)
     noisy = processed + salted_gumbel(seeds, positions, logits.shape[-1], DRAFT_SALT)
     tokens = torch.where(temperature <= 0, torch.argmax(logits, dim=-1), torch.argmax(noisy, dim=-1))
@@ -67,8 +68,9 @@ def rejection_sample(
     seeds: torch.Tensor,  # [R] int64 uint32 values
     positions: torch.Tensor,  # [R] int64 output position of the first new token
     num_top_logprobs: int = 0,
+    uses: tuple[bool, bool, bool] | None = None,  # any row with (top-k, top-p, min-p), if known on the host
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, tuple[torch.Tensor, torch.Tensor] | None]:
-    """Verify drafts against the target; no host sync.
+    """Verify drafts against the target; no host sync when `uses` is given.
 
     Returns (output_ids int64 [R, K + 1] with -1 after the last new token, num_accepted int64 [R] drafts
     accepted, logprobs f32 [R, K + 1], top) where row r's new tokens are output_ids[r, : num_accepted[r] + 1]
@@ -83,7 +85,8 @@ def rejection_sample(
         return x.repeat_interleave(K1)
 
     flat = target_logits.reshape(R * K1, V)
-    processed = processed_logits_ref(flat, per_pos(temperature), per_pos(top_k), per_pos(top_p), per_pos(min_p))
+    processed = processed_logits_ref(flat, per_pos(temperature), per_pos(top_k), per_pos(top_p), per_pos(min_p),
+                                     uses)
     processed = processed.view(R, K1, V)
     p = torch.softmax(processed, dim=-1)  # [R, K1, V]
     greedy = temperature <= 0  # [R]

@@ -118,6 +118,7 @@ class SpeculativeRunner:
                 output_ids, num_accepted, logprobs, top = rejection_sample(
                     logits.view(R, K + 1, -1), drafts, q, _upload(num_drafts, dev), b.temperature[:R],
                     b.top_k[:R], b.top_p[:R], b.min_p[:R], b.seeds[:R], b.sample_positions[:R], top_n,
+                    uses=ib.truncation_uses(slots_r, r.model_config.vocab_size),
                 )
         self._catch_up(inputs, meta, hidden, aux, base, output_ids if R else None, num_accepted if R else None)
         if R == 0:
@@ -140,6 +141,7 @@ class SpeculativeRunner:
             tokens, q_j = sample_draft(
                 target.compute_logits(h[act_t]), b.temperature[:R][act_t], b.top_k[:R][act_t], b.top_p[:R][act_t],
                 b.min_p[:R][act_t], b.seeds[:R][act_t], b.sample_positions[:R][act_t] + j,
+                uses=ib.truncation_uses(slots_r[act], V),
             )
             drafts[act_t, j] = tokens
             q[act_t, j] = q_j
