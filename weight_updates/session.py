@@ -325,7 +325,7 @@ class UpdateSession:
         bad_escapes = torch.zeros(len(patches), dtype=torch.int64, device=device)  # [num patches]
         delta_rows = [i for i, s in enumerate(patches) if s.update.is_delta]
         if delta_rows:
-            escaped = torch.cat([patches[i].payload == 0 for i in delta_rows]).to(torch.int64)
+            escaped = (torch.cat([patches[i].payload for i in delta_rows]) == 0).to(torch.int64)
             counts = segment_sums(escaped, [patches[i].payload.numel() for i in delta_rows])
             wanted = torch.tensor([patches[i].update.escapes.numel() for i in delta_rows], dtype=torch.int64)
             bad_escapes[to_device(torch.tensor(delta_rows), device)] = (counts != to_device(wanted, device)).to(torch.int64)
@@ -438,7 +438,7 @@ def _stage_payloads(updates: list[Update], device: torch.device) -> list[torch.T
             flat = concat_to([payloads[i].reshape(-1) for i in members], dtype, device)
             for i, part in zip(members, flat.split([payloads[i].numel() for i in members])):
                 out[i] = part.view(payloads[i].shape)
-    return [p.to(device, non_blocking=True) for p in out]
+    return [p if p.device == device else p.to(device, non_blocking=True) for p in out]
 
 
 def apply_update(target: WeightTarget, version: int, updates: Iterable[Update], *, current_version: int = 0) -> UpdateResult:
