@@ -5,5 +5,6 @@ Layout, per kernel family `x`:
                 dtypes and strides before launching;
   - `x_ref.py`  the plain-torch reference with the same contract. The references are also the engine's
                 CPU path, so they import without Triton.
-Only the CUDA path of `runner/` imports the Triton files.
+`common.py` holds torch-only helpers the launchers share with their callers. Only the CUDA paths of
+`runner/` and `weight_updates/` import the Triton files.
 """

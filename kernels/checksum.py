@@ -19,11 +19,11 @@ import torch
 import triton
 import triton.language as tl
 
+from kernels.common import SIGNED_VIEW, upload
 from kernels.scatter import typed_pointer
 
 _BLOCK = 4096
 _CHUNK_BITS = 22  # w(i) = T[i mod 2**22] + 2 * (i div 2**22), as in weight_updates.checksum
-_ELEMENT_SIZES = (1, 2, 4)
 
 
 @triton.jit
@@ -52,7 +52,7 @@ def checksum_many(tensors: Sequence[torch.Tensor]) -> torch.Tensor:
     if not tensors:
         raise ValueError("checksum_many needs at least one tensor")
     device, elem = tensors[0].device, tensors[0].element_size()
-    if elem not in _ELEMENT_SIZES:
+    if elem not in SIGNED_VIEW:
         raise ValueError(f"checksums support 1-, 2- and 4-byte dtypes, not {tensors[0].dtype}")
     for t in tensors:
         if t.device != device or t.element_size() != elem or not t.is_contiguous():
@@ -64,7 +64,7 @@ def checksum_many(tensors: Sequence[torch.Tensor]) -> torch.Tensor:
     block_start = torch.cat([torch.arange(b, dtype=torch.int64) * _BLOCK for b in blocks])  # [num blocks]
     table = torch.cat([torch.tensor([t.data_ptr() for t in tensors], dtype=torch.int64),
                        torch.tensor(numels, dtype=torch.int64), block_tensor, block_start])
-    table = table.pin_memory().to(device, non_blocking=True) if device.type == "cuda" else table
+    table = upload(table, device)
     k, nb = len(tensors), block_tensor.numel()
     ptrs, numel_t, block_tensor_d, block_start_d = table[:k], table[k : 2 * k], table[2 * k : 2 * k + nb], table[2 * k + nb :]
     out = torch.zeros(k, dtype=torch.int64, device=device)

@@ -18,8 +18,9 @@ import torch
 import triton
 import triton.language as tl
 
+from kernels.common import SIGNED_VIEW, upload
+
 _BLOCK = 1024
-_INT_OF = {1: torch.int8, 2: torch.int16, 4: torch.int32}
 
 
 @triton.jit
@@ -61,7 +62,7 @@ def _check(tensors: Sequence[torch.Tensor], indices: torch.Tensor, segment: torc
     if not tensors:
         raise ValueError("needs at least one tensor")
     device, dtype = tensors[0].device, tensors[0].dtype
-    if tensors[0].element_size() not in _INT_OF:
+    if tensors[0].element_size() not in SIGNED_VIEW:
         raise ValueError(f"supports 1-, 2- and 4-byte dtypes, not {dtype}")
     for t in tensors:
         if t.device != device or t.dtype != dtype or not t.is_contiguous():
@@ -72,8 +73,7 @@ def _check(tensors: Sequence[torch.Tensor], indices: torch.Tensor, segment: torc
                          f"{segment.dtype} {tuple(segment.shape)}")
     if indices.device != device or segment.device != device:
         raise ValueError(f"indices and segment must be on {device}")
-    ptrs = torch.tensor([t.data_ptr() for t in tensors], dtype=torch.int64)
-    ptrs = ptrs.pin_memory().to(device, non_blocking=True) if device.type == "cuda" else ptrs
+    ptrs = upload(torch.tensor([t.data_ptr() for t in tensors], dtype=torch.int64), device)
     return ptrs, tensors[0].element_size()
 
 
@@ -83,7 +83,7 @@ def gather_many(tensors: Sequence[torch.Tensor], indices: torch.Tensor, segment:
     out = torch.empty(indices.numel(), dtype=tensors[0].dtype, device=indices.device)
     if out.numel():
         _gather_kernel[(triton.cdiv(out.numel(), _BLOCK),)](
-            ptrs, segment, indices, out.view(_INT_OF[elem]), out.numel(), ELEM=elem, BLOCK=_BLOCK)
+            ptrs, segment, indices, out.view(SIGNED_VIEW[elem]), out.numel(), ELEM=elem, BLOCK=_BLOCK)
     return out
 
 
@@ -96,4 +96,4 @@ def scatter_many(tensors: Sequence[torch.Tensor], indices: torch.Tensor, segment
                          f"{values.dtype} {tuple(values.shape)} on {values.device}")
     if values.numel():
         _scatter_kernel[(triton.cdiv(values.numel(), _BLOCK),)](
-            ptrs, segment, indices, values.contiguous().view(_INT_OF[elem]), values.numel(), ELEM=elem, BLOCK=_BLOCK)
+            ptrs, segment, indices, values.contiguous().view(SIGNED_VIEW[elem]), values.numel(), ELEM=elem, BLOCK=_BLOCK)

@@ -26,33 +26,25 @@ from collections.abc import Sequence
 
 import torch
 
+from kernels.common import SIGNED_VIEW, upload
+
 _CHUNK_BITS = 22
 _CHUNK = 1 << _CHUNK_BITS
-_SIGNED_VIEW = {1: torch.int8, 2: torch.int16, 4: torch.int32}
 _tables: dict[torch.device, torch.Tensor] = {}  # device -> [2**22] int64
 _tables16: dict[torch.device, torch.Tensor] = {}  # device -> [2**22] int16, the same values
-
-
-def to_device(t: torch.Tensor, device: torch.device | str) -> torch.Tensor:
-    """``t`` on ``device`` without blocking the host: a host tensor bound for CUDA goes through pinned memory
-    (a pageable copy waits for the device to drain). Other moves are plain ``.to``."""
-    device = torch.device(device)
-    if t.device.type == "cpu" and device.type == "cuda":
-        return t.pin_memory().to(device, non_blocking=True)
-    return t.to(device)
 
 
 def concat_to(parts: Sequence[torch.Tensor], dtype: torch.dtype, device: torch.device | str) -> torch.Tensor:
     """``torch.cat`` of ``parts`` as ``dtype`` on ``device``; host parts bound for CUDA are joined on the host
     and uploaded in one copy instead of one per part."""
     if parts and torch.device(device).type == "cuda" and all(p.device.type == "cpu" for p in parts):
-        return to_device(torch.cat([p.to(dtype) for p in parts]), device)
+        return upload(torch.cat([p.to(dtype) for p in parts]), device)
     return torch.cat([p.to(device, non_blocking=True).to(dtype) for p in parts])
 
 
 def check_dtype_supported(dtype: torch.dtype) -> None:
     """Raise ValueError for dtypes the checksum cannot read (8-byte and wider)."""
-    if dtype.itemsize not in _SIGNED_VIEW:
+    if dtype.itemsize not in SIGNED_VIEW:
         raise ValueError(f"checksums support 1-, 2- and 4-byte dtypes, not {dtype}")
 
 
@@ -71,7 +63,7 @@ def _weight_table(device: torch.device) -> torch.Tensor:
 
 def _signed_bits(values: torch.Tensor) -> torch.Tensor:
     """[n] values -> [n] same-width signed integers holding their bits (a view, no copy)."""
-    return values.view(_SIGNED_VIEW[values.element_size()])
+    return values.view(SIGNED_VIEW[values.element_size()])
 
 
 def checksum_tensors(tensors: Sequence[torch.Tensor]) -> torch.Tensor:
@@ -91,7 +83,7 @@ def checksum_tensors(tensors: Sequence[torch.Tensor]) -> torch.Tensor:
         by_size.setdefault(t.element_size(), []).append(i)
     for members in by_size.values():
         sums = checksum_many([tensors[i].contiguous() for i in members])
-        out[to_device(torch.tensor(members, dtype=torch.int64), device)] = sums
+        out[upload(torch.tensor(members, dtype=torch.int64), device)] = sums
     return out
 
 
@@ -140,7 +132,7 @@ def patch_checksum_delta(old: torch.Tensor, new: torch.Tensor, positions: torch.
 
 def segment_sums(values: torch.Tensor, lengths: Sequence[int]) -> torch.Tensor:
     """[len(lengths)] int64 sums of consecutive segments of ``values`` ([sum(lengths)] int64)."""
-    bounds = to_device(torch.tensor([0, *itertools.accumulate(lengths)], dtype=torch.int64), values.device)
+    bounds = upload(torch.tensor([0, *itertools.accumulate(lengths)], dtype=torch.int64), values.device)
     prefix = torch.cat([values.new_zeros(1), torch.cumsum(values, 0)])  # [n + 1], wraps like every sum here
     return prefix[bounds[1:]] - prefix[bounds[:-1]]
 
@@ -156,7 +148,7 @@ def patch_checksum_deltas(olds: Sequence[torch.Tensor], news: Sequence[torch.Ten
     for members in by_dtype.values():
         terms = _delta_terms(torch.cat([olds[i] for i in members]), torch.cat([news[i] for i in members]), torch.cat([positions[i] for i in members]))
         sums = segment_sums(terms, [positions[i].numel() for i in members])
-        out[to_device(torch.tensor(members, dtype=torch.int64), device)] = sums
+        out[upload(torch.tensor(members, dtype=torch.int64), device)] = sums
     return out
 
 

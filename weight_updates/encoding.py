@@ -16,7 +16,8 @@ from dataclasses import dataclass
 
 import torch
 
-from weight_updates.checksum import checksum, concat_to, segment_sums, to_device
+from kernels.common import SIGNED_VIEW, upload
+from weight_updates.checksum import checksum, concat_to, segment_sums
 from weight_updates.errors import WeightUpdateError
 
 GAP_DTYPES = (torch.uint8, torch.uint16, torch.int32)
@@ -86,13 +87,13 @@ def decode_many(packed: Sequence[PackedIndices], device: torch.device) -> tuple[
     gaps = torch.where(escapes, overflow[rank], gaps)
     num_escapes = segment_sums(escapes.to(torch.int64), lengths)  # [k]
     num_bad_overflow = segment_sums((overflow[:-1] < 1).to(torch.int64), num_overflow)  # [k]
-    expected_escapes = to_device(torch.tensor(num_overflow, dtype=torch.int64), device)
+    expected_escapes = upload(torch.tensor(num_overflow, dtype=torch.int64), device)
     malformed = (num_escapes != expected_escapes) | (num_bad_overflow > 0)
     # Per-stream cumsum: the global running sum minus what came before the stream.
     running = torch.cat([gaps.new_zeros(1), torch.cumsum(gaps, 0)])  # [total + 1]
-    bounds = to_device(torch.tensor([0, *itertools.accumulate(lengths)], dtype=torch.int64), device)  # [k + 1]
+    bounds = upload(torch.tensor([0, *itertools.accumulate(lengths)], dtype=torch.int64), device)  # [k + 1]
     before = running[bounds[:-1]]  # [k]
-    sizes = to_device(torch.tensor(lengths, dtype=torch.int64), device)  # [k]
+    sizes = upload(torch.tensor(lengths, dtype=torch.int64), device)  # [k]
     indices = running[1:] - torch.repeat_interleave(before, sizes, output_size=sum(lengths)) - 1  # [total]
     last = torch.where(sizes > 0, running[bounds[1:]] - before - 1, -1)  # [k]
     return list(torch.split(indices, lengths)), malformed, last
@@ -144,13 +145,11 @@ class Patch:
 
 Update = Dense | Patch
 
-INT_VIEW = {1: torch.int8, 2: torch.int16, 4: torch.int32}
-
 
 def bit_deltas(old: torch.Tensor, new: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """(int8 deltas [n], escapes [k] of new's dtype): new bits = old bits + delta, or, where the delta
     byte is 0, the next escape. old and new differ at every position."""
-    int_dtype = INT_VIEW[new.element_size()]
+    int_dtype = SIGNED_VIEW[new.element_size()]
     delta = new.view(int_dtype).to(torch.int64) - old.view(int_dtype).to(torch.int64)  # [n]
     fits = (delta >= -128) & (delta <= 127) & (delta != 0)
     return torch.where(fits, delta, 0).to(torch.int8), new[~fits]
@@ -161,7 +160,7 @@ def apply_bit_deltas(old: torch.Tensor, delta: torch.Tensor, escapes: torch.Tens
     WeightUpdateError when the number of escape bytes is not the number of escapes (a host sync; skipped
     when the caller has `checked` the counts already). Concatenated patches decode together: escapes are
     consumed in order."""
-    int_dtype = INT_VIEW[old.element_size()]
+    int_dtype = SIGNED_VIEW[old.element_size()]
     escaped = delta == 0  # [n]
     if not checked and int(escaped.sum()) != escapes.numel():
         raise WeightUpdateError(f"{int(escaped.sum())} escaped deltas but {escapes.numel()} escape values")

@@ -40,8 +40,9 @@ from dataclasses import dataclass
 
 import torch
 
-from weight_updates.checksum import checksum_tensor, checksum_tensors, concat_to, patch_checksum_deltas, segment_sums, to_device
-from weight_updates.encoding import INT_VIEW, Dense, Patch, Update, apply_bit_deltas, decode_many
+from kernels.common import SIGNED_VIEW, upload
+from weight_updates.checksum import checksum_tensor, checksum_tensors, concat_to, patch_checksum_deltas, segment_sums
+from weight_updates.encoding import Dense, Patch, Update, apply_bit_deltas, decode_many
 from weight_updates.errors import WeightUpdateError
 from weight_updates.target import ParamSpec, WeightTarget
 
@@ -251,7 +252,7 @@ class UpdateSession:
             groups = self._patch_groups(patches, device)
             for g in groups:
                 self._stage_group(g, device)
-        expected = to_device(torch.tensor([s.update.checksum for s in staged], dtype=torch.int64), device)  # [num records]
+        expected = upload(torch.tensor([s.update.checksum for s in staged], dtype=torch.int64), device)  # [num records]
         self._check_predicted_checksums(staged, patches, expected)
         t1 = time.perf_counter()
 
@@ -291,9 +292,9 @@ class UpdateSession:
             failed[rows] = got != expected[rows]
         row_of = {id(s): i for i, s in enumerate(staged)}
         for g in groups:
-            int_dtype = INT_VIEW[g.new.element_size()]
+            int_dtype = SIGNED_VIEW[g.new.element_size()]
             differ = torch.ne(g.gather(target).view(int_dtype), g.new.view(int_dtype)).to(torch.int64)  # [n]
-            rows = to_device(torch.tensor([row_of[id(s)] for s in g.members], dtype=torch.int64), device)
+            rows = upload(torch.tensor([row_of[id(s)] for s in g.members], dtype=torch.int64), device)
             failed[rows] = segment_sums(differ, g.sizes) > 0
         bad = [s.update.name for s, f in zip(staged, failed.tolist()) if f]
         if bad:
@@ -328,7 +329,7 @@ class UpdateSession:
             escaped = (torch.cat([patches[i].payload for i in delta_rows]) == 0).to(torch.int64)
             counts = segment_sums(escaped, [patches[i].payload.numel() for i in delta_rows])
             wanted = torch.tensor([patches[i].update.escapes.numel() for i in delta_rows], dtype=torch.int64)
-            bad_escapes[to_device(torch.tensor(delta_rows), device)] = (counts != to_device(wanted, device)).to(torch.int64)
+            bad_escapes[upload(torch.tensor(delta_rows), device)] = (counts != upload(wanted, device)).to(torch.int64)
         checks = torch.stack([malformed.to(torch.int64), last, bad_escapes], dim=1).tolist()
         for s, (bad, idx, escapes) in zip(patches, checks):
             name = s.update.name
@@ -349,7 +350,7 @@ class UpdateSession:
         groups = []
         for members in by_dtype.values():
             sizes = [s.indices.numel() for s in members]
-            counts = to_device(torch.tensor(sizes, dtype=torch.int64), device)
+            counts = upload(torch.tensor(sizes, dtype=torch.int64), device)
             segment = torch.repeat_interleave(torch.arange(len(members), device=device), counts, output_size=sum(sizes))  # [n]
             groups.append(_PatchGroup(
                 members=members, indices=torch.cat([s.indices for s in members]), segment=segment, sizes=sizes,
@@ -376,7 +377,7 @@ class UpdateSession:
     def _rows(staged: list[_Staged], *, dense: bool) -> torch.Tensor:
         """int64 rows of ``staged`` that are dense records (or patches), on the target device."""
         rows = [i for i, s in enumerate(staged) if (s.indices is None) == dense]
-        return to_device(torch.tensor(rows, dtype=torch.int64), staged[0].payload.device)
+        return upload(torch.tensor(rows, dtype=torch.int64), staged[0].payload.device)
 
     def _restored_what(self, dense: list[_Staged]) -> str:
         if not dense or self._receiver.dense_rollback:

@@ -24,6 +24,7 @@ from __future__ import annotations
 import numpy as np
 import torch
 
+from kernels.common import upload
 from rollout.scheduler import RunnerOutput, SchedulerOutput
 from runner.attention import AttentionMetadata
 from runner.spec_decode.drafter import Drafter, load_drafter, new_drafter, rope_for
@@ -31,12 +32,8 @@ from runner.spec_decode.rejection import rejection_sample, sample_draft
 
 
 def _upload(array: np.ndarray, device: torch.device) -> torch.Tensor:
-    """A host array on `device`. On CUDA through pinned memory without blocking the host: a pageable copy
-    would wait for the device to drain, once per small index array of the step."""
-    host = torch.from_numpy(np.ascontiguousarray(array))
-    if device.type != "cuda":
-        return host.to(device)
-    return host.pin_memory().to(device, non_blocking=True)
+    """A host index array of the step on `device`, without blocking the host (`kernels.common.upload`)."""
+    return upload(torch.from_numpy(np.ascontiguousarray(array)), device)
 
 
 class SpeculativeRunner:
