@@ -141,17 +141,25 @@ class CheckpointWeights:
     def read_checkpoint_tensor(self, name: str) -> torch.Tensor:
         return self.view(name)
 
-    def write_dense(self, name: str, tensor: torch.Tensor) -> None:
-        self.view(name).copy_(tensor)
+    def _own_part(self, name: str, tensor: torch.Tensor) -> torch.Tensor:
+        """This rank's part of a full checkpoint-shaped tensor (all of it without tensor parallelism)."""
+        slot = self.layout[name]
+        start, end = slot.shard
+        return tensor.narrow(slot.dim, start, end - start)
 
-    def writable_views(self, names: list[str]) -> list[torch.Tensor] | None:
-        """The live views of `names` for batched patch writes; None if any is not contiguous (a column shard)."""
-        views = [self.view(name) for name in names]
-        return views if all(v.is_contiguous() for v in views) else None
+    def write_dense(self, name: str, tensor: torch.Tensor) -> None:
+        self.view(name).copy_(self._own_part(name, tensor))
 
     def write_dense_many(self, pairs: list[tuple[str, torch.Tensor]]) -> None:
         """`write_dense` of every pair, batched into a few multi-tensor copy kernels."""
-        torch._foreach_copy_([self.view(name) for name, _ in pairs], [t for _, t in pairs])
+        torch._foreach_copy_([self.view(name) for name, _ in pairs], [self._own_part(n, t) for n, t in pairs])
+
+    def writable_views(self, names: list[str]) -> list[torch.Tensor] | None:
+        """The live views of `names` for patches scattered straight into them (flat indices are checkpoint
+        coordinates); None unless each view is a whole, contiguous checkpoint tensor (not a TP shard)."""
+        views = [self.view(name) for name in names]
+        whole = all(v.is_contiguous() and self.layout[n].shard_shape == self.layout[n].shape for n, v in zip(names, views))
+        return views if whole else None
 
     def write_patch(self, name: str, flat_indices: torch.Tensor, values: torch.Tensor) -> None:
         view = self.view(name)

@@ -222,3 +222,14 @@ def test_rank_devices_must_exist():
     check_rank_devices("cuda", 2, 2)
     with pytest.raises(ValueError, match="needs cuda:1 .. cuda:2, but this host has 2 GPU"):
         check_rank_devices("cuda:1", 2, 2)
+
+
+def test_patches_scatter_straight_into_whole_tensors_only(engine_1, engine_tp):
+    """Batched patch writes go through live views only where flat indices are the view's own: every
+    tensor of a single-process engine, a replicated tensor under TP, never a TP shard."""
+    names = ["model.norm.weight", "model.layers.0.self_attn.q_proj.weight"]
+    views = engine_1.runner.weights.writable_views(names)
+    assert views is not None and all(v.data_ptr() == engine_1.runner.weights.view(n).data_ptr() for n, v in zip(names, views))
+    sharded = engine_tp.runner.weights
+    assert sharded.writable_views(["model.norm.weight"]) is not None
+    assert sharded.writable_views(names) is None  # q_proj is split over the ranks

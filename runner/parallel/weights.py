@@ -37,19 +37,6 @@ class ShardedCheckpointWeights(CheckpointWeights):
             full.narrow(slot.dim, start, end - start).copy_(part)
         return full
 
-    def write_dense(self, name: str, tensor: torch.Tensor) -> None:
-        slot = self.layout[name]
-        start, end = slot.shard
-        self.view(name).copy_(tensor.narrow(slot.dim, start, end - start))
-
-    def write_dense_many(self, pairs: list[tuple[str, torch.Tensor]]) -> None:
-        for name, tensor in pairs:
-            self.write_dense(name, tensor)
-
-    def writable_views(self, names: list[str]) -> None:
-        """None: patches arrive in full checkpoint coordinates and each rank keeps its own slice of them."""
-        return None
-
     def write_patch(self, name: str, flat_indices: torch.Tensor, values: torch.Tensor) -> None:
         slot = self.layout[name]
         view = self.view(name)
