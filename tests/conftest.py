@@ -63,3 +63,37 @@ def ckpt_factory(tmp_path_factory):
         return cache[key]
 
     return factory
+
+
+# A weight update touching every kind of tensor placement under tensor parallelism: sharded by rows,
+# sharded by columns, vocab-sharded (tied embedding), replicated kv heads, replicated.
+TP_DENSE_NAMES = ("model.layers.0.self_attn.q_proj.weight", "model.layers.1.self_attn.o_proj.weight",
+                  "model.embed_tokens.weight", "model.norm.weight")
+TP_PATCH_NAMES = ("model.layers.0.self_attn.k_proj.weight", "model.layers.1.mlp.down_proj.weight",
+                  "model.layers.0.mlp.up_proj.weight", "model.layers.1.self_attn.v_proj.bias")
+
+
+def update_records(weights, *, as_dtype: torch.dtype | None = None, seed: int = 0) -> list:
+    """Dense records moving TP_DENSE_NAMES by 0.05 * N(0, 1) and patches moving a random quarter of each
+    TP_PATCH_NAMES tensor by 0.2 * N(0, 1), in full checkpoint coordinates, from a single-process engine's
+    `CheckpointWeights`. New values are computed in float32 and rounded to the weights' dtype; `as_dtype`
+    states the same update in another dtype (for an engine that holds the weights in it)."""
+    from weight_updates import Dense, PackedIndices, Patch, checksum
+
+    def rounded(values: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+        values = values.to(dtype)
+        return values if as_dtype is None else values.to(as_dtype)
+
+    g = torch.Generator().manual_seed(seed)
+    records = []
+    for name in TP_DENSE_NAMES:
+        old = weights.view(name).cpu()
+        records.append(Dense.of(name, rounded(old.float() + 0.05 * torch.randn(old.shape, generator=g), old.dtype)))
+    for name in TP_PATCH_NAMES:
+        old = weights.view(name).cpu().reshape(-1)
+        new = old.float()
+        idx = torch.randperm(new.numel(), generator=g)[: new.numel() // 4].sort().values
+        new[idx] += 0.2 * torch.randn(idx.numel(), generator=g)
+        new = rounded(new, old.dtype)
+        records.append(Patch(name=name, indices=PackedIndices.encode(idx), values=new[idx].clone(), checksum=checksum(new)))
+    return records

@@ -24,11 +24,12 @@ import os
 import pytest
 import torch
 
+from conftest import update_records
 from rollout import Engine, EngineConfig, SamplingParams
 from runner.model_runner import full_sequence_logits
 from runner.parallel.memory import SamplerPeak
 from runner.testing import write_random_checkpoint
-from weight_updates import Dense, PackedIndices, Patch, checksum
+from weight_updates import Patch
 
 pytestmark = [pytest.mark.cuda,
               pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs 2 CUDA GPUs (NCCL tensor parallelism)")]
@@ -267,34 +268,13 @@ def test_batch_sharded_sampling_halves_peak_logits_memory(engine_tp, engine_ag, 
 
 
 # ---- weight updates ----------------------------------------------------------------------------------------
-def _update_records(engine_1) -> tuple[list, list]:
-    """Dense and patch records (full checkpoint coordinates, bf16) for sharded-by-row, sharded-by-column,
-    vocab-sharded (tied), replicated-kv and replicated tensors, and the same updates in fp32."""
-    g = torch.Generator().manual_seed(0)
-    bf16, fp32 = [], []
-    for name in ("model.layers.0.self_attn.q_proj.weight", "model.layers.1.self_attn.o_proj.weight",
-                 "model.embed_tokens.weight", "model.norm.weight"):
-        old = engine_1.runner.weights.view(name).cpu()
-        new = (old.float() + 0.05 * torch.randn(old.shape, generator=g)).to(old.dtype)
-        bf16.append(Dense.of(name, new))
-        fp32.append(Dense.of(name, new.float()))
-    for name in ("model.layers.0.self_attn.k_proj.weight", "model.layers.1.mlp.down_proj.weight",
-                 "model.layers.0.mlp.up_proj.weight", "model.layers.1.self_attn.v_proj.bias"):
-        new = engine_1.runner.weights.view(name).cpu().clone().view(-1)
-        idx = torch.randperm(new.numel(), generator=g)[: new.numel() // 4].sort().values
-        new[idx] += 0.2 * torch.randn(idx.numel(), generator=g)
-        indices = PackedIndices.encode(idx)
-        bf16.append(Patch(name=name, indices=indices, values=new[idx].clone(), checksum=checksum(new)))
-        fp32.append(Patch(name=name, indices=indices, values=new[idx].float(), checksum=checksum(new.float())))
-    return bf16, fp32
-
-
 def test_weight_update_under_tp_matches_single_gpu(engine_1, engine_32, engine_tp):
     from weight_updates import WeightUpdateError
 
     ids = _ids(48, seed=4)
     before = _logits(engine_tp, ids)
-    records, records_32 = _update_records(engine_1)
+    records = update_records(engine_1.runner.weights)
+    records_32 = update_records(engine_1.runner.weights, as_dtype=torch.float32)
     last = records[-1]
     bad = Patch(name=last.name, indices=last.indices, values=last.values, checksum=last.checksum ^ 1)
     with pytest.raises(WeightUpdateError, match="checksum mismatch"):

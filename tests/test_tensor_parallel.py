@@ -6,6 +6,7 @@ from __future__ import annotations
 import pytest
 import torch
 
+from conftest import update_records
 from rollout import Engine, EngineConfig, SamplingParams
 from runner.model_config import ModelConfig
 from runner.model_runner import full_sequence_logits
@@ -14,7 +15,7 @@ from runner.parallel.layers import head_partition
 from runner.parallel.memory import SamplerPeak
 from runner.parallel.weights import local_flat_indices
 from runner.testing import write_random_checkpoint
-from weight_updates import Dense, PackedIndices, Patch, checksum
+from weight_updates import Patch
 
 # kv heads (1) < ranks (2): replicated kv heads; tied embeddings: a vocab-parallel LM head over the embedding
 MODEL = dict(family="qwen2", vocab_size=256, hidden_size=64, intermediate_size=128, num_attention_heads=4,
@@ -168,29 +169,11 @@ def test_batch_sharded_sampling_halves_peak_logits_memory(engine_tp, engine_ag):
     assert 0 < peaks["sharded"] < 0.6 * peaks["allgather"], peaks
 
 
-def _update_records(engine_1) -> list:
-    """Dense and patch records (full checkpoint coordinates) for sharded-by-row, sharded-by-column,
-    vocab-sharded (tied), replicated-kv and replicated tensors."""
-    g = torch.Generator().manual_seed(0)
-    records = []
-    for name in ("model.layers.0.self_attn.q_proj.weight", "model.layers.1.self_attn.o_proj.weight",
-                 "model.embed_tokens.weight", "model.norm.weight"):
-        old = engine_1.runner.weights.view(name)
-        records.append(Dense.of(name, old + 0.05 * torch.randn(old.shape, generator=g)))
-    for name in ("model.layers.0.self_attn.k_proj.weight", "model.layers.1.mlp.down_proj.weight",
-                 "model.layers.0.mlp.up_proj.weight", "model.layers.1.self_attn.v_proj.bias"):
-        new = engine_1.runner.weights.view(name).clone().view(-1)
-        idx = torch.randperm(new.numel(), generator=g)[: new.numel() // 4].sort().values
-        new[idx] += 0.2 * torch.randn(idx.numel(), generator=g)
-        records.append(Patch(name=name, indices=PackedIndices.encode(idx), values=new[idx].clone(), checksum=checksum(new)))
-    return records
-
-
 def test_weight_update_under_tp_matches_single_process(engine_1, engine_tp):
     from weight_updates import WeightUpdateError
 
     before = _tokens(engine_tp.generate(PROMPTS, PARAMS))
-    records = _update_records(engine_1)
+    records = update_records(engine_1.runner.weights)
     bad = Patch(name=records[-1].name, indices=records[-1].indices, values=records[-1].values, checksum=123)
     with pytest.raises(WeightUpdateError, match="checksum mismatch"):
         engine_tp.apply_weight_update(1, records[:-1] + [bad])  # nothing written on any rank
