@@ -3,9 +3,16 @@
 
 The torch path widens every element to int64 and multiplies by a weight table held in memory (tens of
 bytes of traffic per 2-byte element, and a few launches per tensor). Here each program reads one block of
-one tensor through a table of data pointers, recomputes the position weights in registers, and writes one
-int64 partial sum; `index_add_` folds the partials per tensor. Integer sums modulo 2**64 do not depend on
-order, so the result equals the torch path bitwise.
+one tensor through a table of data pointers and adds one int64 partial sum into that tensor's result.
+Per launch the host uploads three numbers per tensor (offset from the first tensor, size, first block); a
+program finds its tensor by binary search over the first blocks, so nothing on the host or the device grows with the number
+of blocks. Per element the work is one load (vectorised when every address is 16-byte aligned) and a
+32-bit hash: with ``w(i) = T[i mod 2**22] + 2 * (i div 2**22)`` and a block inside one 2**22 chunk,
+
+    sum_block s(i) * w(i) = sum_block s(i) * T[j(i)]  +  2 * chunk * sum_block s(i)
+
+where ``T[j] < 2**15`` is recomputed in uint32 registers and ``s * T`` fits in int32 for 1- and 2-byte
+elements. Integer sums modulo 2**64 do not depend on order, so the result equals the torch path bitwise.
 
 Not here: the checksum's definition or its patch deltas (`weight_updates/checksum.py`), 8-byte dtypes,
 non-contiguous tensors (callers make them contiguous).
@@ -13,6 +20,7 @@ non-contiguous tensors (callers make them contiguous).
 
 from __future__ import annotations
 
+import itertools
 from collections.abc import Sequence
 
 import torch
@@ -20,31 +28,53 @@ import triton
 import triton.language as tl
 
 from kernels.common import SIGNED_VIEW, upload
-from kernels.scatter import typed_pointer
 
-_BLOCK = 4096
+_BLOCK = 4096  # divides 2**22, so no block straddles a chunk of the position weights
 _CHUNK_BITS = 22  # w(i) = T[i mod 2**22] + 2 * (i div 2**22), as in weight_updates.checksum
+_ALIGN = 16  # bytes; addresses that are all multiples of this get vector loads
 
 
 @triton.jit
 def _checksum_blocks_kernel(
-    ptrs_ptr, numels_ptr, block_tensor_ptr, block_start_ptr, partial_ptr,
-    ELEM: tl.constexpr, BLOCK: tl.constexpr, CHUNK_BITS: tl.constexpr,
+    anchor_ptr, offsets_ptr, numels_ptr, first_block_ptr, num_tensors, out_ptr,
+    ELEM: tl.constexpr, BLOCK: tl.constexpr, CHUNK_BITS: tl.constexpr, ALIGNED: tl.constexpr,
 ):
-    pid = tl.program_id(0)
-    tid = tl.load(block_tensor_ptr + pid)
-    start = tl.load(block_start_ptr + pid)  # int64
+    pid = tl.program_id(0).to(tl.int64)
+    # The tensor of this block: the last t with first_block[t] <= pid (first_block: [k + 1], ascending).
+    lo = 0
+    hi = num_tensors
+    while hi - lo > 1:
+        mid = (lo + hi) // 2
+        if tl.load(first_block_ptr + mid) <= pid:
+            lo = mid
+        else:
+            hi = mid
+    tid = lo
+    start = (pid - tl.load(first_block_ptr + tid)) * BLOCK  # int64 flat index of the block's first element
     numel = tl.load(numels_ptr + tid)
-    base = typed_pointer(tl.load(ptrs_ptr + tid), ELEM)
-    offs = start + tl.arange(0, BLOCK).to(tl.int64)  # [BLOCK] flat element indices
-    s = tl.load(base + offs, mask=offs < numel, other=0).to(tl.int64)  # sign-extended bits
-    # T[j] = (mix32(j) mod 2**15) | 1, in int64 exactly as the torch table is built
-    h = ((offs & ((1 << CHUNK_BITS) - 1)) * 2654435761) & 0xFFFFFFFF
+    offset = tl.load(offsets_ptr + tid)  # the tensor's first element, in elements from anchor_ptr
+    if ALIGNED:
+        offset = tl.multiple_of(offset, 16 // ELEM)
+    base = anchor_ptr + offset + start
+    local = tl.arange(0, BLOCK)  # [BLOCK] int32
+    if start + BLOCK <= numel:
+        s = tl.load(base + local)
+    else:
+        s = tl.load(base + local, mask=local < numel - start, other=0)
+    # T[j] = (mix32(j) mod 2**15) | 1 for j = i mod 2**22, in wrapping uint32 (the torch table's int64
+    # arithmetic masked to 32 bits is the same)
+    h = ((start & ((1 << CHUNK_BITS) - 1)).to(tl.uint32) + local.to(tl.uint32)) * 2654435761
     h = h ^ (h >> 16)
-    h = (h * 0x45D9F3B) & 0xFFFFFFFF
+    h = h * 0x45D9F3B
     h = h ^ (h >> 16)
-    w = ((h & 0x7FFF) | 1) + 2 * (offs >> CHUNK_BITS)
-    tl.store(partial_ptr + pid, tl.sum(s * w, 0))
+    t = ((h & 0x7FFF) | 1).to(tl.int32)  # [BLOCK], < 2**15
+    if ELEM == 4:
+        weighted = tl.sum(s.to(tl.int64) * t.to(tl.int64), 0)
+        plain = tl.sum(s.to(tl.int64), 0)
+    else:
+        weighted = tl.sum((s.to(tl.int32) * t).to(tl.int64), 0)  # |s * t| < 2**30
+        plain = tl.sum(s.to(tl.int32), 0).to(tl.int64)  # |sum| < 2**15 * BLOCK
+    tl.atomic_add(out_ptr + tid, weighted + 2 * (start >> CHUNK_BITS) * plain, sem="relaxed")
 
 
 def checksum_many(tensors: Sequence[torch.Tensor]) -> torch.Tensor:
@@ -58,19 +88,18 @@ def checksum_many(tensors: Sequence[torch.Tensor]) -> torch.Tensor:
         if t.device != device or t.element_size() != elem or not t.is_contiguous():
             raise ValueError(f"tensors must be contiguous, on {device}, of one element size ({elem} bytes); "
                              f"got {t.dtype} {tuple(t.shape)} on {t.device}, contiguous={t.is_contiguous()}")
+    k = len(tensors)
+    # Addresses as element offsets from the first tensor, so that loads go through a pointer argument
+    # whose 16-byte alignment the compiler knows (it cannot know that of an address loaded from memory).
+    anchor = tensors[0].view(SIGNED_VIEW[elem])
+    offsets = [(t.data_ptr() - anchor.data_ptr()) // elem for t in tensors]
     numels = [t.numel() for t in tensors]
-    blocks = [triton.cdiv(n, _BLOCK) for n in numels]
-    block_tensor = torch.repeat_interleave(torch.arange(len(tensors)), torch.tensor(blocks))  # [num blocks]
-    block_start = torch.cat([torch.arange(b, dtype=torch.int64) * _BLOCK for b in blocks])  # [num blocks]
-    table = torch.cat([torch.tensor([t.data_ptr() for t in tensors], dtype=torch.int64),
-                       torch.tensor(numels, dtype=torch.int64), block_tensor, block_start])
-    table = upload(table, device)
-    k, nb = len(tensors), block_tensor.numel()
-    ptrs, numel_t, block_tensor_d, block_start_d = table[:k], table[k : 2 * k], table[2 * k : 2 * k + nb], table[2 * k + nb :]
+    first_block = [0, *itertools.accumulate(triton.cdiv(n, _BLOCK) for n in numels)]  # [k + 1]
+    table = upload(torch.tensor([*offsets, *numels, *first_block], dtype=torch.int64), device)  # [3k + 1]
     out = torch.zeros(k, dtype=torch.int64, device=device)
-    if nb:
-        partial = torch.empty(nb, dtype=torch.int64, device=device)  # [num blocks]
-        _checksum_blocks_kernel[(nb,)](ptrs, numel_t, block_tensor_d, block_start_d, partial,
-                                       ELEM=elem, BLOCK=_BLOCK, CHUNK_BITS=_CHUNK_BITS, num_warps=4)
-        out.index_add_(0, block_tensor_d, partial)
+    if first_block[-1]:
+        aligned = all(t.data_ptr() % _ALIGN == 0 for t in tensors)
+        _checksum_blocks_kernel[(first_block[-1],)](
+            anchor, table[:k], table[k : 2 * k], table[2 * k :], k, out,
+            ELEM=elem, BLOCK=_BLOCK, CHUNK_BITS=_CHUNK_BITS, ALIGNED=aligned, num_warps=8)
     return out

@@ -57,3 +57,17 @@ def test_checksum_many_rejects_bad_input():
         checksum_many([torch.zeros(4, device=DEVICE), torch.zeros(4, dtype=torch.float16, device=DEVICE)])
     with pytest.raises(ValueError, match="1-, 2- and 4-byte"):
         checksum_many([torch.zeros(4, dtype=torch.float64, device=DEVICE)])
+
+
+def test_checksum_many_finds_each_blocks_tensor_among_many_with_empty_and_unaligned_ones():
+    # Empty tensors between others (their first block equals the next one's), tensors that start at an odd
+    # element offset (no vector loads), and more tensors than a few rounds of the binary search cover.
+    g = torch.Generator().manual_seed(6)
+    backing = (torch.randn(40000, generator=g) * 50).to(torch.float16).to(DEVICE)
+    sizes = [0, 1, 4096, 0, 0, 5000, 3, 8192, 0, 4095, 17, 0]
+    tensors, at = [], 1  # odd start: every tensor's address is 2-byte but not 16-byte aligned
+    for n in sizes * 3:
+        tensors.append(backing[at : at + n])
+        at += n + 1
+    assert torch.equal(checksum_many(tensors).cpu(), _reference(tensors))
+    assert torch.equal(checksum_many(tensors[1:2]).cpu(), _reference(tensors[1:2]))
