@@ -121,6 +121,16 @@ def test_rejection_sampler_greedy_and_no_drafts():
     assert out[:, 0].tolist() == ref_tok.tolist() and torch.allclose(lp[:, 0], ref_lp)
 
 
+def test_untruncated_processing_equals_the_reference():
+    from kernels.sampling_ref import processed_logits_ref
+    from runner.spec_decode.rejection import NO_TRUNCATION, processed_logits
+
+    logits = torch.randn(5, 11, dtype=torch.bfloat16)
+    temp = torch.tensor([0.0, 0.5, 1.0, 1.3, 2.0])
+    args = (temp, torch.zeros(5, dtype=torch.int64), torch.ones(5), torch.zeros(5))
+    assert torch.equal(processed_logits(logits, *args, NO_TRUNCATION), processed_logits_ref(logits, *args))
+
+
 # ---- the engine ----------------------------------------------------------------------------------------------
 @pytest.fixture(scope="module")
 def small_vocab_model(tmp_path_factory):
@@ -270,3 +280,63 @@ def test_auto_off_is_a_config_field(model64):
         args = dict(model=str(model64), dtype="float32", max_num_seqs=8, num_kv_blocks=64, block_size=4)
         engine = Engine(EngineConfig(**args, speculative=SpeculativeConfig(method="mtp", auto_off=flag)))
         assert engine.spec_controller.auto_off is flag
+
+
+# ---- the static-shape (graph) step, run eagerly on the CPU ------------------------------------------------------
+def static_engine(path, spec: SpeculativeConfig, **kw):
+    """An engine whose uniform decode steps take the static-shape path of graphs.py (run eagerly here)."""
+    from runner.spec_decode.graphs import SpecDecodeGraphs
+
+    engine = make_engine(path, spec, **kw)
+    engine.runner.spec.graphs = SpecDecodeGraphs(engine.runner.spec, capture=False)
+    return engine
+
+
+@pytest.mark.parametrize("deterministic", [False, True])
+def test_static_step_equals_eager_step(small_vocab_model, deterministic):
+    """Padded uniform steps (6 rows -> capture size 8) give the eager runner's tokens and acceptance counts:
+    greedy and temperature-1 rows, n = 2, and a batch with a row that opted out (run eagerly). Logprobs are
+    bitwise equal in deterministic mode; otherwise the padded batch and the attention grid sized for
+    max_model_len change float rounding (~1e-6)."""
+    spec = SpeculativeConfig(method="eagle", num_speculative_tokens=3)
+    kw = dict(max_model_len=64, deterministic=deterministic)
+    prompts = [[2, 3, 1], [1, 1], [3, 0, 2, 2, 1]]
+    params = [SamplingParams(temperature=0, max_tokens=14, ignore_eos=True, n=2),
+              SamplingParams(temperature=1.0, max_tokens=14, ignore_eos=True, n=2, seed=7),
+              SamplingParams(temperature=1.0, max_tokens=14, ignore_eos=True, n=2, seed=8)]
+    opted_out = [SamplingParams(temperature=1.0, max_tokens=9, ignore_eos=True, seed=9, speculative=False)]
+
+    def run(engine):
+        outs = engine.generate(prompts, params) + engine.generate(prompts[:2], params[1:2] + opted_out)
+        return [o for r in outs for o in r.outputs]
+
+    static = static_engine(small_vocab_model, spec, **kw)
+    got = run(static)
+    want = run(make_engine(small_vocab_model, spec, **kw))
+    assert [(o.token_ids, o.spec_decode_stats) for o in got] == [(o.token_ids, o.spec_decode_stats) for o in want]
+    for x, y in zip(got, want):
+        if deterministic:
+            assert x.logprobs == y.logprobs
+        else:
+            assert max(abs(u - v) for u, v in zip(x.logprobs, y.logprobs)) < 1e-5
+    graphs = static.runner.spec.graphs
+    assert graphs.num_steps[(8, 3)] > 0
+    hist = static.spec_decode_stats["acceptance_histogram"]
+    assert hist[0] > 0 and sum(hist[1:]) > 0  # rejections and acceptances both exercised
+
+
+def test_static_step_without_drafts_and_greedy_parity(model64):
+    """Look-ahead 0 (auto-off's plain steps) through the static path, and greedy speculation through it
+    equal to plain greedy decoding."""
+    prompts = [[3, 4, 5, 6, 7], [9, 10], [11] * 9]
+    params = SamplingParams(temperature=0, max_tokens=16, ignore_eos=True, n=2)
+    plain = make_engine(model64, max_model_len=64).generate(prompts, params)
+    for k in (0, 3):
+        engine = static_engine(model64, SpeculativeConfig(method="mtp", num_speculative_tokens=3), max_model_len=64)
+        engine.spec_controller.k = k
+        outs = engine.generate(prompts, params)
+        assert engine.runner.spec.graphs.num_steps[(8, k)] > 0
+        for a, b in zip(plain, outs):
+            for x, y in zip(a.outputs, b.outputs):
+                assert x.token_ids == y.token_ids
+                assert max(abs(u - v) for u, v in zip(x.logprobs, y.logprobs)) < 1e-4

@@ -15,7 +15,8 @@ A row with no drafts draws its one token exactly as `sample_ref` does.
 
 Reported logprobs are under the target's processed distribution p (the distribution the output is
 distributed as), for greedy rows the log-softmax of the raw target logits, as in `sample_ref`.
-Not here: choosing how many tokens to draft, the drafter itself, KV rollback.
+With `uses` given, nothing here waits for the device; without truncation (`NO_TRUNCATION`) nothing makes a
+host constant either, so `runner/spec_decode/graphs.py` captures both functions in a CUDA graph. Not here: choosing how many tokens to draft, the drafter itself, KV rollback.
 """
 
 from __future__ import annotations
@@ -27,6 +28,26 @@ from kernels.sampling_ref import counter_uniform, gumbel_noise, processed_logits
 DRAFT_SALT = 0x0D2AF7ED
 ACCEPT_SALT = 0x0ACCE97E
 RESAMPLE_SALT = 0x0E5A3F1E
+
+
+NO_TRUNCATION = (False, False, False)
+"""`uses` of a batch where no row uses top-k, top-p or min-p."""
+
+
+def processed_logits(
+    logits: torch.Tensor,  # [B, V] any float dtype
+    temperature: torch.Tensor,  # [B] f32, 0 = greedy (treated as 1)
+    top_k: torch.Tensor,  # [B] int
+    top_p: torch.Tensor,  # [B] f32
+    min_p: torch.Tensor,  # [B] f32
+    uses: tuple[bool, bool, bool] | None,
+) -> torch.Tensor:
+    """`processed_logits_ref`, float32 [B, V]. Without truncation (uses == NO_TRUNCATION) it computes the same
+    tempered logits without the reference's host-made -inf constant, so a CUDA graph can capture it."""
+    if uses != NO_TRUNCATION:
+        return processed_logits_ref(logits, temperature, top_k, top_p, min_p, uses)
+    temp = torch.where(temperature > 0, temperature, torch.ones_like(temperature)).to(torch.float32)
+    return logits.to(torch.float32) / temp[:, None]
 
 
 def salted_gumbel(seeds: torch.Tensor, positions: torch.Tensor, vocab_size: int, salt: int) -> torch.Tensor:
@@ -49,7 +70,7 @@ def sample_draft(
     Returns (token_ids int64 [B], q float32 [B, V]); greedy rows take the argmax of the raw logits (their q
     is not used by the verifier).
     """
-    processed = processed_logits_ref(logits, temperature, top_k, top_p, min_p, uses)  # [B, V]
+    processed = processed_logits(logits, temperature, top_k, top_p, min_p, uses)  # [B, V]
     q = torch.softmax(processed, dim=-1)
     noisy = processed + salted_gumbel(seeds, positions, logits.shape[-1], DRAFT_SALT)
     tokens = torch.where(temperature <= 0, torch.argmax(logits, dim=-1), torch.argmax(noisy, dim=-1))
@@ -85,8 +106,7 @@ def rejection_sample(
         return x.repeat_interleave(K1)
 
     flat = target_logits.reshape(R * K1, V)
-    processed = processed_logits_ref(flat, per_pos(temperature), per_pos(top_k), per_pos(top_p), per_pos(min_p),
-                                     uses)
+    processed = processed_logits(flat, per_pos(temperature), per_pos(top_k), per_pos(top_p), per_pos(min_p), uses)
     processed = processed.view(R, K1, V)
     p = torch.softmax(processed, dim=-1)  # [R, K1, V]
     greedy = temperature <= 0  # [R]

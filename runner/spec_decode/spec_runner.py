@@ -15,8 +15,12 @@ KV of rejected positions stays in the request's blocks; the scheduler rolls the 
 (`RunnerOutput.num_draft_tokens`), so the next step overwrites it. The drafter's own one-layer KV uses
 the target's block tables and slot mapping. Drafter KV in prefix-cache blocks shared from another request
 is reused as is (its entry at a block's last position may have seen a different next token); that can
-only lower acceptance, never change outputs. Not here: how many tokens to draft (the scheduler and the
-engine's auto-off controller), CUDA-graph capture.
+only lower acceptance, never change outputs.
+
+Uniform decode steps (every row decodes and drafts the same count, no truncation, no top-N logprobs) take
+the static-shape path of `graphs.py` instead: on CUDA a captured graph per padded batch size and draft
+count (not with `enforce_eager`), which computes the same tokens as the steps below. Everything else runs
+eagerly here. Not here: how many tokens to draft (the scheduler and the engine's auto-off controller).
 """
 
 from __future__ import annotations
@@ -28,6 +32,7 @@ from kernels.common import upload
 from rollout.scheduler import RunnerOutput, SchedulerOutput
 from runner.attention import AttentionMetadata
 from runner.spec_decode.drafter import Drafter, load_drafter, new_drafter, rope_for
+from runner.spec_decode.graphs import SpecDecodeGraphs
 from runner.spec_decode.rejection import rejection_sample, sample_draft
 
 
@@ -52,8 +57,12 @@ class SpeculativeRunner:
                                        seed=runner.config.seed)
         self.drafter.eval()
         S, H = runner.config.max_num_seqs, runner.model_config.hidden_size
-        self.draft_hidden = torch.zeros(S, H, dtype=runner.dtype, device=runner.device)  # [S, H] state after the last accepted position
+        # [S + 1, H] drafter state after each slot's last accepted position; row S: graph padding rows' scratch
+        self.draft_hidden = torch.zeros(S + 1, H, dtype=runner.dtype, device=runner.device)
         self.enabled = np.zeros(S, dtype=bool)  # [S] the slot's request speculates
+        self.graphs: SpecDecodeGraphs | None = None  # uniform decode steps through CUDA graphs (graphs.py)
+        if runner.device.type == "cuda" and not runner.config.enforce_eager:
+            self.graphs = SpecDecodeGraphs(self, capture=True)
 
     # ---- KV cache ------------------------------------------------------------------------------------
     def kv_bytes_per_block(self) -> int:
@@ -65,11 +74,15 @@ class SpeculativeRunner:
         shape = (num_blocks, r.block_size, cfg.num_kv_heads, cfg.head_dim)
         self.kv_cache = tuple(torch.zeros(shape, dtype=r.dtype, device=r.device) for _ in range(2))
         self.drafter.bind_kv_cache(*self.kv_cache)
+        if self.graphs is not None:  # captured against the old caches
+            self.graphs.release()
 
     def replace_drafter(self, drafter: Drafter) -> None:
         """Serve `drafter` from the next step on (it takes over the existing drafter KV cache)."""
         drafter.bind_kv_cache(*self.kv_cache)
         self.drafter = drafter.eval()
+        if self.graphs is not None:
+            self.graphs.release()
 
     # ---- one step ------------------------------------------------------------------------------------
     def execute(self, sched: SchedulerOutput) -> RunnerOutput:
@@ -78,7 +91,6 @@ class SpeculativeRunner:
         for new in sched.new_reqs:
             self.enabled[ib.slot_of[new.req_id]] = new.params.speculative
         inputs = ib.gather(sched)
-        meta = r.prepare(inputs)
         T = inputs.input_ids.shape[0]
         cu = inputs.query_start_loc.astype(np.int64)  # [B + 1]
         rows = inputs.sample_rows  # [R] batch rows that sample
@@ -88,7 +100,15 @@ class SpeculativeRunner:
         num_drafts = n_sched[rows] - (ib.num_tokens[slots_r] - ib.num_computed_tokens[slots_r])  # [R]
         assert (num_drafts >= 0).all() and self.enabled[slots_r[num_drafts > 0]].all()
         K = int(num_drafts.max()) if R else 0
+        top_n = int(ib.top_logprobs[slots_r].max()) if R else 0
+        uses = ib.truncation_uses(slots_r, r.model_config.vocab_size)
 
+        size = self._graph_size(inputs, n_sched, num_drafts, K, top_n, uses)
+        if size is not None:
+            output_ids, num_accepted, logprobs = self.graphs.run(inputs, K, size)
+            return self._finish(inputs, output_ids, num_accepted, logprobs, None, num_drafts)
+
+        meta = r.prepare(inputs)
         if K > 0:
             drafts, q = self._propose(inputs, num_drafts, R, K)  # [R, K], [R, K, V]
             d_rows, d_j = np.nonzero(np.arange(K)[None, :] < num_drafts[:, None])
@@ -98,13 +118,11 @@ class SpeculativeRunner:
         hidden, aux = target.forward_with_aux(b.input_ids[:T], b.positions[:T], meta, self.drafter.aux_layers)
 
         last = cu[rows + 1] - 1  # [R] flat index of each sampling row's last token
-        base = _upload(last - num_drafts, dev)  # [R] flat index of the row's last accepted token
         if R:
-            top_n = int(ib.top_logprobs[slots_r].max())
             if K == 0:
                 tokens, logprobs, top = r.sampler(
                     target.compute_logits(hidden[b.logits_indices[:R]]), b.temperature[:R], b.top_k[:R],
-                    b.top_p[:R], b.min_p[:R], b.seeds[:R], b.sample_positions[:R], top_n,
+                    b.top_p[:R], b.min_p[:R], b.seeds[:R], b.sample_positions[:R], top_n, truncation=any(uses),
                 )
                 output_ids, logprobs = tokens[:, None], logprobs[:, None]  # [R, 1]
                 num_accepted = torch.zeros(R, dtype=torch.int64, device=dev)
@@ -114,13 +132,30 @@ class SpeculativeRunner:
                 logits = target.compute_logits(hidden[_upload(idx.reshape(-1), dev)])
                 output_ids, num_accepted, logprobs, top = rejection_sample(
                     logits.view(R, K + 1, -1), drafts, q, _upload(num_drafts, dev), b.temperature[:R],
-                    b.top_k[:R], b.top_p[:R], b.min_p[:R], b.seeds[:R], b.sample_positions[:R], top_n,
-                    uses=ib.truncation_uses(slots_r, r.model_config.vocab_size),
+                    b.top_k[:R], b.top_p[:R], b.min_p[:R], b.seeds[:R], b.sample_positions[:R], top_n, uses=uses,
                 )
-        self._catch_up(inputs, meta, hidden, aux, base, output_ids if R else None, num_accepted if R else None)
+        pending = np.setdiff1d(np.arange(cu.shape[0] - 1), rows)  # rows still prefilling
+        prompt_next = None
+        if pending.shape[0]:
+            known = ib.token_ids[inputs.slots[pending], inputs.seq_lens[pending].astype(np.int64)]  # next prompt token
+            prompt_next = (_upload(cu[pending + 1] - 1, dev), _upload(known, dev))
         if R == 0:
+            self.catch_up(b.input_ids[:T], b.positions[:T], meta, hidden, aux, prompt_next=prompt_next)
             return RunnerOutput(req_ids=[], sampled_token_ids=[])
+        stop = _upload(last - num_drafts, dev) + num_accepted  # [R] flat index of each row's last accepted position
+        self.catch_up(b.input_ids[:T], b.positions[:T], meta, hidden, aux, stop,
+                      output_ids.gather(1, num_accepted[:, None])[:, 0], _upload(slots_r, dev), prompt_next)
         return self._finish(inputs, output_ids, num_accepted, logprobs, top, num_drafts)
+
+    def _graph_size(self, inputs, n_sched, num_drafts, K, top_n, uses) -> int | None:
+        """The padded size when this step takes the static-shape path (`graphs.py`), else None: every row
+        decodes and drafts K tokens, no top-N logprobs, no truncation, and a capture size fits."""
+        if self.graphs is None or top_n > 0 or any(uses):
+            return None
+        B = inputs.slots.shape[0]
+        if num_drafts.shape[0] != B or not (num_drafts == K).all() or not (n_sched == K + 1).all():
+            return None
+        return self.graphs.padded_size(B, K)
 
     def _propose(self, inputs, num_drafts: np.ndarray, R: int, K: int) -> tuple[torch.Tensor, torch.Tensor]:
         """Draft up to K tokens for each sampling row (row r: num_drafts[r]); returns ([R, K], q [R, K, V])."""
@@ -171,32 +206,28 @@ class SpeculativeRunner:
             deterministic=self.runner.config.deterministic,
         )
 
-    def _catch_up(self, inputs, meta, hidden, aux, base, output_ids, num_accepted) -> None:
-        """Run the drafter over every token of the step with the true next token; save sampling slots' state.
+    def catch_up(self, ids, positions, meta, hidden, aux, stop=None, stop_tokens=None, state=None,
+                 prompt_next=None) -> None:
+        """Run the drafter over every token of the step with the token after it; save the sampling rows' state.
 
-        Positions after a row's last accepted token get a wrong next token; their drafter KV is rolled back
-        with the target's. base [R] flat index of each sampling row's first verified position.
+        ids, positions [T]: the step's tokens (drafts included). stop [R]: flat index of each sampling row's
+        last accepted position, stop_tokens [R]: the new token after it, state [R]: the draft_hidden rows to
+        save to (all None: no row samples). prompt_next: (flat index [A], token [A]) of prefilling rows' last
+        token and the prompt token after it. Positions after a row's stop get a wrong next token; their
+        drafter KV is rolled back with the target's. No host sync.
         """
-        r, ib, b = self.runner, self.runner.input_batch, self.runner.buffers
-        target, dev = r.model, r.device
-        T = inputs.input_ids.shape[0]
-        cu = inputs.query_start_loc.astype(np.int64)
-        next_ids = torch.zeros(T, dtype=torch.int64, device=dev)  # [T] token after each position
-        next_ids[:-1] = b.input_ids[1:T]
-        pending = np.setdiff1d(np.arange(cu.shape[0] - 1), inputs.sample_rows)  # rows still prefilling
-        if pending.shape[0]:
-            slots = inputs.slots[pending]
-            known = ib.token_ids[slots, inputs.seq_lens[pending].astype(np.int64)]  # the next prompt token
-            next_ids[_upload(cu[pending + 1] - 1, dev)] = _upload(known, dev)
-        if output_ids is not None:
-            stop = base + num_accepted  # [R] flat index of each row's last accepted position
-            next_ids[stop] = output_ids.gather(1, num_accepted[:, None]).squeeze(1)
+        target = self.runner.model
+        next_ids = torch.zeros_like(ids)  # [T] token after each position
+        next_ids[:-1] = ids[1:]
+        if prompt_next is not None:
+            next_ids[prompt_next[0]] = prompt_next[1]
+        if stop is not None:
+            next_ids[stop] = stop_tokens
         features = self.drafter.target_features(hidden, aux)
         out = self.drafter(target.model.embed_tokens(next_ids), features,
-                           rope_for(target, b.positions[:T], hidden.dtype), meta)  # [T, H]
-        if output_ids is not None:
-            slots_t = _upload(inputs.slots[inputs.sample_rows], dev)
-            self.draft_hidden[slots_t] = out[stop]
+                           rope_for(target, positions, hidden.dtype), meta)  # [T, H]
+        if stop is not None:
+            self.draft_hidden[state] = out[stop]
 
     def _finish(self, inputs, output_ids, num_accepted, logprobs, top, num_drafts) -> RunnerOutput:
         R, K1 = output_ids.shape

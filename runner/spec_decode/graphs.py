@@ -1,0 +1,198 @@
+"""CUDA-graph capture of uniform speculative decode steps, and the static-shape step the graphs hold.
+
+A step is uniform when every request of the batch decodes (one uncomputed token, so it samples) and
+drafts the same number d of tokens, 0 <= d <= k: every row has exactly d + 1 query tokens. Such a batch of
+B rows is padded to the next capture size P (`runner.cuda_graph.capture_sizes`, among those whose
+P * (d + 1) tokens fit the step buffers) and run by `static_step(P, d)`, whose shapes depend on (P, d) only:
+
+    h = draft_hidden[sample_slots]           [P, H] each row's drafter state (padding rows: scratch row S)
+    d times: sample_draft, drafter step      one token per row, every row active (as the eager `_propose`);
+                                             drafts are written into the step's input ids
+    hidden, aux = target(input ids)          [P * (d + 1), H], q_len d + 1, attention grid for max_model_len
+    rejection_sample (d > 0) | sampler       output_ids [P, d + 1], num_accepted [P], logprobs [P, d + 1]
+    catch-up drafter over every position     draft_hidden[sample_slots] = its output at the last accepted one
+
+Every input comes from persistent device buffers: the runner's `StepBuffers` (tokens, positions, KV
+slots, query offsets, context lengths, full-width block tables, sampling parameters), where `sample_slots`
+holds each row's draft_hidden row, filled with the usual three non-blocking copies. Padded rows are a
+request of d + 1 tokens at positions 0..d whose block table is all block 0 and whose KV slots are -1: they
+read finite cache entries, write no KV and only touch the scratch state row; their outputs are dropped.
+Nothing in the step waits for the device or has a data-dependent shape.
+
+On CUDA (`capture=True`) each (P, d) is captured lazily, the first time a uniform step of that shape
+occurs: warm-up and capture run over an all-padding batch (so they change no request's KV or drafter
+state), then the real step is staged and replayed. All graphs share one memory pool. With capture=False
+the same function runs eagerly (the CPU tests check it against the eager runner this way).
+
+Not here (run eagerly by `SpeculativeRunner.execute`): batches whose rows draft different counts (a row
+that opted out or is near its length limit, next to drafting rows), prefill chunks, top-N logprobs, and
+rows with top-k / top-p / min-p (`processed_logits_ref` makes a host constant, which stream capture does
+not allow).
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from collections import Counter
+
+import numpy as np
+import torch
+
+from runner.attention import AttentionMetadata
+from runner.cuda_graph import capture_sizes
+from runner.input_batch import StepInputs
+from runner.spec_decode.drafter import rope_for
+from runner.spec_decode.rejection import NO_TRUNCATION, rejection_sample, sample_draft
+from runner.step_buffers import StepBuffers
+
+logger = logging.getLogger(__name__)
+
+
+class SpecDecodeGraphs:
+    def __init__(self, spec, capture: bool) -> None:
+        r = spec.runner
+        self.spec = spec
+        self.capture = capture
+        """True: capture and replay CUDA graphs; False: run `static_step` eagerly."""
+        self.sizes = capture_sizes(r.config.max_num_seqs)
+        self.max_tokens = r.buffers.input_ids.shape[0]
+        self.scratch_row = r.config.max_num_seqs  # draft_hidden row of padding rows
+        self.row_index = torch.arange(self.sizes[-1] + 1, dtype=torch.int64, device=r.device)  # [max P + 1]
+        self.graphs: dict[tuple[int, int], torch.cuda.CUDAGraph] = {}  # (P, d) -> graph
+        self.outputs: dict[tuple[int, int], tuple[torch.Tensor, torch.Tensor, torch.Tensor]] = {}
+        self.pool = None
+        self.num_steps: Counter[tuple[int, int]] = Counter()
+        """Steps run through this path, per (P, d)."""
+
+    def padded_size(self, num_reqs: int, num_drafts: int) -> int | None:
+        """The capture size a uniform batch of `num_reqs` rows with `num_drafts` drafts each runs at, or None."""
+        return next((s for s in self.sizes if s >= num_reqs and s * (num_drafts + 1) <= self.max_tokens), None)
+
+    def run(self, inputs: StepInputs, num_drafts: int, size: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """One uniform step of B rows padded to `size`: (output_ids [B, d + 1], num_accepted [B],
+        logprobs [B, d + 1]) on the device, valid until the next step."""
+        key = (size, num_drafts)
+        if self.capture and key not in self.graphs:
+            self._capture(size, num_drafts)
+        self._stage(inputs, num_drafts, size)
+        if self.capture:
+            self.graphs[key].replay()
+            out = self.outputs[key]
+        else:
+            out = self.static_step(size, num_drafts)
+        self.num_steps[key] += 1
+        B = inputs.slots.shape[0]
+        return out[0][:B], out[1][:B], out[2][:B]
+
+    def release(self) -> None:
+        """Drop the graphs (they hold the drafter's parameters; a new drafter needs new graphs)."""
+        self.graphs.clear()
+        self.outputs.clear()
+        self.pool = None
+
+    # ---- inputs ----------------------------------------------------------------------------------------
+    def _stage(self, inputs: StepInputs, num_drafts: int, size: int) -> None:
+        """Stage the step's rows and the padding rows up to `size`, then upload (three non-blocking copies)."""
+        r = self.spec.runner
+        r._stage(inputs)
+        StepBuffers.put(r.buffers.host.sample_slots, inputs.slots)
+        self._fill_padding(inputs.slots.shape[0], size, num_drafts)
+        r.buffers.upload(size)
+
+    def _fill_padding(self, start: int, end: int, num_drafts: int) -> None:
+        """Make rows [start, end) padding rows of num_drafts + 1 tokens in the host staging."""
+        h, K1 = self.spec.runner.buffers.host, num_drafts + 1
+        tokens = slice(start * K1, end * K1)
+        h.query_start_loc[start : end + 1] = np.arange(start, end + 1) * K1
+        h.input_ids[tokens] = 0
+        h.positions[tokens] = np.tile(np.arange(K1), end - start)
+        h.slot_mapping[tokens] = -1
+        h.seq_lens[start:end] = K1
+        h.block_tables[start:end] = 0
+        h.temperature[start:end] = 1.0
+        h.top_k[start:end] = 0
+        h.top_p[start:end] = 1.0
+        h.min_p[start:end] = 0.0
+        h.seeds[start:end] = 0
+        h.sample_positions[start:end] = 0
+        h.sample_slots[start:end] = self.scratch_row
+
+    # ---- the step ----------------------------------------------------------------------------------------
+    @torch.inference_mode()
+    def static_step(self, size: int, num_drafts: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """The uniform step over the first `size` rows of the step buffers (what a graph captures).
+
+        Returns (output_ids int64 [P, d + 1] with -1 after each row's last new token, num_accepted int64 [P],
+        logprobs f32 [P, d + 1])."""
+        spec, r = self.spec, self.spec.runner
+        b, target, drafter = r.buffers, r.model, spec.drafter
+        P, d, K1 = size, num_drafts, num_drafts + 1
+        T = P * K1
+        ids, positions, slots = b.input_ids[:T], b.positions[:T], b.slot_mapping[:T]
+        sampling = (b.temperature[:P], b.top_k[:P], b.top_p[:P], b.min_p[:P])
+        seeds, out_pos, state = b.seeds[:P], b.sample_positions[:P], b.sample_slots[:P]
+        meta = self._meta(b.query_start_loc[: P + 1], b.seq_lens[:P], slots, K1)
+        if d:
+            h = spec.draft_hidden[state]  # [P, H]
+            last_pos = positions.view(P, K1)[:, 0]  # [P] position of each row's last token
+            drafts, qs = [], []
+            for j in range(d):
+                tokens, q_j = sample_draft(target.compute_logits(h), *sampling, seeds, out_pos + j, uses=NO_TRUNCATION)
+                drafts.append(tokens)
+                qs.append(q_j)
+                if j + 1 < d:  # the drafter reads its own output as h at the positions not verified yet
+                    pos_j = last_pos + j  # [P]
+                    meta_j = self._meta(self.row_index[: P + 1], pos_j + 1, slots.view(P, K1)[:, j].contiguous(), 1)
+                    h = drafter(target.model.embed_tokens(tokens), h, rope_for(target, pos_j, h.dtype), meta_j)
+            draft_ids = torch.stack(drafts, dim=1)  # [P, d]
+            ids.view(P, K1)[:, 1:] = draft_ids
+        hidden, aux = target.forward_with_aux(ids, positions, meta, drafter.aux_layers)
+        logits = target.compute_logits(hidden)  # [T, V]
+        if d:
+            num = torch.full((P,), d, dtype=torch.int64, device=r.device)
+            output_ids, num_accepted, logprobs, _ = rejection_sample(
+                logits.view(P, K1, -1), draft_ids, torch.stack(qs, dim=1), num, *sampling, seeds, out_pos,
+                uses=NO_TRUNCATION,
+            )
+        else:
+            tokens, token_logprobs, _ = r.sampler(logits, *sampling, seeds, out_pos, truncation=False)
+            output_ids, logprobs = tokens[:, None], token_logprobs.float()[:, None]
+            num_accepted = torch.zeros(P, dtype=torch.int64, device=r.device)
+        stop = self.row_index[:P] * K1 + num_accepted  # [P] flat index of each row's last accepted position
+        spec.catch_up(ids, positions, meta, hidden, aux, stop, output_ids.gather(1, num_accepted[:, None])[:, 0], state)
+        return output_ids, num_accepted, logprobs
+
+    def _meta(self, query_start_loc, seq_lens, slot_mapping, max_query_len: int) -> AttentionMetadata:
+        """Metadata over the full-width block tables with the grid sized for max_model_len (static shapes)."""
+        r = self.spec.runner
+        return AttentionMetadata(
+            query_start_loc=query_start_loc, seq_lens=seq_lens, block_tables=r.buffers.block_tables[: seq_lens.shape[0]],
+            slot_mapping=slot_mapping, max_query_len=max_query_len, max_seq_len=r.max_model_len,
+            deterministic=r.config.deterministic,
+        )
+
+    # ---- capture -------------------------------------------------------------------------------------------
+    def _capture(self, size: int, num_drafts: int) -> None:
+        """Capture (size, num_drafts) over an all-padding batch. The warm-up runs outside the capture compile
+        the kernels; neither they nor the capture touch a request's KV or drafter state."""
+        start = time.perf_counter()
+        self._fill_padding(0, size, num_drafts)
+        self.spec.runner.buffers.upload(size)
+        torch.cuda.synchronize()
+        stream = torch.cuda.Stream()
+        stream.wait_stream(torch.cuda.current_stream())
+        with torch.cuda.stream(stream):
+            for _ in range(2):
+                self.static_step(size, num_drafts)
+        torch.cuda.current_stream().wait_stream(stream)
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph, pool=self.pool):
+            out = self.static_step(size, num_drafts)
+        if self.pool is None:
+            self.pool = graph.pool()
+        torch.cuda.synchronize()
+        self.graphs[(size, num_drafts)] = graph
+        self.outputs[(size, num_drafts)] = out
+        logger.info("captured speculative decode graph (batch %d, %d drafts) in %.2f s", size, num_drafts,
+                    time.perf_counter() - start)
