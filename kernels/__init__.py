@@ -5,6 +5,7 @@ Layout, per kernel family `x`:
                 dtypes and strides before launching;
   - `x_ref.py`  the plain-torch reference with the same contract. The references are also the engine's
                 CPU path, so they import without Triton.
-`common.py` holds torch-only helpers the launchers share with their callers. Only the CUDA paths of
+`matmul.py` is the exception: deterministic mode's linear layer is cuBLAS over fixed-shape row blocks
+(torch-only; see its docstring). `common.py` holds torch-only helpers the launchers share with their callers. Only the CUDA paths of
 `runner/` and `weight_updates/` import the Triton files.
 """

@@ -34,15 +34,20 @@ def _silu_and_mul_kernel(x_ptr, out_ptr, stride_x, stride_o, inter, BLOCK: tl.co
     tl.store(out_ptr + row * stride_o + cols, out, mask=mask)
 
 
-def silu_and_mul(x: torch.Tensor) -> torch.Tensor:
-    """x [..., 2 * I] (gate, then up) -> new [..., I] in x's dtype."""
+def silu_and_mul(x: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tensor:
+    """x [..., 2 * I] (gate, then up) -> [..., I] in x's dtype: `out` ([N, I], N rows of x, contiguous) when
+    given, else a new tensor."""
     if x.dim() < 1 or x.dtype not in _DTYPES or x.shape[-1] % 2:
         raise ValueError(f"x must be [..., 2 * I] of {_DTYPES}; got {x.dtype} {tuple(x.shape)}")
     if x.stride(-1) != 1:
         raise ValueError("x must be contiguous in its last dimension")
     inter = x.shape[-1] // 2
     x2 = x.reshape(-1, x.shape[-1])
-    out = torch.empty((x2.shape[0], inter), dtype=x.dtype, device=x.device)
+    if out is None:
+        out = torch.empty((x2.shape[0], inter), dtype=x.dtype, device=x.device)
+    if out.shape != (x2.shape[0], inter) or out.dtype != x.dtype or out.device != x.device or not out.is_contiguous():
+        raise ValueError(f"out must be a contiguous [{x2.shape[0]}, {inter}] {x.dtype} tensor on {x.device}; got "
+                         f"{out.dtype} {tuple(out.shape)} on {out.device}")
     if x2.shape[0] and inter:
         grid = (x2.shape[0], triton.cdiv(inter, _BLOCK))
         _silu_and_mul_kernel[grid](x2, out, x2.stride(0), out.stride(0), inter, BLOCK=_BLOCK, num_warps=4)

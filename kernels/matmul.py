@@ -1,66 +1,52 @@
-"""Batch-invariant matmul in Triton (deterministic mode's linear layers on CUDA).
+"""Batch-invariant linear layer on CUDA (deterministic mode): cuBLAS over fixed-shape row blocks.
 
-`F.linear` lets cuBLAS pick kernels, tile shapes and split-K by the number of rows, so a row can round
-differently in a batch of 1 and a batch of 256. Here the tiles, warps and stages depend on the weight's
-shape alone (narrower column tiles for narrow weights, so that small projections still fill the GPU), every
-launch walks K in the same fixed order with no split-K, and M is never specialised on, so the compiled
-kernel does not change with the batch. A row's result then depends on that row and the weight only.
-Used by the engine and by the trainer's forward in deterministic mode; `kernels/matmul_ref.py` is the CPU
-counterpart (same contract, its own fixed order). Not here: a fast general GEMM, fp8, autotuning (tuning
-by shape would defeat the point).
+A GEMM library picks its kernel — tile shape, split-K, and so the summation order — by the problem's
+shape, so with `F.linear` a row can round differently in a batch of 1 and a batch of 256. Here the
+library never sees a different shape for a given weight: the input's rows are cut into blocks of exactly
+`ROWS` rows (the last block zero-padded), and each block is one GEMM `[ROWS, K] x [K, N]` whose operands
+sit at 16-byte-aligned addresses. The padding rows hold whatever the memory held: a row's result never
+depends on another row, and the padding rows' results are dropped. An input allocated by `padded_rows`
+already has its blocks and is read in place; any other input is staged into a padded copy. The library picks the same kernel for every such call, and a GEMM
+kernel computes an output row from that row and the weight alone (tiles and split-K partition the output
+and K, never mix rows), so a row's result depends on the row and the weight only: the same in decode at
+any batch size, in chunked prefill, and in the trainer's full-sequence forward. `ROWS` = 256 keeps a
+decode step's GEMMs at the cost of a 256-row batch (about that of a 64-row one: all of them are bound by
+reading the weights on a large GPU) while a long prefill runs at full GEMM efficiency.
+
+Used by the engine and by the trainer's forward in deterministic mode, always through this function with
+the same `ROWS`. `kernels/matmul_ref.py` is the CPU counterpart (same contract, its own fixed order).
+Torch-only (no Triton); not here: a general GEMM, fp8, tensor-parallel sharding.
 """
 
 from __future__ import annotations
 
 import torch
-import triton
-import triton.language as tl
 
 _DTYPES = (torch.float16, torch.bfloat16, torch.float32)
-BLOCK_M, BLOCK_K = 64, 64
-_TARGET_PROGRAMS = 128  # column tiles wanted per row tile: about one per SM of a large GPU
+ROWS = 256  # rows of every GEMM call; part of the numerics contract between engine and trainer
+_ALIGN = 16  # bytes; the GEMM library picks vectorised kernels by operand alignment up to this
 
 
-def block_n(n: int) -> int:
-    """Column tile for a weight of n rows: the widest of 64 / 32 / 16 that still gives ~_TARGET_PROGRAMS tiles.
-    A function of the weight alone, never of the batch."""
-    for width in (64, 32):
-        if triton.cdiv(n, width) >= _TARGET_PROGRAMS:
-            return width
-    return 16
+def _aligned(t: torch.Tensor) -> bool:
+    return t.data_ptr() % _ALIGN == 0
 
 
-@triton.jit(do_not_specialize=["M"])
-def _batch_invariant_matmul_kernel(
-    x_ptr, w_ptr, b_ptr, out_ptr, M, N, K,
-    stride_xm, stride_wn, stride_om,
-    HAS_BIAS: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
-    IEEE: tl.constexpr,
-):
-    pid_m = tl.program_id(0)
-    pid_n = tl.program_id(1)
-    rows = pid_m.to(tl.int64) * BLOCK_M + tl.arange(0, BLOCK_M)
-    cols = pid_n.to(tl.int64) * BLOCK_N + tl.arange(0, BLOCK_N)
-    ks = tl.arange(0, BLOCK_K)
-    acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
-    for k0 in range(0, K, BLOCK_K):
-        k = k0 + ks
-        x = tl.load(x_ptr + rows[:, None] * stride_xm + k[None, :], mask=(rows[:, None] < M) & (k[None, :] < K),
-                    other=0.0)  # [BLOCK_M, BLOCK_K]
-        w = tl.load(w_ptr + cols[None, :] * stride_wn + k[:, None], mask=(cols[None, :] < N) & (k[:, None] < K),
-                    other=0.0)  # [BLOCK_K, BLOCK_N]
-        if IEEE:
-            acc = tl.dot(x, w, acc, input_precision="ieee")
-        else:
-            acc = tl.dot(x, w, acc)
-    if HAS_BIAS:
-        acc += tl.load(b_ptr + cols, mask=cols < N, other=0.0).to(tl.float32)[None, :]
-    tl.store(out_ptr + rows[:, None] * stride_om + cols[None, :], acc.to(out_ptr.dtype.element_ty),
-             mask=(rows[:, None] < M) & (cols[None, :] < N))
+def padded_rows(rows: int, cols: int, dtype: torch.dtype, device: torch.device | str) -> torch.Tensor:
+    """An empty [rows, cols] tensor whose storage holds whole blocks of ROWS rows. Producers of linear
+    inputs allocate their outputs with it in deterministic mode, so `batch_invariant_linear` reads the
+    blocks in place instead of staging a padded copy (the rows past `rows` are scratch)."""
+    return torch.empty(-(-rows // ROWS) * ROWS, cols, dtype=dtype, device=device)[:rows]
+
+
+def _rows_in_storage(x2: torch.Tensor) -> int:
+    """Rows of x2's width from x2's first element to the end of its storage."""
+    row_bytes = x2.shape[1] * x2.element_size()
+    return (x2.untyped_storage().nbytes() - x2.storage_offset() * x2.element_size()) // max(row_bytes, 1)
 
 
 def batch_invariant_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
-    """x [..., K], weight [N, K], bias [N] or None -> new [..., N] in x's dtype (fp32 accumulation)."""
+    """x [..., K], weight [N, K], bias [N] or None -> new [..., N] in x's dtype, computed in GEMMs of
+    exactly ROWS rows."""
     if x.dtype not in _DTYPES or weight.dtype != x.dtype:
         raise ValueError(f"x and weight must share one of {_DTYPES}; got {x.dtype} and {weight.dtype}")
     if weight.dim() != 2 or x.shape[-1] != weight.shape[1]:
@@ -69,22 +55,25 @@ def batch_invariant_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Te
         raise ValueError(f"bias must be [{weight.shape[0]}] {x.dtype}; got {bias.dtype} {tuple(bias.shape)}")
     if x.device != weight.device or (bias is not None and bias.device != x.device):
         raise ValueError("x, weight and bias must be on one device")
-    if weight.stride(1) != 1:
-        raise ValueError("weight must be contiguous in K")
+    if not weight.is_contiguous() or not _aligned(weight) or (bias is not None and not (bias.is_contiguous() and _aligned(bias))):
+        raise ValueError("weight and bias must be contiguous and 16-byte aligned")
     lead = x.shape[:-1]
-    x2 = x.reshape(-1, x.shape[-1])
-    if x2.stride(1) != 1:
-        x2 = x2.contiguous()
-    M, K = x2.shape
-    N = weight.shape[0]
-    out = torch.empty((M, N), dtype=x.dtype, device=x.device)
-    if M:
-        bn = block_n(N)
-        grid = (triton.cdiv(M, BLOCK_M), triton.cdiv(N, bn))
-        _batch_invariant_matmul_kernel[grid](
-            x2, weight, bias if bias is not None else weight, out, M, N, K,
-            x2.stride(0), weight.stride(0), out.stride(0),
-            HAS_BIAS=bias is not None, BLOCK_M=BLOCK_M, BLOCK_N=bn, BLOCK_K=BLOCK_K,
-            IEEE=x.dtype == torch.float32, num_warps=4, num_stages=3,
-        )
-    return out.view(*lead, N)
+    x2 = x.reshape(-1, x.shape[-1])  # [M, K]
+    m, k = x2.shape
+    n = weight.shape[0]
+    padded = -(-m // ROWS) * ROWS
+    if x2.is_contiguous() and _aligned(x2) and _rows_in_storage(x2) >= padded:
+        x2 = x2.as_strided((padded, k), (k, 1))  # [padded, K]: the rows past m are the storage's scratch
+    else:
+        staged = torch.empty(padded, k, dtype=x.dtype, device=x.device)  # [padded, K]; rows past m unused
+        staged[:m] = x2
+        x2 = staged
+    out = torch.empty(padded, n, dtype=x.dtype, device=x.device)  # [padded, N]
+    wt = weight.t()  # [K, N] view
+    for start in range(0, padded, ROWS):
+        block = slice(start, start + ROWS)
+        if bias is None:
+            torch.mm(x2[block], wt, out=out[block])
+        else:
+            torch.addmm(bias, x2[block], wt, out=out[block])
+    return out[:m].view(*lead, n)

@@ -56,12 +56,21 @@ def _check(x: torch.Tensor, weight: torch.Tensor) -> None:
         raise ValueError("x and weight must be contiguous in the hidden dimension")
 
 
-def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
-    """x [..., H], weight [H] (same dtype) -> new [..., H] in x's dtype."""
+def _check_out(out: torch.Tensor, like: torch.Tensor) -> None:
+    if out.shape != like.shape or out.dtype != like.dtype or out.device != like.device or not out.is_contiguous():
+        raise ValueError(f"out must be a contiguous {tuple(like.shape)} {like.dtype} tensor on {like.device}; got "
+                         f"{out.dtype} {tuple(out.shape)} on {out.device}")
+
+
+def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float, out: torch.Tensor | None = None) -> torch.Tensor:
+    """x [..., H], weight [H] (same dtype) -> [..., H] in x's dtype: `out` ([N, H], N rows of x) when given,
+    else a new tensor."""
     _check(x, weight)
     hidden = x.shape[-1]
     x2d = x.reshape(-1, hidden)  # [N, H]
-    out = torch.empty_like(x2d)
+    if out is None:
+        out = torch.empty_like(x2d)
+    _check_out(out, x2d)
     if x2d.shape[0]:
         _rms_norm_kernel[(x2d.shape[0],)](
             x2d, x2d, weight, out, out,
@@ -76,15 +85,18 @@ def fused_add_rms_norm(
     residual: torch.Tensor,  # [T, H]
     weight: torch.Tensor,  # [H]
     eps: float,
+    out: torch.Tensor | None = None,  # [T, H]: where the normalized rows go; a new tensor when None
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """Returns new tensors (rms_norm(x + residual), x + residual), both [T, H] in x's dtype."""
+    """Returns (rms_norm(x + residual), x + residual), both [T, H] in x's dtype; the sum is a new tensor."""
     _check(x, weight)
     if x.dim() != 2 or residual.shape != x.shape or residual.dtype != x.dtype or residual.device != x.device:
         raise ValueError(f"x and residual must both be [T, H] {x.dtype} on one device; got {tuple(x.shape)} "
                          f"and {residual.dtype} {tuple(residual.shape)} on {residual.device}")
     if residual.stride(-1) != 1:
         raise ValueError("residual must be contiguous in the hidden dimension")
-    out = torch.empty_like(x, memory_format=torch.contiguous_format)
+    if out is None:
+        out = torch.empty_like(x, memory_format=torch.contiguous_format)
+    _check_out(out, x)
     summed = torch.empty_like(out)
     if x.shape[0]:
         _rms_norm_kernel[(x.shape[0],)](

@@ -102,6 +102,13 @@ def _running_argmax(best, best_idx, values, start):
 
 
 @triton.jit
+def _lane_argmax(values, idx):
+    """(max, first token holding it) of per-lane running maxima `values` with their tokens `idx`."""
+    best = tl.max(values, 0)
+    return best, tl.min(tl.where(values == best, idx, 2147483647), 0)
+
+
+@triton.jit
 def _raw_max(row_ptr, vocab, BLOCK_V: tl.constexpr):
     """(max, first argmax) of a row's raw logits."""
     best = tl.full([], float("-inf"), tl.float32)
@@ -205,40 +212,14 @@ def _sample_kernel(
     tl.store(row_min_p_ptr + row, min_p)
 
 
-@triton.jit
-def _token_logprob_kernel(
-    logits_ptr, temperature_ptr, token_ptr, out_ptr, stride_row, vocab, BLOCK_V: tl.constexpr,
-):
-    """The logprob `_sample_kernel` reports for a row without truncation, for a given token, computed with
-    the same passes in the same order (so the two agree bitwise on the same logits)."""
-    row = tl.program_id(0)
-    row_ptr = logits_ptr + row.to(tl.int64) * stride_row
-    temperature = tl.load(temperature_ptr + row).to(tl.float32)
-    temp = tl.where(temperature <= 0.0, 1.0, temperature)
-    best_raw, _ = _raw_max(row_ptr, vocab, BLOCK_V)
-    row_max = tl.math.div_rn(best_raw, temp)
-    kept_sum = tl.zeros([BLOCK_V], tl.float32)
-    for start in range(0, vocab, BLOCK_V):
-        offs = start + tl.arange(0, BLOCK_V)
-        mask = offs < vocab
-        x = _tempered(row_ptr, offs, mask, temp)
-        e = tl.exp(x - row_max)
-        keep = mask & (x >= float("-inf")) & (e >= 0.0)
-        kept_sum += tl.where(keep, e, 0.0)
-    lse = tl.log(tl.sum(kept_sum, 0))
-    token = tl.load(token_ptr + row)
-    x_token = tl.math.div_rn(tl.load(row_ptr + token).to(tl.float32), temp)
-    tl.store(out_ptr + row, x_token - row_max - lse)
-
-
 def token_logprobs(
     logits: torch.Tensor,  # [N, V] float16 / bfloat16 / float32
     token_ids: torch.Tensor,  # [N] int64
     temperature: torch.Tensor,  # [N] float32; <= 0 means raw logits (greedy rows)
 ) -> torch.Tensor:
-    """log_softmax(logits / temperature)[row, token] as `sample` computes it for rows without top-k / top-p /
-    min-p: float32 [N], bitwise equal to the sampler's logprob of the same token on the same logits (the
-    trainer side of deterministic mode scores sequences with it)."""
+    """log_softmax(logits / temperature)[row, token] as `sample_untruncated` computes it: float32 [N],
+    bitwise equal to that sampler's logprob of the same token on the same logits — the same chunk kernel
+    (without its noise) and the same merge (the trainer side of deterministic mode scores sequences with it)."""
     if logits.dim() != 2 or logits.dtype not in _LOGIT_DTYPES or logits.stride(1) != 1:
         raise ValueError(f"logits must be [N, V] of {_LOGIT_DTYPES}, contiguous in V; got {logits.dtype} "
                          f"{tuple(logits.shape)}")
@@ -247,46 +228,58 @@ def token_logprobs(
         raise ValueError(f"token_ids must be [{num_rows}] int64; got {token_ids.dtype} {tuple(token_ids.shape)}")
     if temperature.shape != (num_rows,) or temperature.dtype != torch.float32:
         raise ValueError(f"temperature must be [{num_rows}] float32; got {temperature.dtype} {tuple(temperature.shape)}")
+    token_ids, temperature = token_ids.contiguous(), temperature.contiguous()
     out = torch.empty(num_rows, dtype=torch.float32, device=logits.device)
     if num_rows:
-        _token_logprob_kernel[(num_rows,)](
-            logits, temperature.contiguous(), token_ids.contiguous(), out, logits.stride(0), vocab,
-            BLOCK_V=min(1024, triton.next_power_of_2(vocab)), num_warps=4,
-        )
+        _launch_chunked(logits, temperature, token_ids, out)
     return out
 
 
 @triton.jit
 def _sample_chunk_kernel(
     logits_ptr, temperature_ptr, seeds_ptr, positions_ptr, part_ptr, stride_row, vocab, num_chunks,
-    CHUNK: tl.constexpr, BLOCK_V: tl.constexpr, LIBDEVICE_LOG: tl.constexpr,
+    CHUNK: tl.constexpr, BLOCK_V: tl.constexpr, LIBDEVICE_LOG: tl.constexpr, NOISE: tl.constexpr,
 ):
     """Untruncated sampling, split over the vocabulary: one program per (row, chunk of CHUNK tokens) writes
-    the chunk's raw max and first argmax, its best Gumbel-perturbed tempered logit and index, and its
-    tempered max and sum of exp(x - max). `_sample_combine_kernel` merges the chunks of a row."""
+    the chunk's raw max and first argmax, its best Gumbel-perturbed tempered logit and index (when NOISE;
+    scoring given tokens skips it), and its tempered max and sum of exp(x - max). `_sample_combine_kernel`
+    merges the chunks of a row."""
     row = tl.program_id(0)
     chunk = tl.program_id(1)
     row_ptr = logits_ptr + row.to(tl.int64) * stride_row
     temperature = tl.load(temperature_ptr + row).to(tl.float32)
     temp = tl.where(temperature <= 0.0, 1.0, temperature)
-    row_key = _row_key(seeds_ptr, positions_ptr, row)
-    best_raw = tl.full([], float("-inf"), tl.float32)
-    best_raw_idx = tl.zeros([], tl.int32)
-    best_noisy = tl.full([], float("-inf"), tl.float32)
-    best_idx = tl.zeros([], tl.int32)
+    if NOISE:
+        row_key = _row_key(seeds_ptr, positions_ptr, row)
+    # per lane: the best raw logit so far and its token, the best perturbed logit and its token (strict >
+    # keeps a lane's first index; the lanes are merged once, after the loop)
+    lane_raw = tl.full([BLOCK_V], float("-inf"), tl.float32)
+    lane_raw_idx = tl.zeros([BLOCK_V], tl.int32)
+    lane_noisy = tl.full([BLOCK_V], float("-inf"), tl.float32)
+    lane_idx = tl.zeros([BLOCK_V], tl.int32)
     m = tl.full([], float("-inf"), tl.float32)
     acc = tl.zeros([BLOCK_V], tl.float32)  # sum of exp(x - m) per lane, rescaled when m grows
     for start in range(chunk * CHUNK, chunk * CHUNK + CHUNK, BLOCK_V):
         offs = start + tl.arange(0, BLOCK_V)
         mask = offs < vocab
         raw = tl.load(row_ptr + offs, mask=mask, other=float("-inf")).to(tl.float32)
-        best_raw, best_raw_idx = _running_argmax(best_raw, best_raw_idx, raw, start)
-        x = tl.math.div_rn(raw, tl.zeros_like(raw) + temp)
-        noisy = tl.where(mask, x + _gumbel(row_key, offs, LIBDEVICE_LOG), float("-inf"))
-        best_noisy, best_idx = _running_argmax(best_noisy, best_idx, noisy, start)
+        take = raw > lane_raw
+        lane_raw = tl.where(take, raw, lane_raw)
+        lane_raw_idx = tl.where(take, offs, lane_raw_idx)
+        if temp == 1.0:
+            x = raw  # x / 1 is x: skip the IEEE division
+        else:
+            x = tl.math.div_rn(raw, tl.zeros_like(raw) + temp)
+        if NOISE:
+            noisy = tl.where(mask, x + _gumbel(row_key, offs, LIBDEVICE_LOG), float("-inf"))
+            take = noisy > lane_noisy
+            lane_noisy = tl.where(take, noisy, lane_noisy)
+            lane_idx = tl.where(take, offs, lane_idx)
         new_m = tl.maximum(m, tl.max(x, 0))
         acc = acc * tl.exp(m - new_m) + tl.where(mask, tl.exp(x - new_m), 0.0)
         m = new_m
+    best_raw, best_raw_idx = _lane_argmax(lane_raw, lane_raw_idx)
+    best_noisy, best_idx = _lane_argmax(lane_noisy, lane_idx)
     out = part_ptr + (row.to(tl.int64) * num_chunks + chunk) * 6
     tl.store(out + 0, best_raw)
     tl.store(out + 1, best_raw_idx.to(tl.float32))
@@ -299,8 +292,10 @@ def _sample_chunk_kernel(
 @triton.jit
 def _sample_combine_kernel(
     logits_ptr, temperature_ptr, part_ptr, token_ptr, logprob_ptr, stride_row, num_chunks,
-    BLOCK_C: tl.constexpr,
+    BLOCK_C: tl.constexpr, GIVEN: tl.constexpr,
 ):
+    """Merges a row's chunks into its token (or, when GIVEN, reads the token from token_ptr) and the
+    token's logprob."""
     row = tl.program_id(0)
     c = tl.arange(0, BLOCK_C)
     cmask = c < num_chunks
@@ -318,9 +313,12 @@ def _sample_combine_kernel(
     sample_idx = tl.sum(tl.where(c == tl.argmax(noisy, 0), noisy_idx, 0), 0)
     row_max = tl.max(m, 0)
     lse = tl.log(tl.sum(tl.where(cmask, sums * tl.exp(m - row_max), 0.0), 0))
-    token = tl.where(greedy, greedy_idx, sample_idx)
+    if GIVEN:
+        token = tl.load(token_ptr + row)
+    else:
+        token = tl.where(greedy, greedy_idx, sample_idx)
+        tl.store(token_ptr + row, token.to(tl.int64))
     x_token = tl.math.div_rn(tl.load(logits_ptr + row.to(tl.int64) * stride_row + token).to(tl.float32), temp)
-    tl.store(token_ptr + row, token.to(tl.int64))
     tl.store(logprob_ptr + row, x_token - row_max - lse)
 
 
@@ -348,20 +346,29 @@ def sample_untruncated(
     for name, t in (("temperature", temperature), ("seeds", seeds), ("positions", positions)):
         if t.shape != (num_rows,) or t.device != logits.device or (num_rows and t.stride(0) != 1):
             raise ValueError(f"{name} must be a contiguous [{num_rows}] tensor on {logits.device}")
-    num_chunks = triton.cdiv(vocab, _CHUNK)
     token_ids = torch.empty(num_rows, dtype=torch.int64, device=logits.device)
     logprobs = torch.empty(num_rows, dtype=torch.float32, device=logits.device)
     if num_rows:
-        parts = torch.empty(num_rows, num_chunks, 6, dtype=torch.float32, device=logits.device)
-        _sample_chunk_kernel[(num_rows, num_chunks)](
-            logits, temperature, seeds, positions, parts, logits.stride(0), vocab, num_chunks,
-            CHUNK=_CHUNK, BLOCK_V=min(1024, _CHUNK), LIBDEVICE_LOG=logits.is_cuda, num_warps=4,
-        )
-        _sample_combine_kernel[(num_rows,)](
-            logits, temperature, parts, token_ids, logprobs, logits.stride(0), num_chunks,
-            BLOCK_C=triton.next_power_of_2(num_chunks), num_warps=1,
-        )
+        _launch_chunked(logits, temperature, token_ids, logprobs, seeds, positions)
     return token_ids, logprobs
+
+
+def _launch_chunked(logits, temperature, tokens, logprobs, seeds=None, positions=None) -> None:
+    """The chunk and merge kernels over logits [B, V]. With seeds and positions ([B]): sample into tokens
+    [B] int64; without: score the given tokens. Writes logprobs [B] float32 either way."""
+    num_rows, vocab = logits.shape
+    noise = seeds is not None
+    num_chunks = triton.cdiv(vocab, _CHUNK)
+    parts = torch.empty(num_rows, num_chunks, 6, dtype=torch.float32, device=logits.device)  # per-chunk stats
+    _sample_chunk_kernel[(num_rows, num_chunks)](
+        logits, temperature, seeds if noise else tokens, positions if noise else tokens, parts, logits.stride(0),
+        vocab, num_chunks, CHUNK=_CHUNK, BLOCK_V=min(1024, _CHUNK), LIBDEVICE_LOG=logits.is_cuda, NOISE=noise,
+        num_warps=4,
+    )
+    _sample_combine_kernel[(num_rows,)](
+        logits, temperature, parts, tokens, logprobs, logits.stride(0), num_chunks,
+        BLOCK_C=triton.next_power_of_2(num_chunks), GIVEN=not noise, num_warps=1,
+    )
 
 
 def sample(

@@ -40,11 +40,12 @@ class AttentionBackend:
     def store(self, key, value, k_cache, v_cache, meta: AttentionMetadata) -> None:
         self._store(key, value, k_cache, v_cache, meta.slot_mapping)
 
-    def attend(self, query, k_cache, v_cache, meta: AttentionMetadata, scale: float) -> torch.Tensor:
+    def attend(self, query, k_cache, v_cache, meta: AttentionMetadata, scale: float, out=None) -> torch.Tensor:
+        """query [T, Hq, D] -> [T, Hq, D]; on CUDA written into `out` when given (the CPU path ignores it)."""
         if self.use_triton:
             return self._attend(
                 query, k_cache, v_cache, meta.query_start_loc, meta.seq_lens, meta.block_tables, scale,
-                meta.max_query_len, meta.max_seq_len, deterministic=meta.deterministic,
+                meta.max_query_len, meta.max_seq_len, out=out, deterministic=meta.deterministic,
             )
         if meta.plan is None:  # built once per step, shared by all layers
             meta.plan = plan_paged_attention(

@@ -14,17 +14,20 @@ from kernels.sampling_ref import sample_ref
 
 class Sampler:
     """On CUDA, steps whose rows use no top-k / top-p / min-p (the caller knows, from the host-side
-    parameters) take the split-vocabulary kernel, which fills the GPU even at batch 1; deterministic mode
-    always takes the one-pass kernel, whose logprob reduction the trainer side reproduces bitwise."""
+    parameters) take the split-vocabulary kernel, which fills the GPU even at batch 1; other steps take the
+    one-pass kernel. In deterministic mode a row without truncation always gets the split-vocabulary
+    kernel's token and logprob, whatever else is in its batch: that is the reduction the trainer side
+    reproduces bitwise (`kernels.sampling.token_logprobs`)."""
 
     def __init__(self, device: torch.device, deterministic: bool = False) -> None:
         self._fn = sample_ref
         self._untruncated = None
+        self._deterministic = deterministic
         if device.type == "cuda":
             from kernels.sampling import sample, sample_untruncated
 
             self._fn = sample
-            self._untruncated = None if deterministic else sample_untruncated
+            self._untruncated = sample_untruncated
 
     def __call__(
         self,
@@ -41,4 +44,10 @@ class Sampler:
         if not truncation and num_top_logprobs == 0 and self._untruncated is not None:
             tokens, logprobs = self._untruncated(logits, temperature, seeds, positions)
             return tokens, logprobs, None
-        return self._fn(logits, temperature, top_k, top_p, min_p, seeds, positions, num_top_logprobs)
+        tokens, logprobs, top = self._fn(logits, temperature, top_k, top_p, min_p, seeds, positions, num_top_logprobs)
+        if self._deterministic and self._untruncated is not None:
+            plain = ((top_k <= 0) | (top_k >= logits.shape[1])) & (top_p >= 1.0) & (min_p <= 0.0)  # [R]
+            plain_tokens, plain_logprobs = self._untruncated(logits, temperature, seeds, positions)
+            tokens = torch.where(plain, plain_tokens, tokens)
+            logprobs = torch.where(plain, plain_logprobs, logprobs)
+        return tokens, logprobs, top

@@ -44,3 +44,11 @@ def test_silu_and_mul_rejects_bad_input():
     with pytest.raises(ValueError, match="contiguous"):
         silu_and_mul(torch.randn(4, 3, device=DEVICE).t())
     assert silu_and_mul(torch.randn(0, 8, device=DEVICE)).shape == (0, 4)
+
+
+def test_writes_into_given_out_and_checks_it():
+    x = torch.randn(4, 2 * 24, device=DEVICE)
+    out = torch.full((4, 24), float("nan"), device=DEVICE)
+    assert silu_and_mul(x, out) is not None and torch.equal(out, silu_and_mul(x))
+    with pytest.raises(ValueError, match="out must be"):
+        silu_and_mul(x, torch.empty(4, 23, device=DEVICE))

@@ -88,3 +88,15 @@ def test_cuda_qwen_hidden_matches_ref(dtype):
     assert torch.equal(summed, ref_sum)
     _close(out, ref_out)
     _close(rms_norm(x, w, 1e-6), rms_norm_ref(x, w, 1e-6))
+
+
+def test_norms_write_into_given_out_and_check_it():
+    x, r = torch.randn(6, 32, device=DEVICE), torch.randn(6, 32, device=DEVICE)
+    w = torch.randn(32, device=DEVICE)
+    out = torch.full((6, 32), float("nan"), device=DEVICE)
+    rms_norm(x, w, 1e-6, out)
+    assert torch.equal(out, rms_norm(x, w, 1e-6))
+    normed, summed = fused_add_rms_norm(x, r, w, 1e-6, out)
+    assert normed is out and torch.equal(out, fused_add_rms_norm(x, r, w, 1e-6)[0])
+    with pytest.raises(ValueError, match="out must be"):
+        rms_norm(x, w, 1e-6, torch.empty(6, 32, dtype=torch.float16, device=DEVICE))

@@ -156,15 +156,16 @@ def test_cuda_sampler_under_graph_capture():
     assert torch.equal(ids, expected)
 
 
-def test_token_logprobs_match_the_sampler_and_log_softmax():
-    from kernels.sampling import token_logprobs
+@pytest.mark.parametrize("vocab", [300, 5000])
+def test_token_logprobs_match_the_sampler_and_log_softmax(vocab):
+    from kernels.sampling import sample_untruncated, token_logprobs
 
-    logits = _logits(12, 300, seed=4)
+    logits = _logits(12, vocab, seed=4)
     temps = torch.tensor([1.0, 0.7, 0.0] * 4, device=DEVICE)
     params = _params(12, temperature=temps.tolist())
-    ids, lps, _ = sample(logits, *params)
+    ids, lps = sample_untruncated(logits, params[0], params[4], params[5])
     ours = token_logprobs(logits, ids, temps)
-    assert torch.equal(ours, lps)  # the same passes in the same order
+    assert torch.equal(ours, lps)  # the same chunk passes and the same merge
     ref = torch.log_softmax(logits.cpu().double() / torch.where(temps > 0, temps, 1.0).cpu()[:, None], -1)
     torch.testing.assert_close(ours.cpu().double(), ref.gather(1, ids.cpu()[:, None])[:, 0], atol=1e-5, rtol=0)
     with pytest.raises(ValueError, match="token_ids"):

@@ -62,6 +62,14 @@ class CheckpointSlot:
         return tuple(end - start if d == self.dim else n for d, n in enumerate(self.shape))
 
 
+def _linear_input(rows: int, cols: int, like: torch.Tensor) -> torch.Tensor:
+    """Deterministic mode on CUDA: an empty [rows, cols] output for a kernel whose result feeds a linear
+    layer, laid out so that the batch-invariant matmul reads it without a padded copy."""
+    from kernels.matmul import padded_rows
+
+    return padded_rows(rows, cols, like.dtype, like.device)
+
+
 class RMSNorm(nn.Module):
     """RMSNorm, optionally fused with the residual add. Triton on CUDA (inference, and training in
     deterministic mode, where the backward goes through the torch reference), torch otherwise."""
@@ -79,11 +87,12 @@ class RMSNorm(nn.Module):
 
             shape = x.shape  # the kernels take [T, H]; the trainer's dense forward passes [B, T, H]
             x = x.reshape(-1, shape[-1])
+            dest = _linear_input(x.shape[0], shape[-1], x) if self.deterministic else None
             if residual is None:
-                out = kernel_forward(lambda a, w: rms_norm(a, w, eps), lambda a, w: rms_norm_ref(a, w, eps),
+                out = kernel_forward(lambda a, w: rms_norm(a, w, eps, dest), lambda a, w: rms_norm_ref(a, w, eps),
                                      x, self.weight)
                 return out.view(shape)
-            out, res = kernel_forward(lambda a, r, w: fused_add_rms_norm(a, r, w, eps),
+            out, res = kernel_forward(lambda a, r, w: fused_add_rms_norm(a, r, w, eps, dest),
                                       lambda a, r, w: fused_add_rms_norm_ref(a, r, w, eps),
                                       x, residual.reshape(-1, shape[-1]), self.weight)
             return out.view(shape), res.view(shape)
@@ -160,7 +169,10 @@ class Attention(nn.Module):
             out = self._dense_attention(q, k, v)
         else:
             self.backend.store(k, v, self.k_cache, self.v_cache, meta)
-            out = self.backend.attend(q, self.k_cache, self.v_cache, meta, self.scale)
+            dest = None
+            if self.deterministic and q.is_cuda:
+                dest = _linear_input(q.shape[0], self.q_size, q).view(q.shape)
+            out = self.backend.attend(q, self.k_cache, self.v_cache, meta, self.scale, out=dest)
         return self.o_proj(out.reshape(*lead, self.q_size))
 
     def _dense_attention(self, q, k, v) -> torch.Tensor:
@@ -207,8 +219,9 @@ class Attention(nn.Module):
         block_tables = torch.arange(b * pages, dtype=torch.int32, device=dev).view(b, pages)
         query_start_loc = torch.arange(b + 1, dtype=torch.int32, device=dev) * t
         seq_lens = torch.full((b,), t, dtype=torch.int32, device=dev)
-        out = paged_attention(q.reshape(b * t, self.num_heads, self.head_dim).contiguous(), k_cache, v_cache,
-                              query_start_loc, seq_lens, block_tables, self.scale, t, t, deterministic=True)
+        flat_q = q.reshape(b * t, self.num_heads, self.head_dim).contiguous()
+        out = paged_attention(flat_q, k_cache, v_cache, query_start_loc, seq_lens, block_tables, self.scale, t, t,
+                              out=_linear_input(b * t, self.q_size, q).view(flat_q.shape), deterministic=True)
         return out.view(b, t, self.num_heads, self.head_dim)
 
 
@@ -239,7 +252,9 @@ class MLP(nn.Module):
         if gate_up.is_cuda and (self.deterministic or not torch.is_grad_enabled()):
             from kernels.activation import silu_and_mul  # one kernel, as in the engine (Triton on CUDA)
 
-            return self.down_proj(kernel_forward(silu_and_mul, silu_and_mul_ref, gate_up))
+            rows = gate_up.numel() // gate_up.shape[-1]
+            dest = _linear_input(rows, self.intermediate, gate_up) if self.deterministic else None
+            return self.down_proj(kernel_forward(lambda g: silu_and_mul(g, dest), silu_and_mul_ref, gate_up))
         return self.down_proj(silu_and_mul_ref(gate_up))
 
 
