@@ -4,10 +4,14 @@ Trains a toy target on a learnable counting corpus (runner/spec_decode/toy_targe
 drafter method starts a speculating engine from a fresh drafter, fills its rollout buffer, trains the
 drafter online (`train_drafter`), and measures decode throughput at each batch size with speculation
 (auto-off disabled) and without (the same engine with look-ahead 0, so both pay the same bookkeeping).
+On CUDA, uniform decode steps (with and without drafts) replay CUDA graphs (runner/spec_decode/graphs.py),
+all captured before the timed runs; --enforce-eager runs every step eagerly. Each decode line reports
+`cuda_graphs` and how many of the timed run's engine steps replayed a graph (`graph_steps` of `steps`).
 Prints one JSON line per measurement.
 
     python bench/spec_decode.py --quick                 # CPU, a couple of minutes
     python bench/spec_decode.py --device cuda           # bigger toy target, batches 1,16,64,256
+    python bench/spec_decode.py --device cuda --enforce-eager
 """
 
 from __future__ import annotations
@@ -43,6 +47,8 @@ def measure(engine, batch: int, new_tokens: int, vocab: int, speculate: bool, se
     prompts = [r[:3].tolist() for r in counting_corpus(batch, 3, vocab, gen)]
     if engine.config.device.startswith("cuda"):
         torch.cuda.synchronize()
+    graphs = engine.runner.spec.graphs
+    graph_steps, engine_steps = sum(graphs.num_steps.values()) if graphs else 0, engine.scheduler.stats.num_steps
     start = time.perf_counter()
     outs = engine.generate(prompts, params)
     seconds = time.perf_counter() - start
@@ -50,7 +56,10 @@ def measure(engine, batch: int, new_tokens: int, vocab: int, speculate: bool, se
     steps = sum(s["num_spec_steps"] for s in stats)
     accepted = sum(s["num_accepted_tokens"] for s in stats)
     return dict(tokens_per_s=round(batch * new_tokens / seconds, 1),
-                mean_acceptance_length=round(1 + accepted / steps, 3) if steps else None)
+                mean_acceptance_length=round(1 + accepted / steps, 3) if steps else None,
+                cuda_graphs=graphs is not None,
+                graph_steps=(sum(graphs.num_steps.values()) if graphs else 0) - graph_steps,
+                steps=engine.scheduler.stats.num_steps - engine_steps)
 
 
 def main() -> None:
@@ -61,6 +70,7 @@ def main() -> None:
     ap.add_argument("--k", type=int, default=4)
     ap.add_argument("--new-tokens", type=int, default=None)
     ap.add_argument("--methods", default="eagle,mtp")
+    ap.add_argument("--enforce-eager", action="store_true", help="no CUDA graphs (they are used by default on CUDA)")
     ap.add_argument("--target-seconds", type=float, default=None, help="target training time (default 12 quick, 180)")
     args = ap.parse_args()
     if args.device == "cpu":
@@ -81,12 +91,17 @@ def main() -> None:
             max_num_batched_tokens=max(batches) * (args.k + 1) + 512, block_size=16,
             num_kv_blocks=max(batches) * (-(-(new_tokens + 3 + args.k) // 16)) + 64,
             speculative=SpeculativeConfig(method=method, num_speculative_tokens=args.k),
+            enforce_eager=args.enforce_eager,
         ))
         gen = torch.Generator().manual_seed(0)
         rollouts = [r[:3].tolist() for r in counting_corpus(64, 3, vocab, gen)]
         engine.generate(rollouts, SamplingParams(temperature=1.0, max_tokens=new_tokens, ignore_eos=True, seed=1))
         train = train_drafter(engine, num_steps=80 if quick else 400, batch_size=16, lr=5e-3)
         emit(stage="train_drafter", method=method, **{k: round(v, 4) for k, v in train.items()})
+        graphs = engine.runner.spec.graphs
+        if graphs is not None:  # every shape the timed runs can meet, so no capture is timed
+            seconds = graphs.capture_all(max(batches), list(range(args.k + 1)))
+            emit(stage="capture", method=method, num_graphs=len(graphs.graphs), seconds=round(seconds, 1))
         for batch in batches:
             for speculate in (True, False):
                 row = measure(engine, batch, new_tokens, vocab, speculate, seed=batch)

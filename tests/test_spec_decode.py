@@ -340,3 +340,40 @@ def test_static_step_without_drafts_and_greedy_parity(model64):
             for x, y in zip(a.outputs, b.outputs):
                 assert x.token_ids == y.token_ids
                 assert max(abs(u - v) for u, v in zip(x.logprobs, y.logprobs)) < 1e-4
+
+
+# ops that wait for the device or make a host constant (not allowed in a CUDA graph capture)
+_SYNC_OPS = ("aten._local_scalar_dense", "aten.is_nonzero", "aten.nonzero", "aten.lift_fresh", "aten.masked_select",
+             "aten.repeat_interleave.Tensor", "aten.unique")
+# CPU references of what runs as Triton kernels on CUDA (AttentionBackend, Sampler): their syncs are CPU-only
+_CPU_ONLY = {"store_kv_ref", "plan_paged_attention", "paged_attention_ref", "sample_ref"}
+
+
+@pytest.mark.parametrize("num_drafts", [0, 3])
+def test_static_step_has_no_host_sync(small_vocab_model, num_drafts):
+    """Everything the graph captures outside the CPU reference kernels is free of host syncs and host
+    constants (checked on the ops the CPU run dispatches)."""
+    import traceback
+
+    from torch.utils._python_dispatch import TorchDispatchMode
+
+    class Recorder(TorchDispatchMode):
+        def __init__(self):
+            super().__init__()
+            self.syncs = []
+
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            if str(func).startswith(_SYNC_OPS):
+                names = {frame.name for frame in traceback.extract_stack()}
+                if not names & _CPU_ONLY:
+                    self.syncs.append((str(func), traceback.format_stack(limit=6)))
+            return func(*args, **(kwargs or {}))
+
+    engine = static_engine(small_vocab_model, SpeculativeConfig(method="eagle", num_speculative_tokens=3),
+                           max_model_len=64)
+    graphs = engine.runner.spec.graphs
+    graphs._fill_padding(0, 4, num_drafts)
+    engine.runner.buffers.upload(4)
+    with Recorder() as rec:
+        graphs.static_step(4, num_drafts)
+    assert not rec.syncs, rec.syncs[0]

@@ -20,7 +20,7 @@ read finite cache entries, write no KV and only touch the scratch state row; the
 Nothing in the step waits for the device or has a data-dependent shape.
 
 On CUDA (`capture=True`) each (P, d) is captured lazily, the first time a uniform step of that shape
-occurs: warm-up and capture run over an all-padding batch (so they change no request's KV or drafter
+occurs, or up front with `capture_all` (the benchmark does, so no capture falls into a timed run): warm-up and capture run over an all-padding batch (so they change no request's KV or drafter
 state), then the real step is staged and replayed. All graphs share one memory pool. With capture=False
 the same function runs eagerly (the CPU tests check it against the eager runner this way).
 
@@ -84,6 +84,19 @@ class SpecDecodeGraphs:
         self.num_steps[key] += 1
         B = inputs.slots.shape[0]
         return out[0][:B], out[1][:B], out[2][:B]
+
+    def capture_all(self, max_num_reqs: int, draft_counts: list[int]) -> float:
+        """Capture now every (P, d) that uniform batches of up to `max_num_reqs` rows drafting d in
+        `draft_counts` run at (otherwise each is captured on first use). Returns seconds."""
+        assert self.capture
+        start = time.perf_counter()
+        for d in draft_counts:
+            top = self.padded_size(max_num_reqs, d)  # None: the sizes that fit the step buffers
+            fits = [s for s in self.sizes if s * (d + 1) <= self.max_tokens and (top is None or s <= top)]
+            for size in reversed(fits):  # largest first: the smaller graphs reuse its pool
+                if (size, d) not in self.graphs:
+                    self._capture(size, d)
+        return time.perf_counter() - start
 
     def release(self) -> None:
         """Drop the graphs (they hold the drafter's parameters; a new drafter needs new graphs)."""

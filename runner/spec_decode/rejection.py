@@ -102,8 +102,8 @@ def rejection_sample(
     assert draft_token_ids.shape == (R, K) and draft_probs.shape == (R, K, V), (draft_token_ids.shape, draft_probs.shape)
     device = target_logits.device
 
-    def per_pos(x: torch.Tensor) -> torch.Tensor:
-        return x.repeat_interleave(K1)
+    def per_pos(x: torch.Tensor, n: int = K1) -> torch.Tensor:  # [R] -> [R * n], each entry n times
+        return x[:, None].expand(R, n).reshape(-1)
 
     flat = target_logits.reshape(R * K1, V)
     processed = processed_logits(flat, per_pos(temperature), per_pos(top_k), per_pos(top_p), per_pos(min_p), uses)
@@ -119,7 +119,7 @@ def rejection_sample(
     if K > 0:
         p_draft = p[:, :K].gather(-1, draft_token_ids[..., None]).squeeze(-1)  # [R, K]
         q_draft = draft_probs.gather(-1, draft_token_ids[..., None]).squeeze(-1)  # [R, K]
-        u = counter_uniform(seeds.repeat_interleave(K), out_pos[:, :K].reshape(-1), 1, ACCEPT_SALT).view(R, K)
+        u = counter_uniform(per_pos(seeds, K), out_pos[:, :K].reshape(-1), 1, ACCEPT_SALT).view(R, K)
         accept = (u * q_draft <= p_draft) & (p_draft > 0)
         accept = torch.where(greedy[:, None], draft_token_ids == argmax_ids[:, :K], accept)
         accept &= offsets[None, :K] < num_drafts[:, None]
