@@ -13,7 +13,14 @@ total minus the receiver's work), validate / apply / verify (receiver). Also the
 bandwidth from a big clone in the same run, and the three target ratios. No model code: the
 weights are random tensors of the checkpoint's shapes (norms = 1), which is all the sync path sees.
 
-Usage: python bench/weight_sync.py [--model 0.5b|1.5b] [--device cpu|cuda] [--quick]
+With ``--profile``: one more in-process round under the torch profiler (top operators), and op counts of
+the receiver's side of a patch push and a dense push (``event="op_counts"``: kernel-like aten ops, i.e. all
+but views and allocations, the per-op counts that grow with the number of parameters when a path is
+per-parameter, and on CUDA the runtime's launches, copies and syncs). ``--batched-scatter`` uses the
+multi-tensor gather / scatter kernels on the CPU too (run it with TRITON_INTERPRET=1), so that the CPU
+counts show the CUDA path's structure.
+
+Usage: python bench/weight_sync.py [--model 0.5b|1.5b] [--device cpu|cuda] [--quick] [--profile [--batched-scatter]]
 """
 
 import argparse
@@ -121,9 +128,9 @@ def copy_bandwidth(device: torch.device) -> float:
     return 2 * x.numel() / best
 
 
-def warm_receiver(weights: dict[str, torch.Tensor]) -> WeightReceiver:
+def warm_receiver(weights: dict[str, torch.Tensor], batched_scatter: bool | None = None) -> WeightReceiver:
     """A receiver over ``weights`` whose checksums are already known, as after any earlier push."""
-    receiver = WeightReceiver(TensorDictTarget(weights))
+    receiver = WeightReceiver(TensorDictTarget(weights), batched_scatter=batched_scatter)
     for name in weights:
         receiver.current_checksum(name)
     return receiver
@@ -206,13 +213,63 @@ def profile_round(specs, w0, w1, device: torch.device, top: int = 15) -> None:
             emit(event="profile", sort=key, op=e.key[:80], calls=e.count, self_ms=round(getattr(e, key) / 1e3, 3))
 
 
+# Aten ops that launch no kernel: views, allocations, dtype/device no-ops.
+_NOT_KERNELS = {"as_strided", "view", "reshape", "_reshape_alias", "slice", "narrow", "select", "unsqueeze", "squeeze",
+                "split", "split_with_sizes", "unbind", "expand", "alias", "detach", "detach_", "lift_fresh", "t", "flatten",
+                "unflatten", "resolve_conj", "resolve_neg", "empty", "empty_strided", "empty_like", "to", "_to_copy",
+                "contiguous", "resize_", "as_strided_", "_index_put_impl_", "numpy_T", "set_", "pin_memory", "_pin_memory",
+                "is_pinned", "result_type"}
+_WATCH = ("copy_", "cat", "nonzero", "repeat_interleave", "arange", "index_select", "index", "index_put_", "cumsum",
+          "_local_scalar_dense", "stack", "sum", "zeros")
+_RUNTIME = ("cudaLaunchKernel", "cuLaunchKernel", "cudaMemcpyAsync", "cudaStreamSynchronize", "cudaDeviceSynchronize")
+
+
+def op_counts(events) -> dict:
+    counts = {e.key: e.count for e in events}
+    aten = {k[len("aten::"):]: v for k, v in counts.items() if k.startswith("aten::")}
+    return dict(
+        kernel_like_ops=sum(v for k, v in aten.items() if k not in _NOT_KERNELS),
+        aten_ops=sum(aten.values()),
+        **{k: aten.get(k, 0) for k in _WATCH},
+        **{k: counts[k] for k in _RUNTIME if k in counts},
+    )
+
+
+def count_round(specs, w0, w1, device: torch.device, batched_scatter: bool | None) -> None:
+    """Op counts (JSON lines) of the trainer's encode and the receiver's session, for a patch push and a
+    dense push, after a warm-up round."""
+    activities = [torch.profiler.ProfilerActivity.CPU]
+    if device.type == "cuda":
+        activities.append(torch.profiler.ProfilerActivity.CUDA)
+    for counted in (False, True):
+        receiver = warm_receiver({n: t.clone() for n, t in w0.items()}, batched_scatter)
+        differ = WeightDiffer(specs, device=device)
+        differ.commit(differ.encode(w0))
+        for mode, version in (("patch", 1), ("dense", 2)):
+            if mode == "dense":
+                differ.reset()
+            sync(device)
+            with torch.profiler.profile(activities=activities) as encode_prof:
+                pending = differ.encode(w1)
+                sync(device)
+            with torch.profiler.profile(activities=activities) as receive_prof:
+                receiver.apply(version, pending.updates)
+            differ.commit(pending)
+            if counted:
+                emit(event="op_counts", mode=mode, side="encode", num_records=len(pending.updates), **op_counts(encode_prof.key_averages()))
+                emit(event="op_counts", mode=mode, side="receive", num_records=len(pending.updates),
+                     batched_scatter=receiver.batched_scatter, **op_counts(receive_prof.key_averages()))
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--model", choices=["0.5b", "1.5b"], default="0.5b")
     parser.add_argument("--device", choices=["cpu", "cuda"], default="cpu")
     parser.add_argument("--quick", action="store_true", help="tiny shapes, a smoke test")
     parser.add_argument("--profile", action="store_true",
-                        help="also profile one more in-process round and print its top operators (JSON lines)")
+                        help="also profile one more in-process round and print its top operators and op counts (JSON lines)")
+    parser.add_argument("--batched-scatter", action="store_true",
+                        help="use the multi-tensor gather / scatter kernels on the CPU too (needs TRITON_INTERPRET=1)")
     args = parser.parse_args()
     model = "quick" if args.quick else args.model
     device = torch.device(args.device)
@@ -236,6 +293,7 @@ def main() -> None:
     patch, dense, dense_nr, bitwise_equal = in_process_round(specs, w0, w1, device, quiet=False)
     if args.profile:
         profile_round(specs, w0, w1, device)
+        count_round(specs, w0, w1, device, True if args.batched_scatter else None)
 
     # Rank-local IPC to a spawned rollout process that also starts from w0.
     ctx = mp.get_context("spawn")

@@ -3,10 +3,10 @@
 
 The torch path widens every element to int64 and multiplies by a weight table held in memory (tens of
 bytes of traffic per 2-byte element, and a few launches per tensor). Here each program reads one block of
-one tensor through a table of data pointers and adds one int64 partial sum into that tensor's result.
-Per launch the host uploads three numbers per tensor (offset from the first tensor, size, first block); a
-program finds its tensor by binary search over the first blocks, so nothing on the host or the device grows with the number
-of blocks. Per element the work is one load (vectorised when every address is 16-byte aligned) and a
+one tensor and adds one int64 partial sum into that tensor's result. Per launch the host uploads three
+numbers per tensor (element offset from the first tensor, size, first block); a program finds its tensor
+by binary search over the first blocks, so no host or device work grows with the number of blocks.
+Per element the work is one load (vectorised when every address is 16-byte aligned) and a
 32-bit hash: with ``w(i) = T[i mod 2**22] + 2 * (i div 2**22)`` and a block inside one 2**22 chunk,
 
     sum_block s(i) * w(i) = sum_block s(i) * T[j(i)]  +  2 * chunk * sum_block s(i)

@@ -5,6 +5,7 @@ checkpoint-coordinate -> runtime-row mapping. Other test_weight_updates_* files 
 """
 
 import math
+import os
 import subprocess
 import sys
 
@@ -256,13 +257,17 @@ def push(differ, sender, version, weights):
 
 
 CUDA = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+# The batched gather / scatter kernels run compiled on CUDA and under the Triton interpreter on the CPU.
+TRITON = pytest.mark.skipif(not torch.cuda.is_available() and os.environ.get("TRITON_INTERPRET") != "1",
+                            reason="needs CUDA or TRITON_INTERPRET=1")
 
 
+@pytest.mark.parametrize("batched", [False, pytest.param(True, marks=TRITON)], ids=["per_patch", "batched"])
 @pytest.mark.parametrize("device", ["cpu", pytest.param("cuda", marks=CUDA)])
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
-def test_update_sequence_is_bitwise_exact(dtype, device):
+def test_update_sequence_is_bitwise_exact(dtype, device, batched):
     target = FakeTarget(dtype, device=device)
-    receiver = WeightReceiver(target)
+    receiver = WeightReceiver(target, batched_scatter=batched)
     differ = WeightDiffer(target.checkpoint_specs(), device=device)
     master = new_trainer(target)
     sender = InProcessSender(receiver)
@@ -437,6 +442,73 @@ def test_corrupt_update_raises_and_leaves_weights_and_version(make_corrupt):
     assert result.version == 2 and result.num_patch == 1
 
 
+def _with_indices(u, gaps, overflow=None):
+    packed = PackedIndices(gaps=gaps, overflow=torch.zeros(0, dtype=torch.int32) if overflow is None else overflow)
+    return Patch(name=u.name, indices=packed, values=u.values, checksum=u.checksum, escapes=u.escapes)
+
+
+def _out_of_bounds(u, numel):
+    idx = u.indices.decode(torch.device("cpu"))
+    idx[-1] = numel + 5
+    return Patch(name=u.name, indices=PackedIndices.encode(idx), values=u.values, checksum=u.checksum, escapes=u.escapes), "out of bounds"
+
+
+def _missing_overflow(u, numel):
+    gaps = torch.diff(u.indices.decode(torch.device("cpu")), prepend=torch.tensor([-1])).to(torch.int32)
+    gaps[len(gaps) // 2] = 0  # an escape without its overflow value
+    return _with_indices(u, gaps), "malformed index stream \\(escape count"
+
+
+def _decreasing(u, numel):
+    gaps = torch.diff(u.indices.decode(torch.device("cpu")), prepend=torch.tensor([-1])).to(torch.int32)
+    gaps[-1] = -gaps[-1]  # a 32-bit gap may be negative: indices would go back
+    return _with_indices(u, gaps), "strictly increasing"
+
+
+def _escape_count(u, numel):
+    assert u.is_delta
+    values = u.values.clone()
+    values[(values != 0).nonzero()[0]] = 0  # one more escaped delta than escape values
+    return Patch(name=u.name, indices=u.indices, values=values, checksum=u.checksum, escapes=u.escapes), "escape"
+
+
+@pytest.mark.parametrize("batched", [False, pytest.param(True, marks=TRITON)], ids=["per_patch", "batched"])
+@pytest.mark.parametrize("corrupt", [_out_of_bounds, _missing_overflow, _decreasing, _escape_count], ids=lambda f: f.__name__[1:])
+def test_corrupt_index_in_the_middle_of_a_multi_parameter_batch_names_it_and_writes_nothing(corrupt, batched):
+    target, _, differ, master = make_pair(torch.bfloat16)
+    receiver = WeightReceiver(target, batched_scatter=batched)
+    differ.commit(differ.encode(master))
+    receiver.apply(1, differ.encode(master).updates)
+    adamw_like_step(master, torch.Generator().manual_seed(8), frac=0.2)
+    push = differ.encode(master)
+    candidates = [i for i, u in enumerate(push.updates) if isinstance(u, Patch) and u.is_delta and u.indices.num_indices > 1]
+    assert len(candidates) > 10 and len(push.updates) > len(candidates)  # some dense records ride along
+    middle = candidates[len(candidates) // 2]
+    victim = push.updates[middle]
+    bad, match = corrupt(victim, target.checkpoint_specs()[victim.name].numel)
+    updates = [*push.updates[:middle], bad, *push.updates[middle + 1 :]]
+    before = target.snapshot_runtime()
+    with pytest.raises(WeightUpdateError, match=match) as err:
+        receiver.apply(2, updates)
+    assert str(err.value).startswith(victim.name)
+    assert_bitwise_equal(target.snapshot_runtime(), before)
+    assert receiver.version == 1
+    receiver.apply(2, push.updates)  # the intact push still applies
+    assert_bitwise_equal(target.checkpoint_state(), {n: t.to(torch.bfloat16) for n, t in master.items()})
+
+
+def test_more_indices_than_elements_is_refused_at_add():
+    target, receiver, differ, master = make_pair(torch.bfloat16)
+    norm = receiver.specs["model.norm.weight"]
+    packed = PackedIndices.encode(torch.arange(norm.numel + 1))
+    update = Patch(name="model.norm.weight", indices=packed, values=torch.zeros(norm.numel + 1, dtype=torch.bfloat16), checksum=0)
+    session = receiver.session()
+    session.start(1)
+    with pytest.raises(WeightUpdateError, match="indices for 16 elements"):
+        session.add([update])
+    assert session.state == "failed"
+
+
 def test_stream_cut_short_raises():
     target, receiver, differ, master = make_pair(torch.bfloat16)
     before = target.snapshot_runtime()
@@ -525,7 +597,7 @@ def test_without_dense_rollback_a_failed_read_back_says_what_was_not_restored():
     with pytest.raises(WeightUpdateError, match="without a rollback copy"):
         receiver.apply(1, [Dense.of(name, torch.full(shape, 3.0, dtype=torch.bfloat16))])
     assert receiver.version == 0
-    assert name not in receiver._checksums  # a patch against the unknown state cannot pass as valid
+    assert not receiver.has_checksum(name)  # a patch against the unknown state cannot pass as valid
 
 
 def test_dense_rollback_off_writes_the_same_bits():

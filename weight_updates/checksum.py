@@ -35,11 +35,24 @@ _tables16: dict[torch.device, torch.Tensor] = {}  # device -> [2**22] int16, the
 
 
 def concat_to(parts: Sequence[torch.Tensor], dtype: torch.dtype, device: torch.device | str) -> torch.Tensor:
-    """``torch.cat`` of ``parts`` as ``dtype`` on ``device``; host parts bound for CUDA are joined on the host
-    and uploaded in one copy instead of one per part."""
-    if parts and torch.device(device).type == "cuda" and all(p.device.type == "cpu" for p in parts):
-        return upload(torch.cat([p.to(dtype) for p in parts]), device)
-    return torch.cat([p.to(device, non_blocking=True).to(dtype) for p in parts])
+    """``torch.cat`` of ``parts`` as ``dtype`` on ``device`` in one cat and one conversion per run of parts of
+    equal dtype (not one conversion per part); host parts bound for CUDA are joined on the host and uploaded
+    in one copy instead of one per part."""
+    device = torch.device(device)
+    if not parts:
+        return torch.empty(0, dtype=dtype, device=device)
+    if device.type == "cuda" and all(p.device.type == "cpu" for p in parts):
+        return upload(_cat_runs(parts, dtype), device)
+    return _cat_runs([p if _on(p, device) else p.to(device, non_blocking=True) for p in parts], dtype)
+
+
+def _on(t: torch.Tensor, device: torch.device) -> bool:
+    return t.device.type == device.type and (device.index is None or t.device.index == device.index)
+
+
+def _cat_runs(parts: Sequence[torch.Tensor], dtype: torch.dtype) -> torch.Tensor:
+    runs = [torch.cat(list(run)).to(dtype) for _, run in itertools.groupby(parts, key=lambda p: p.dtype)]
+    return runs[0] if len(runs) == 1 else torch.cat(runs)
 
 
 def check_dtype_supported(dtype: torch.dtype) -> None:
@@ -107,7 +120,7 @@ def checksum_tensor(t: torch.Tensor) -> torch.Tensor:
     return total
 
 
-def _delta_terms(old: torch.Tensor, new: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
+def delta_terms(old: torch.Tensor, new: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
     """[n] int64 ``(s(new) - s(old)) * w(positions)``."""
     check_dtype_supported(new.dtype)
     assert old.dtype == new.dtype and old.shape == new.shape == positions.shape and positions.dtype == torch.int64
@@ -127,29 +140,7 @@ def patch_checksum_delta(old: torch.Tensor, new: torch.Tensor, positions: torch.
     old, new: [n] one supported dtype; positions: [n] int64 flat indices; all on one device.
     ``checksum(after) = checksum(before) + patch_checksum_delta(old, new, idx)`` for a patch at ``idx``.
     """
-    return _delta_terms(old, new, positions).sum()
-
-
-def segment_sums(values: torch.Tensor, lengths: Sequence[int]) -> torch.Tensor:
-    """[len(lengths)] int64 sums of consecutive segments of ``values`` ([sum(lengths)] int64)."""
-    bounds = upload(torch.tensor([0, *itertools.accumulate(lengths)], dtype=torch.int64), values.device)
-    prefix = torch.cat([values.new_zeros(1), torch.cumsum(values, 0)])  # [n + 1], wraps like every sum here
-    return prefix[bounds[1:]] - prefix[bounds[:-1]]
-
-
-def patch_checksum_deltas(olds: Sequence[torch.Tensor], news: Sequence[torch.Tensor], positions: Sequence[torch.Tensor]) -> torch.Tensor:
-    """[k] int64: ``patch_checksum_delta`` of k patches in a few kernels per dtype, not per patch."""
-    assert len(olds) == len(news) == len(positions) > 0
-    device = positions[0].device
-    out = torch.zeros(len(positions), dtype=torch.int64, device=device)
-    by_dtype: dict[torch.dtype, list[int]] = {}
-    for i, new in enumerate(news):
-        by_dtype.setdefault(new.dtype, []).append(i)
-    for members in by_dtype.values():
-        terms = _delta_terms(torch.cat([olds[i] for i in members]), torch.cat([news[i] for i in members]), torch.cat([positions[i] for i in members]))
-        sums = segment_sums(terms, [positions[i].numel() for i in members])
-        out[upload(torch.tensor(members, dtype=torch.int64), device)] = sums
-    return out
+    return delta_terms(old, new, positions).sum()
 
 
 def checksum(t: torch.Tensor) -> int:

@@ -10,14 +10,13 @@ This module does not decide what changed (see ``differ``) and does not validate 
 target (see ``session``); ``decode_many`` only checks the codec's own invariants.
 """
 
-import itertools
 from collections.abc import Sequence
 from dataclasses import dataclass
 
 import torch
 
 from kernels.common import SIGNED_VIEW, upload
-from weight_updates.checksum import checksum, concat_to, segment_sums
+from weight_updates.checksum import checksum, concat_to
 from weight_updates.errors import WeightUpdateError
 
 GAP_DTYPES = (torch.uint8, torch.uint16, torch.int32)
@@ -63,40 +62,66 @@ class PackedIndices:
         return PackedIndices(gaps=gaps, overflow=overflow)
 
 
-def decode_many(packed: Sequence[PackedIndices], device: torch.device) -> tuple[list[torch.Tensor], torch.Tensor, torch.Tensor]:
-    """Decode k streams in a few kernels, without a host sync.
-
-    Returns ([n_i] int64 indices per stream, [k] bool ``malformed``, [k] int64 last index or -1 if
-    empty), all on ``device``. ``malformed[i]`` is set when stream i's escape count differs from its
-    overflow count or one of its overflow gaps is < 1; while no stream is malformed, every stream's
-    indices are strictly increasing and >= 0 (upper bounds are the caller's). Dtypes and ranks are
-    checked on the host (WeightUpdateError).
-    """
+def check_stream_dtypes(packed: Sequence[PackedIndices]) -> None:
+    """Raise WeightUpdateError unless every stream's gaps and overflow have a codec dtype and rank 1."""
     for p in packed:
         if p.gaps.dtype not in GAP_DTYPES or p.gaps.dim() != 1:
             raise WeightUpdateError(f"gaps must be 1-D {GAP_DTYPES}, got {p.gaps.dtype} {tuple(p.gaps.shape)}")
         if p.overflow.dtype != torch.int32 or p.overflow.dim() != 1:
             raise WeightUpdateError(f"overflow must be 1-D int32, got {p.overflow.dtype}")
-    lengths = [p.num_indices for p in packed]
-    num_overflow = [p.overflow.numel() for p in packed]
-    sentinel = torch.ones(1, dtype=torch.int32)  # keeps the overflow gather in range when nothing escaped
-    gaps = concat_to([p.gaps for p in packed], torch.int32, device).to(torch.int64)  # [total]
-    overflow = concat_to([*(p.overflow for p in packed), sentinel], torch.int32, device).to(torch.int64)  # [escapes + 1]
-    escapes = gaps == 0  # [total]
-    rank = (torch.cumsum(escapes, 0) - 1).clamp_(0, overflow.numel() - 1)  # [total] which overflow value
+
+
+@dataclass(frozen=True, kw_only=True, slots=True)
+class DecodedStreams:
+    """k index streams decoded together (``decode_streams``); all tensors on one device."""
+
+    indices: torch.Tensor  # [n] int64, the streams' indices concatenated (garbage in a malformed stream)
+    segment: torch.Tensor  # [n] int64, the stream of each element
+    sums: torch.Tensor  # [k, 4] int64 per stream: sum of its gaps (= last index + 1), escapes, escaped gaps < 1, other gaps < 1
+
+
+def decode_streams(packed: Sequence[PackedIndices], lengths: torch.Tensor, device: torch.device) -> DecodedStreams:
+    """Decode k streams in a fixed number of kernels whatever k is, without a host sync.
+
+    ``lengths``: [k] int64 on ``device``, each stream's ``num_indices``. The gap streams are joined with one
+    cat and one widening per run of equal gap dtypes (order streams by gap dtype to keep runs few), escapes
+    take their overflow values by rank in one gather, one cumsum gives every index, and one ``index_add_``
+    gives the per-stream sums. A stream is well formed when its escape count equals its overflow count and
+    no gap is < 1; then its indices are strictly increasing and >= 0 (upper bounds are the caller's).
+    """
+    total = sum(p.num_indices for p in packed)
+    gaps = concat_to([p.gaps for p in packed], torch.int64, device)  # [n]
+    # One spare value keeps the gather in range when a malformed stream has more escapes than values.
+    overflow = torch.nn.functional.pad(concat_to([p.overflow for p in packed], torch.int64, device), (0, 1), value=1)  # [escapes + 1]
+    escapes = gaps == 0  # [n]
+    rank = (torch.cumsum(escapes, 0) - 1).clamp_(0, overflow.numel() - 1)  # [n] which overflow value
     gaps = torch.where(escapes, overflow[rank], gaps)
-    num_escapes = segment_sums(escapes.to(torch.int64), lengths)  # [k]
-    num_bad_overflow = segment_sums((overflow[:-1] < 1).to(torch.int64), num_overflow)  # [k]
-    expected_escapes = upload(torch.tensor(num_overflow, dtype=torch.int64), device)
-    malformed = (num_escapes != expected_escapes) | (num_bad_overflow > 0)
-    # Per-stream cumsum: the global running sum minus what came before the stream.
-    running = torch.cat([gaps.new_zeros(1), torch.cumsum(gaps, 0)])  # [total + 1]
-    bounds = upload(torch.tensor([0, *itertools.accumulate(lengths)], dtype=torch.int64), device)  # [k + 1]
-    before = running[bounds[:-1]]  # [k]
-    sizes = upload(torch.tensor(lengths, dtype=torch.int64), device)  # [k]
-    indices = running[1:] - torch.repeat_interleave(before, sizes, output_size=sum(lengths)) - 1  # [total]
-    last = torch.where(sizes > 0, running[bounds[1:]] - before - 1, -1)  # [k]
-    return list(torch.split(indices, lengths)), malformed, last
+    small = gaps < 1
+    segment = torch.repeat_interleave(torch.arange(len(packed), device=device), lengths, output_size=total)  # [n]
+    columns = torch.stack([gaps, escapes.to(torch.int64), (small & escapes).to(torch.int64), (small & ~escapes).to(torch.int64)], 1)  # [n, 4]
+    sums = torch.zeros(len(packed), 4, dtype=torch.int64, device=device).index_add_(0, segment, columns)  # [k, 4]
+    before = torch.cumsum(sums[:, 0], 0) - sums[:, 0]  # [k] running sum of the gaps before each stream
+    indices = torch.cumsum(gaps, 0).sub_(before[segment]).sub_(1)  # [n]
+    return DecodedStreams(indices=indices, segment=segment, sums=sums)
+
+
+def decode_many(packed: Sequence[PackedIndices], device: torch.device) -> tuple[list[torch.Tensor], torch.Tensor, torch.Tensor]:
+    """Decode k streams in a few kernels, without a host sync.
+
+    Returns ([n_i] int64 indices per stream, [k] bool ``malformed``, [k] int64 last index or -1 if
+    empty), all on ``device``. ``malformed[i]`` is set when stream i's escape count differs from its
+    overflow count or one of its gaps is < 1; while no stream is malformed, every stream's indices are
+    strictly increasing and >= 0 (upper bounds are the caller's). Dtypes and ranks are checked on the
+    host (WeightUpdateError).
+    """
+    check_stream_dtypes(packed)
+    lengths = [p.num_indices for p in packed]
+    meta = upload(torch.tensor([*lengths, *(p.overflow.numel() for p in packed)], dtype=torch.int64), device)  # [2k]
+    k = len(packed)
+    decoded = decode_streams(packed, meta[:k], device)
+    sums = decoded.sums
+    malformed = (sums[:, 1] != meta[k:]) | (sums[:, 2] > 0) | (sums[:, 3] > 0)
+    return list(decoded.indices.split(lengths)), malformed, sums[:, 0] - 1
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)
@@ -158,13 +183,14 @@ def bit_deltas(old: torch.Tensor, new: torch.Tensor) -> tuple[torch.Tensor, torc
 def apply_bit_deltas(old: torch.Tensor, delta: torch.Tensor, escapes: torch.Tensor, *, checked: bool = False) -> torch.Tensor:
     """New values [n] (old's dtype) from old values [n], int8 deltas [n] and escapes. Raises
     WeightUpdateError when the number of escape bytes is not the number of escapes (a host sync; skipped
-    when the caller has `checked` the counts already). Concatenated patches decode together: escapes are
-    consumed in order."""
+    when the caller has `checked` the counts already: then a wrong count gives wrong values, never an
+    error). Concatenated patches decode together: escapes are consumed in order, by rank, in one gather."""
     int_dtype = SIGNED_VIEW[old.element_size()]
     escaped = delta == 0  # [n]
     if not checked and int(escaped.sum()) != escapes.numel():
         raise WeightUpdateError(f"{int(escaped.sum())} escaped deltas but {escapes.numel()} escape values")
-    new = (old.view(int_dtype).to(torch.int64) + delta.to(torch.int64)).to(int_dtype).view(old.dtype)
+    new = (old.view(int_dtype).to(torch.int64) + delta.to(torch.int64)).to(int_dtype)  # [n]
     if escapes.numel():
-        new[escaped] = escapes.to(old.dtype)
-    return new
+        rank = (torch.cumsum(escaped, 0) - 1).clamp_(0, escapes.numel() - 1)  # [n] which escape value
+        new = torch.where(escaped, escapes.to(old.dtype).view(int_dtype)[rank], new)
+    return new.view(old.dtype)

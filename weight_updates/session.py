@@ -26,9 +26,14 @@
 A failed session raises ``WeightUpdateError`` naming the parameter and leaves weights and version as
 they were. Without the dense rollback copy, a failure after writing (which phase 1 leaves only to a
 faulty target) restores the patches but not the dense parameters; the error says so, and their cached
-checksums are dropped, so a later patch of them is checked against the weights as they are. Host syncs: a few per session
-(bounds, predicted checksums, verification), none per parameter; the checks over all patches run as a
-few batched kernels per dtype, and host metadata travels to the device in one pinned copy per kind.
+checksums are dropped, so a later patch of them is checked against the weights as they are.
+
+Cost: nothing per parameter on the device. All patches of one dtype are validated as one group (index
+streams decoded together, bounds clamped per element so the old values can be gathered before the checks
+are read, bit deltas decoded, checksum changes summed per member) in a fixed number of kernels; dense
+records are checksummed in one launch per element size on CUDA. Host syncs: one after phase 1 (every
+check of the session at once), one for the write, one after phase 3. Host metadata travels to the device
+in one pinned copy per session and one per group. The cached checksums live in one device table.
 This module does not move bytes between processes (see ``transports``) and does not decide encodings
 (see ``differ``).
 """
@@ -41,8 +46,8 @@ from dataclasses import dataclass
 import torch
 
 from kernels.common import SIGNED_VIEW, upload
-from weight_updates.checksum import checksum_tensor, checksum_tensors, concat_to, patch_checksum_deltas, segment_sums
-from weight_updates.encoding import Dense, Patch, Update, apply_bit_deltas, decode_many
+from weight_updates.checksum import checksum_tensor, checksum_tensors, concat_to, delta_terms
+from weight_updates.encoding import GAP_DTYPES, Dense, Patch, Update, apply_bit_deltas, check_stream_dtypes, decode_streams
 from weight_updates.errors import WeightUpdateError
 from weight_updates.target import ParamSpec, WeightTarget
 
@@ -62,25 +67,33 @@ class UpdateResult:
 
 
 @dataclass(kw_only=True, slots=True)
-class _Staged:
-    """One validated record, moved to the target device."""
+class _DenseRecord:
+    """One dense record, moved to the target device."""
 
-    update: Update
-    indices: torch.Tensor | None  # [num_changed] int64 on device (patch only)
-    payload: torch.Tensor  # dense: checkpoint shape; patch: [num_changed]; engine dtype, on device
-    old: torch.Tensor | None = None  # the same shape as payload: values before the write
+    update: Dense
+    row: int  # position among the session's records
+    payload: torch.Tensor  # checkpoint shape, engine dtype, on the target device
+    old: torch.Tensor | None = None  # the same shape: values before the write (rollback copy)
+
+
+# Rows of _PatchGroup.meta, one column per member.
+_SIZES, _OVERFLOW, _NUMEL, _ESCAPES, _ROWS = range(5)
 
 
 @dataclass(kw_only=True, slots=True)
 class _PatchGroup:
-    """The session's patches of one dtype, read and written together: one batched gather / scatter
-    (`kernels/scatter.py`) on CUDA when the target lends its live tensors, else per patch."""
+    """The session's patches of one engine dtype, validated, read and written together: a fixed number of
+    kernels whatever the number of members. Gather / scatter is one launch (`kernels/scatter.py`) on CUDA
+    when the target lends its live tensors, else one indexing op per member."""
 
-    members: list[_Staged]
-    indices: torch.Tensor  # [n] int64: the members' flat indices, concatenated
+    members: list[Patch]  # bit-delta patches first, then by gap dtype: few runs of equal dtypes to concatenate
+    sizes: list[int]  # [k] changed elements per member
+    meta: torch.Tensor  # [5, k] int64 on the device: sizes, overflow counts, numels, escape counts, record rows
+    indices: torch.Tensor  # [n] int64: the members' flat indices, concatenated (clamped into bounds)
     segment: torch.Tensor  # [n] int64: which member each element belongs to
-    sizes: list[int]  # elements per member
     views: list[torch.Tensor] | None  # the members' live contiguous tensors, or None
+    checks: torch.Tensor | None = None  # [k, 4] int64: malformed, negative gap, last index, escape mismatch
+    predicted: torch.Tensor | None = None  # [k] int64 checksums after the patch, predicted before writing
     old: torch.Tensor | None = None  # [n] values before the write
     new: torch.Tensor | None = None  # [n] values to write
 
@@ -89,8 +102,8 @@ class _PatchGroup:
             from kernels.scatter import gather_many
 
             return gather_many(self.views, self.indices, self.segment)
-        return torch.cat([target.read_checkpoint_tensor(s.update.name).reshape(-1).index_select(0, s.indices)
-                          for s in self.members])
+        return torch.cat([target.read_checkpoint_tensor(p.name).reshape(-1).index_select(0, idx)
+                          for p, idx in zip(self.members, self.indices.split(self.sizes))])
 
     def scatter(self, target: WeightTarget, values: torch.Tensor) -> None:
         if self.views is not None:
@@ -98,8 +111,12 @@ class _PatchGroup:
 
             scatter_many(self.views, self.indices, self.segment, values)
             return
-        for s, v in zip(self.members, values.split(self.sizes)):
-            target.write_patch(s.update.name, s.indices, v)
+        for p, idx, v in zip(self.members, self.indices.split(self.sizes), values.split(self.sizes)):
+            target.write_patch(p.name, idx, v)
+
+    def member_sums(self, values: torch.Tensor) -> torch.Tensor:
+        """[k] int64 per-member sums of ``values`` ([n] int64)."""
+        return torch.zeros(len(self.members), dtype=torch.int64, device=values.device).index_add_(0, self.segment, values)
 
 
 class WeightReceiver:
@@ -114,16 +131,23 @@ class WeightReceiver:
     ``dense_rollback`` (default True) copies every densely updated parameter aside before writing, so
     that a failed read-back can restore it; False saves that copy's time and memory (the size of the
     dense update) at the cost described in the module docstring.
+
+    ``batched_scatter`` (default: on CUDA) reads and writes all patches of a dtype in one Triton launch
+    each (`kernels/scatter.py`) when the target lends its live tensors (``writable_views``); off, or for a
+    target that does not lend them, each patch goes through ``read_checkpoint_tensor`` / ``write_patch``.
     """
 
     def __init__(self, target: WeightTarget, *, version: int = 0, trust_cached_checksums: bool = True,
-                 dense_rollback: bool = True) -> None:
+                 dense_rollback: bool = True, batched_scatter: bool | None = None) -> None:
         self.target = target
         self.trust_cached_checksums = trust_cached_checksums
         self.dense_rollback = dense_rollback
+        self.batched_scatter = target.device.type == "cuda" if batched_scatter is None else batched_scatter
         self.specs: dict[str, ParamSpec] = dict(target.checkpoint_specs())
         self.version = version
-        self._checksums: dict[str, torch.Tensor] = {}  # name -> 0-dim int64 on target.device
+        self._row = {name: i for i, name in enumerate(self.specs)}  # checkpoint name -> row of the table
+        self._table = torch.zeros(len(self.specs), dtype=torch.int64, device=target.device)  # [num params] checksums
+        self._known: set[str] = set()  # names whose table row holds their current checksum
         self._active: UpdateSession | None = None
 
     def session(self) -> "UpdateSession":
@@ -137,14 +161,25 @@ class WeightReceiver:
         return session.finish()
 
     def invalidate_checksums(self, names: Iterable[str] | None = None) -> None:
-        for name in list(self._checksums) if names is None else names:
-            self._checksums.pop(name, None)
+        self._known.difference_update(list(self._known) if names is None else names)
+
+    def has_checksum(self, name: str) -> bool:
+        """Whether the checksum of ``name`` is cached (carried forward by sessions)."""
+        return name in self._known
 
     def current_checksum(self, name: str, *, refresh: bool = False) -> torch.Tensor:
         """0-dim int64 checksum of the parameter as the target holds it now."""
-        if refresh or name not in self._checksums:
-            self._checksums[name] = checksum_tensor(self.target.read_checkpoint_tensor(name))
-        return self._checksums[name]
+        self._ensure_checksums([name], refresh=refresh)
+        return self._table[self._row[name]].clone()
+
+    def _ensure_checksums(self, names: list[str], *, refresh: bool) -> None:
+        """Fill the table rows of ``names`` that are not known (all of them with ``refresh``): on CUDA one
+        checksum launch per element size for all of them."""
+        missing = [n for n in names if refresh or n not in self._known]
+        if missing:
+            rows = upload(torch.tensor([self._row[n] for n in missing], dtype=torch.int64), self._table.device)
+            self._table[rows] = checksum_tensors([self.target.read_checkpoint_tensor(n) for n in missing])
+            self._known.update(missing)
 
 
 class UpdateSession:
@@ -231,6 +266,8 @@ class UpdateSession:
                 raise WeightUpdateError(f"{update.name}: shape {tuple(payload.shape)} != checkpoint shape {spec.shape}")
         elif payload.dim() != 1 or payload.numel() != update.indices.num_indices:
             raise WeightUpdateError(f"{update.name}: {update.indices.num_indices} indices but values of shape {tuple(payload.shape)}")
+        elif update.indices.num_indices > spec.numel:
+            raise WeightUpdateError(f"{update.name}: {update.indices.num_indices} indices for {spec.numel} elements")
         elif update.is_delta and (update.escapes is None or update.escapes.dtype != spec.dtype or update.escapes.dim() != 1):
             raise WeightUpdateError(f"{update.name}: a bit-delta patch needs 1-D escape values of dtype {spec.dtype}")
 
@@ -241,205 +278,184 @@ class UpdateSession:
         if missing:
             raise WeightUpdateError(f"stream cut short: {len(missing)} announced parameters never arrived, e.g. {missing[:5]}")
 
-        # Phase 1: stage on device, check bounds, predict checksums.
+        # Phase 1: stage on device, decode and check index streams, predict checksums; one host sync.
         t0 = time.perf_counter()
-        updates = list(self._updates.values())
-        staged = [_Staged(update=u, indices=None, payload=p) for u, p in zip(updates, _stage_payloads(updates, device))]
-        patches = [s for s in staged if isinstance(s.update, Patch)]
-        groups: list[_PatchGroup] = []
-        if patches:
-            self._check_patch_streams(patches, device)
-            groups = self._patch_groups(patches, device)
-            for g in groups:
-                self._stage_group(g, device)
-        expected = upload(torch.tensor([s.update.checksum for s in staged], dtype=torch.int64), device)  # [num records]
-        self._check_predicted_checksums(staged, patches, expected)
+        records = list(self._updates.values())
+        dense = [_DenseRecord(update=u, row=i, payload=u.tensor if u.tensor.device == device else u.tensor.to(device, non_blocking=True))
+                 for i, u in enumerate(records) if isinstance(u, Dense)]
+        table_rows = [receiver._row[u.name] for u in records]
+        meta = upload(torch.tensor([*(u.checksum for u in records), *table_rows, *(d.row for d in dense)], dtype=torch.int64), device)
+        num = len(records)
+        expected, table_rows_d, dense_rows = meta[:num], meta[num : 2 * num], meta[2 * num :]  # [R], [R], [num dense]
+        groups = self._patch_groups([(i, u) for i, u in enumerate(records) if isinstance(u, Patch)], table_rows_d, device)
+        predicted = torch.zeros(num, dtype=torch.int64, device=device)  # [R]
+        if dense:
+            predicted[dense_rows] = checksum_tensors([d.payload for d in dense])
+        for g in groups:
+            predicted[g.meta[_ROWS]] = g.predicted
+        self._check_all(records, groups, predicted)
         t1 = time.perf_counter()
 
         # Phase 2: write, keeping old values for rollback.
-        dense = [s for s in staged if s.indices is None]
-        written: list[_Staged] = []
+        written: list[_DenseRecord] = []
+        written_groups: list[_PatchGroup] = []
         try:
             if dense and receiver.dense_rollback:
-                current = [target.read_checkpoint_tensor(s.update.name) for s in dense]
+                current = [target.read_checkpoint_tensor(d.update.name) for d in dense]
                 olds = [torch.empty_like(t) for t in current]
                 torch._foreach_copy_(olds, current)
-                for s, old in zip(dense, olds):
-                    s.old = old
+                for d, old in zip(dense, olds):
+                    d.old = old
             write_many = getattr(target, "write_dense_many", None)
             if dense and write_many is not None:
                 written += dense  # a failed batched write may have written any of them
-                write_many([(s.update.name, s.payload) for s in dense])
+                write_many([(d.update.name, d.payload) for d in dense])
             else:
-                for s in dense:
-                    written.append(s)
-                    target.write_dense(s.update.name, s.payload)
+                for d in dense:
+                    written.append(d)
+                    target.write_dense(d.update.name, d.payload)
             for g in groups:
-                written += g.members
+                written_groups.append(g)
                 g.scatter(target, g.new)
             if device.type == "cuda":
                 torch.cuda.synchronize(device)
         except Exception as e:
-            self._rollback(written, groups)
+            self._rollback(written, written_groups)
             raise WeightUpdateError(f"target write failed, {self._restored_what(dense)}: {e}") from e
         t2 = time.perf_counter()
 
-        # Phase 3: read back and verify.
-        failed = torch.zeros(len(staged), dtype=torch.bool, device=device)  # [num records]
+        # Phase 3: read back and verify; one host sync.
+        failed = torch.zeros(num, dtype=torch.bool, device=device)  # [R]
         if dense:
-            rows = self._rows(staged, dense=True)
-            got = checksum_tensors([target.read_checkpoint_tensor(s.update.name) for s in dense])
-            failed[rows] = got != expected[rows]
-        row_of = {id(s): i for i, s in enumerate(staged)}
+            got = checksum_tensors([target.read_checkpoint_tensor(d.update.name) for d in dense])
+            failed[dense_rows] = got != expected[dense_rows]
         for g in groups:
             int_dtype = SIGNED_VIEW[g.new.element_size()]
             differ = torch.ne(g.gather(target).view(int_dtype), g.new.view(int_dtype)).to(torch.int64)  # [n]
-            rows = upload(torch.tensor([row_of[id(s)] for s in g.members], dtype=torch.int64), device)
-            failed[rows] = segment_sums(differ, g.sizes) > 0
-        bad = [s.update.name for s, f in zip(staged, failed.tolist()) if f]
+            failed[g.meta[_ROWS]] = g.member_sums(differ) > 0
+        bad = [u.name for u, f in zip(records, failed.tolist()) if f]
         if bad:
-            self._rollback(staged, groups)
+            self._rollback(dense, groups)
             raise WeightUpdateError(f"verification after write failed for {bad[:5]}: the target did not hold the sent bits; "
                                     f"{self._restored_what(dense)}")
         t3 = time.perf_counter()
 
-        for s, check in zip(staged, expected.unbind()):
-            receiver._checksums[s.update.name] = check
+        receiver._table[table_rows_d] = expected
+        receiver._known.update(u.name for u in records)
         receiver.version = self._version
         self._state = "finished"
-        num_dense = sum(s.indices is None for s in staged)
         return UpdateResult(
             version=self._version,
-            num_dense=num_dense,
-            num_patch=len(staged) - num_dense,
-            nbytes=sum(s.update.nbytes for s in staged),
+            num_dense=len(dense),
+            num_patch=num - len(dense),
+            nbytes=sum(u.nbytes for u in records),
             validate_s=t1 - t0,
             apply_s=t2 - t1,
             verify_s=t3 - t2,
         )
 
-    def _check_patch_streams(self, patches: list[_Staged], device: torch.device) -> None:
-        """Decode every patch's index stream; check streams, bounds and escape counts in one host sync."""
-        all_indices, malformed, last = decode_many([s.update.indices for s in patches], device)
-        for s, indices in zip(patches, all_indices):
-            s.indices = indices
-        bad_escapes = torch.zeros(len(patches), dtype=torch.int64, device=device)  # [num patches]
-        delta_rows = [i for i, s in enumerate(patches) if s.update.is_delta]
-        if delta_rows:
-            escaped = (torch.cat([patches[i].payload for i in delta_rows]) == 0).to(torch.int64)
-            counts = segment_sums(escaped, [patches[i].payload.numel() for i in delta_rows])
-            wanted = torch.tensor([patches[i].update.escapes.numel() for i in delta_rows], dtype=torch.int64)
-            bad_escapes[upload(torch.tensor(delta_rows), device)] = (counts != upload(wanted, device)).to(torch.int64)
-        checks = torch.stack([malformed.to(torch.int64), last, bad_escapes], dim=1).tolist()
-        for s, (bad, idx, escapes) in zip(patches, checks):
-            name = s.update.name
-            if bad:
-                raise WeightUpdateError(f"{name}: malformed index stream (escape count != overflow count, or an overflow gap < 1)")
-            numel = self._receiver.specs[name].numel
-            if idx >= numel:
-                raise WeightUpdateError(f"{name}: flat index {idx} out of bounds for {numel} elements")
+    def _patch_groups(self, patches: list[tuple[int, Patch]], table_rows: torch.Tensor, device: torch.device) -> list[_PatchGroup]:
+        """One group per engine dtype, each decoded, gathered and checked in a fixed number of kernels.
+        Nothing is synchronised or written: every check lands in ``_PatchGroup.checks``."""
+        receiver = self._receiver
+        check_stream_dtypes([p.indices for _, p in patches])
+        by_dtype: dict[torch.dtype, list[tuple[int, Patch]]] = {}
+        for row, p in patches:
+            by_dtype.setdefault(receiver.specs[p.name].dtype, []).append((row, p))
+        receiver._ensure_checksums([p.name for _, p in patches], refresh=not receiver.trust_cached_checksums)
+        lend = getattr(receiver.target, "writable_views", None) if receiver.batched_scatter else None
+        return [self._patch_group(sorted(members, key=_patch_order), dtype, table_rows, device, lend) for dtype, members in by_dtype.items()]
+
+    def _patch_group(self, members: list[tuple[int, Patch]], dtype: torch.dtype, table_rows: torch.Tensor, device: torch.device,
+                     lend) -> _PatchGroup:
+        """``members``: (record row, patch) in ``_patch_order``; ``table_rows``: [R] the records' rows of the
+        receiver's checksum table; ``lend``: the target's ``writable_views`` or None."""
+        receiver = self._receiver
+        patches = [p for _, p in members]
+        sizes = [p.indices.num_indices for p in patches]
+        k, total = len(patches), sum(sizes)
+        meta = upload(torch.tensor([sizes, [p.indices.overflow.numel() for p in patches], [receiver.specs[p.name].numel for p in patches],
+                                    [p.escapes.numel() if p.is_delta else 0 for p in patches], [row for row, _ in members]],
+                                   dtype=torch.int64), device)  # [5, k]
+        decoded = decode_streams([p.indices for p in patches], meta[_SIZES], device)
+        sums = decoded.sums  # [k, 4]
+        # Clamped into each member's bounds, the indices are safe to read through even before the checks
+        # are known; where the checks pass, clamping changed nothing.
+        limit = (meta[_NUMEL] - 1)[decoded.segment]  # [n]
+        indices = torch.minimum(decoded.indices.clamp_(min=0), limit)
+        group = _PatchGroup(members=patches, sizes=sizes, meta=meta, indices=indices, segment=decoded.segment,
+                            views=None if lend is None else lend([p.name for p in patches]))
+        group.old = group.gather(receiver.target)  # [n]
+        num_delta = sum(sizes[j] for j, p in enumerate(patches) if p.is_delta)  # delta members come first
+        deltas = concat_to([p.values for p in patches if p.is_delta], torch.int8, device)  # [num delta]
+        plain = concat_to([p.values for p in patches if not p.is_delta], dtype, device)  # [n - num delta]
+        escaped = torch.zeros(total, dtype=torch.int64, device=device)  # [n] 1 where a delta byte escapes
+        if num_delta:
+            escapes = concat_to([p.escapes for p in patches if p.is_delta], dtype, device)  # [num escapes]
+            decoded_deltas = apply_bit_deltas(group.old[:num_delta], deltas, escapes, checked=True)
+            group.new = decoded_deltas if num_delta == total else torch.cat([decoded_deltas, plain])
+            escaped[:num_delta] = deltas == 0
+        else:
+            group.new = plain
+        base = receiver._table[table_rows[meta[_ROWS]]]  # [k] checksums before the patch
+        group.predicted = base + group.member_sums(delta_terms(group.old, group.new, indices))
+        malformed = (sums[:, 1] != meta[_OVERFLOW]) | (sums[:, 2] > 0)
+        group.checks = torch.stack([malformed.to(torch.int64), (sums[:, 3] > 0).to(torch.int64), sums[:, 0] - 1,
+                                    (group.member_sums(escaped) != meta[_ESCAPES]).to(torch.int64)], 1)
+        return group
+
+    def _check_all(self, records: list[Update], groups: list[_PatchGroup], predicted: torch.Tensor) -> None:
+        """Raise for the first bad index stream (in the order sent), else for checksums that do not match
+        their prediction. One host sync for every check of the session."""
+        values = torch.cat([*(g.checks.reshape(-1) for g in groups), predicted]).tolist()
+        streams, at = {}, 0
+        for g in groups:
+            for p in g.members:
+                streams[p.name] = values[at : at + 4]
+                at += 4
+        for u in records:
+            if not isinstance(u, Patch):
+                continue
+            malformed, negative, last, escapes = streams[u.name]
+            if malformed:
+                raise WeightUpdateError(f"{u.name}: malformed index stream (escape count != overflow count, or an overflow gap < 1)")
+            if negative:
+                raise WeightUpdateError(f"{u.name}: malformed index stream (a gap < 1: indices must be strictly increasing)")
+            numel = self._receiver.specs[u.name].numel
+            if last >= numel:
+                raise WeightUpdateError(f"{u.name}: flat index {last} out of bounds for {numel} elements")
             if escapes:
-                raise WeightUpdateError(f"{name}: the escaped deltas do not match its {s.update.escapes.numel()} escape values")
+                raise WeightUpdateError(f"{u.name}: the escaped deltas do not match its {u.escapes.numel()} escape values")
+        bad = [(u, got) for u, got in zip(records, values[at:]) if got != u.checksum]
+        if bad:
+            u, got = bad[0]
+            kind = "the incoming tensor" if isinstance(u, Dense) else "the current weights with the patch applied"
+            raise WeightUpdateError(
+                f"checksum mismatch for {len(bad)} parameters, first {u.name}: sender says {u.checksum}, "
+                f"{kind} give {got} (corrupt data, or a patch against a different base version)"
+            )
 
-    def _patch_groups(self, patches: list[_Staged], device: torch.device) -> list[_PatchGroup]:
-        target = self._receiver.target
-        by_dtype: dict[torch.dtype, list[_Staged]] = {}
-        for s in patches:
-            by_dtype.setdefault(self._receiver.specs[s.update.name].dtype, []).append(s)
-        lend = getattr(target, "writable_views", None) if device.type == "cuda" else None
-        groups = []
-        for members in by_dtype.values():
-            sizes = [s.indices.numel() for s in members]
-            counts = upload(torch.tensor(sizes, dtype=torch.int64), device)
-            segment = torch.repeat_interleave(torch.arange(len(members), device=device), counts, output_size=sum(sizes))  # [n]
-            groups.append(_PatchGroup(
-                members=members, indices=torch.cat([s.indices for s in members]), segment=segment, sizes=sizes,
-                views=None if lend is None else lend([s.update.name for s in members]),
-            ))
-        return groups
-
-    def _stage_group(self, g: _PatchGroup, device: torch.device) -> None:
-        """Gather the group's current values; turn bit deltas into new values (all of the group's at once)."""
-        g.old = g.gather(self._receiver.target)
-        olds = g.old.split(g.sizes)
-        news = [s.payload for s in g.members]
-        deltas = [j for j, s in enumerate(g.members) if s.update.is_delta]
-        if deltas:
-            decoded = apply_bit_deltas(torch.cat([olds[j] for j in deltas]), torch.cat([news[j] for j in deltas]),
-                                       concat_to([g.members[j].update.escapes for j in deltas], g.old.dtype, device), checked=True)
-            for j, values in zip(deltas, decoded.split([g.sizes[j] for j in deltas])):
-                news[j] = values
-        g.new = torch.cat(news)
-        for s, old, new in zip(g.members, olds, g.new.split(g.sizes)):
-            s.old, s.payload = old, new
-
-    @staticmethod
-    def _rows(staged: list[_Staged], *, dense: bool) -> torch.Tensor:
-        """int64 rows of ``staged`` that are dense records (or patches), on the target device."""
-        rows = [i for i, s in enumerate(staged) if (s.indices is None) == dense]
-        return upload(torch.tensor(rows, dtype=torch.int64), staged[0].payload.device)
-
-    def _restored_what(self, dense: list[_Staged]) -> str:
+    def _restored_what(self, dense: list[_DenseRecord]) -> str:
         if not dense or self._receiver.dense_rollback:
             return "weights restored"
-        self._receiver.invalidate_checksums([s.update.name for s in dense])
+        self._receiver.invalidate_checksums([d.update.name for d in dense])
         return (f"patches undone, but the {len(dense)} dense parameters were written without a rollback copy "
                 "(dense_rollback=False) and may hold new values: push them densely again")
 
-    def _check_predicted_checksums(self, staged: list[_Staged], patches: list[_Staged], expected: torch.Tensor) -> None:
-        """Raise unless every record's post-update checksum, predicted before writing, is ``expected``.
-
-        Dense: the checksum of the incoming tensor. Patch: the parameter's current checksum plus
-        the patch's change (all patches in a few kernels). One host sync.
-        """
-        if not staged:
-            return
-        receiver = self._receiver
-        predicted = torch.zeros(len(staged), dtype=torch.int64, device=expected.device)  # [num records]
-        if len(patches) < len(staged):
-            predicted[self._rows(staged, dense=True)] = checksum_tensors([s.payload for s in staged if s.indices is None])
-        if patches:
-            refresh = not receiver.trust_cached_checksums
-            bases = torch.stack([receiver.current_checksum(s.update.name, refresh=refresh) for s in patches])  # [num patches]
-            deltas = patch_checksum_deltas([s.old for s in patches], [s.payload for s in patches], [s.indices for s in patches])
-            predicted[self._rows(staged, dense=False)] = bases + deltas
-        got = predicted.tolist()
-        bad = [(s, g) for s, g in zip(staged, got) if g != s.update.checksum]
-        if bad:
-            s, g = bad[0]
-            kind = "the incoming tensor" if s.indices is None else "the current weights with the patch applied"
-            raise WeightUpdateError(
-                f"checksum mismatch for {len(bad)} parameters, first {s.update.name}: sender says {s.update.checksum}, "
-                f"{kind} give {g} (corrupt data, or a patch against a different base version)"
-            )
-
-    def _rollback(self, written: list[_Staged], groups: list[_PatchGroup]) -> None:
+    def _rollback(self, dense: list[_DenseRecord], groups: list[_PatchGroup]) -> None:
         target = self._receiver.target
-        touched = {id(s) for s in written}
         for g in groups:
-            if any(id(s) in touched for s in g.members):
-                g.scatter(target, g.old)  # unwritten members get their current values back: a no-op
-        for s in reversed(written):
-            if s.indices is None and s.old is not None:  # None: dense_rollback=False
-                target.write_dense(s.update.name, s.old)
+            g.scatter(target, g.old)  # members not yet written get their current values back: a no-op
+        for d in reversed(dense):
+            if d.old is not None:  # None: dense_rollback=False
+                target.write_dense(d.update.name, d.old)
 
 
-def _stage_payloads(updates: list[Update], device: torch.device) -> list[torch.Tensor]:
-    """Every record's payload (dense tensor or patch values) on ``device``. Host patch values bound for CUDA
-    (many small tensors) travel in one pinned copy per dtype, not one pageable copy each; dense tensors are
-    large enough to move one by one."""
-    payloads = [u.tensor if isinstance(u, Dense) else u.values for u in updates]
-    out = list(payloads)
-    if device.type == "cuda":
-        by_dtype: dict[torch.dtype, list[int]] = {}
-        for i, (u, p) in enumerate(zip(updates, payloads)):
-            if isinstance(u, Patch) and p.device.type == "cpu":
-                by_dtype.setdefault(p.dtype, []).append(i)
-        for dtype, members in by_dtype.items():
-            flat = concat_to([payloads[i].reshape(-1) for i in members], dtype, device)
-            for i, part in zip(members, flat.split([payloads[i].numel() for i in members])):
-                out[i] = part.view(payloads[i].shape)
-    return [p if p.device == device else p.to(device, non_blocking=True) for p in out]
+def _patch_order(member: tuple[int, Patch]) -> tuple[bool, int]:
+    """Bit-delta patches first, then by gap dtype: the group's payloads and gap streams concatenate in a
+    few runs of one dtype each."""
+    p = member[1]
+    return not p.is_delta, GAP_DTYPES.index(p.indices.gaps.dtype)
 
 
 def apply_update(target: WeightTarget, version: int, updates: Iterable[Update], *, current_version: int = 0) -> UpdateResult:
