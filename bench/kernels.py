@@ -4,8 +4,7 @@ Needs CUDA. Times are medians of `triton.testing.do_bench` (ms); `gbps` counts t
 read and write at least (KV cache and queries for attention, logits for the sampler), so it is a lower
 bound on the memory traffic. Not here: end-to-end engine throughput (see the engine benchmarks).
 
-    python bench/kernels.py                          # every kernel at a few shapes
-    python bench/kernels.py --sweep-decode-splits    # decode attention by KV split size; the sampler by rows
+    python bench/kernels.py
 """
 
 from __future__ import annotations
@@ -22,7 +21,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from kernels.attention import paged_attention  # noqa: E402
 from kernels.norm import fused_add_rms_norm  # noqa: E402
 from kernels.rotary import apply_rotary  # noqa: E402
-from kernels.sampling import sample, sample_untruncated  # noqa: E402
+from kernels.sampling import sample  # noqa: E402
 
 NUM_Q_HEADS, NUM_KV_HEADS, HEAD_DIM, BLOCK_SIZE, HIDDEN, VOCAB = 14, 2, 64, 16, 896, 151936
 DTYPE = torch.bfloat16
@@ -32,8 +31,7 @@ def _emit(name: str, ms: float, nbytes: int, **extra) -> None:
     print(json.dumps({"kernel": name, "ms": round(ms, 4), "gbps": round(nbytes / ms / 1e6, 1), **extra}), flush=True)
 
 
-def bench_attention(num_reqs: int, q_len: int, seq_len: int, deterministic: bool,
-                    kv_split_size: int | None = None) -> None:
+def bench_attention(num_reqs: int, q_len: int, seq_len: int, deterministic: bool) -> None:
     blocks_per_req = triton.cdiv(seq_len, BLOCK_SIZE)
     num_blocks = num_reqs * blocks_per_req
     cache_shape = (num_blocks, BLOCK_SIZE, NUM_KV_HEADS, HEAD_DIM)
@@ -46,10 +44,10 @@ def bench_attention(num_reqs: int, q_len: int, seq_len: int, deterministic: bool
     out = torch.empty_like(query)
     ms = triton.testing.do_bench(lambda: paged_attention(
         query, k_cache, v_cache, qsl, seq_lens, block_tables, HEAD_DIM**-0.5, q_len, seq_len, out=out,
-        deterministic=deterministic, kv_split_size=kv_split_size))
+        deterministic=deterministic))
     nbytes = 2 * k_cache.numel() * k_cache.element_size() + 2 * query.numel() * query.element_size()
     _emit("paged_attention", ms, nbytes, num_reqs=num_reqs, q_len=q_len, seq_len=seq_len,
-          deterministic=deterministic, kv_split_size=kv_split_size)
+          deterministic=deterministic)
 
 
 def bench_sampler(num_rows: int, top_k: int, top_p: float) -> None:
@@ -64,9 +62,6 @@ def bench_sampler(num_rows: int, top_k: int, top_p: float) -> None:
     )
     ms = triton.testing.do_bench(lambda: sample(logits, *params))
     _emit("sample", ms, logits.numel() * logits.element_size(), num_rows=num_rows, top_k=top_k, top_p=top_p)
-    if top_k == 0 and top_p == 1.0:
-        ms = triton.testing.do_bench(lambda: sample_untruncated(logits, params[0], params[4], params[5]))
-        _emit("sample_untruncated", ms, logits.numel() * logits.element_size(), num_rows=num_rows)
 
 
 def bench_norm_and_rotary(num_tokens: int) -> None:
@@ -83,21 +78,9 @@ def bench_norm_and_rotary(num_tokens: int) -> None:
     _emit("apply_rotary", ms, 2 * (query.numel() + key.numel()) * query.element_size(), num_tokens=num_tokens)
 
 
-def sweep_decode_splits() -> None:
-    """Decode attention at the engine benchmark's contexts, by KV split size (None: the launcher's policy)."""
-    for num_reqs in (1, 64, 256):
-        for seq_len in (256, 384):
-            for split in (None, 32, 64, 128, 256):
-                bench_attention(num_reqs, 1, seq_len, False, split)
-    for num_rows in (1, 64, 256):
-        bench_sampler(num_rows, 0, 1.0)
-
-
 def main() -> None:
     if not torch.cuda.is_available():
         raise SystemExit("bench/kernels.py needs a CUDA device")
-    if "--sweep-decode-splits" in sys.argv[1:]:
-        return sweep_decode_splits()
     for deterministic in (False, True):
         bench_attention(256, 1, 2048, deterministic)
         bench_attention(4, 1, 16384, deterministic)
