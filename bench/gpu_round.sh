@@ -16,9 +16,9 @@ nvidia-smi --query-gpu=name,memory.total,clocks.sm,clocks.mem --format=csv,nohea
 python3 -c "import torch, triton, transformers; print(torch.__version__, triton.__version__, transformers.__version__)" | tee -a "$OUT/gpu.txt"
 case "${1:-tests}" in
   tests)
-    timeout 300 python3 -m pytest -q -p no:cacheprovider tests/test_gpu_engine.py tests/test_gpu_deterministic.py \
-      tests/test_kernels_attention.py tests/test_kernels_sampling.py tests/test_kernels_matmul.py \
-      > "$OUT/tests.log" 2>&1; tail -15 "$OUT/tests.log"
+    timeout 360 python3 -m pytest -q -p no:cacheprovider tests/test_gpu_engine.py tests/test_gpu_deterministic.py \
+      tests/test_gpu_spec_decode.py tests/test_kernels_*.py tests/test_weight_updates.py \
+      tests/test_weight_updates_ipc.py > "$OUT/tests.log" 2>&1; tail -15 "$OUT/tests.log"
     timeout 120 python3 bench/profile_decode.py --batch 1 --batch 64 --batch 256 > "$OUT/profile.jsonl" 2> "$OUT/profile.err"
     cat "$OUT/profile.jsonl"; tail -5 "$OUT/profile.err"
     ;;
