@@ -186,6 +186,8 @@ class ModelRunner:
             probe.capture()
             graph_bytes = max(0, free_before - torch.cuda.mem_get_info(self.device)[0])
             probe.release()
+            if self.spec is not None and self.spec.graphs is not None:  # speculative steps replay their own graphs
+                graph_bytes = max(graph_bytes, self.spec.graphs.probe_bytes())
         self.kv_caches = []
         self.model.bind_kv_cache([(None, None)] * self.model_config.num_layers)
         torch.cuda.empty_cache()

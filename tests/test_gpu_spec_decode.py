@@ -99,3 +99,18 @@ def test_graphs_follow_drafter_replacement_and_skip_truncation(model):
     before = sum(graphs.num_steps.values())
     engine.generate(prompts, SamplingParams(temperature=1.0, top_p=0.9, max_tokens=8, ignore_eos=True, seed=1))
     assert sum(graphs.num_steps.values()) == before
+
+
+def test_auto_sized_kv_cache_counts_the_speculative_graphs(model):
+    """KV sizing captures the largest speculative graph (and releases it); the engine then runs within its
+    share of the device."""
+    import gc
+
+    gc.collect()
+    torch.cuda.empty_cache()
+    engine = _engine(model, max_num_seqs=64, num_kv_blocks=None, gpu_memory_utilization=0.3)
+    assert not engine.runner.spec.graphs.graphs  # the probe's graph is gone
+    out = engine.generate(_prompts(64, seed=4), SamplingParams(max_tokens=24, ignore_eos=True, seed=0))
+    assert all(len(o.outputs[0].token_ids) == 24 for o in out)
+    free, total = torch.cuda.mem_get_info()
+    assert total - free <= 0.3 * total + 2**30  # within its share, give or take the allocator's slack

@@ -98,6 +98,20 @@ class SpecDecodeGraphs:
                     self._capture(size, d)
         return time.perf_counter() - start
 
+    def probe_bytes(self) -> int:
+        """Device bytes the largest graph (max size, k drafts) takes, measured by capturing it over the
+        profiling KV cache and releasing it again (for KV cache sizing; the graphs share its pool)."""
+        d = self.spec.k
+        size = max((s for s in self.sizes if s * (d + 1) <= self.max_tokens), default=None)
+        if size is None:
+            return 0
+        torch.cuda.empty_cache()
+        free_before = torch.cuda.mem_get_info(self.spec.runner.device)[0]
+        self._capture(size, d)
+        used = free_before - torch.cuda.mem_get_info(self.spec.runner.device)[0]
+        self.release()
+        return max(0, used)
+
     def release(self) -> None:
         """Drop the graphs (they hold the drafter's parameters; a new drafter needs new graphs)."""
         self.graphs.clear()
