@@ -77,7 +77,8 @@ def test_graph_sampling_equals_eager_in_deterministic_mode(model):
     assert sum(engine.spec_decode_stats["acceptance_histogram"][1:]) > 0
     want = _engine(model, deterministic=True, enforce_eager=True).generate(prompts, params)
     assert _tokens(got) == _tokens(want)
-    assert [[o.spec_decode_stats for o in r.outputs] for r in got] == [[o.spec_decode_stats for o in r.outputs] for r in want]
+    stats = [[[o.spec_decode_stats for o in r.outputs] for r in outs] for outs in (got, want)]
+    assert stats[0] == stats[1]
 
 
 def test_graphs_follow_drafter_replacement_and_skip_truncation(model):

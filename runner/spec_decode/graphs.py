@@ -20,9 +20,11 @@ read finite cache entries, write no KV and only touch the scratch state row; the
 Nothing in the step waits for the device or has a data-dependent shape.
 
 On CUDA (`capture=True`) each (P, d) is captured lazily, the first time a uniform step of that shape
-occurs, or up front with `capture_all` (the benchmark does, so no capture falls into a timed run): warm-up and capture run over an all-padding batch (so they change no request's KV or drafter
-state), then the real step is staged and replayed. All graphs share one memory pool. With capture=False
-the same function runs eagerly (the CPU tests check it against the eager runner this way).
+occurs, or up front with `capture_all` (the benchmark does, so no capture falls into a timed run).
+Warm-up and capture run over an all-padding batch (so they change no request's KV or drafter state), then
+the real step is staged and replayed. All graphs share one memory pool; KV cache sizing counts the largest
+one (`probe_bytes`). With capture=False the same function runs eagerly (the CPU tests check it against the
+eager runner this way).
 
 Not here (run eagerly by `SpeculativeRunner.execute`): batches whose rows draft different counts (a row
 that opted out or is near its length limit, next to drafting rows), prefill chunks, top-N logprobs, and
@@ -194,8 +196,8 @@ class SpecDecodeGraphs:
         """Metadata over the full-width block tables with the grid sized for max_model_len (static shapes)."""
         r = self.spec.runner
         return AttentionMetadata(
-            query_start_loc=query_start_loc, seq_lens=seq_lens, block_tables=r.buffers.block_tables[: seq_lens.shape[0]],
-            slot_mapping=slot_mapping, max_query_len=max_query_len, max_seq_len=r.max_model_len,
+            query_start_loc=query_start_loc, seq_lens=seq_lens,
+            block_tables=r.buffers.block_tables[: seq_lens.shape[0]], slot_mapping=slot_mapping, max_query_len=max_query_len, max_seq_len=r.max_model_len,
             deterministic=r.config.deterministic,
         )
 

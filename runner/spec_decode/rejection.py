@@ -16,7 +16,8 @@ A row with no drafts draws its one token exactly as `sample_ref` does.
 Reported logprobs are under the target's processed distribution p (the distribution the output is
 distributed as), for greedy rows the log-softmax of the raw target logits, as in `sample_ref`.
 With `uses` given, nothing here waits for the device; without truncation (`NO_TRUNCATION`) nothing makes a
-host constant either, so `runner/spec_decode/graphs.py` captures both functions in a CUDA graph. Not here: choosing how many tokens to draft, the drafter itself, KV rollback.
+host constant either, so `runner/spec_decode/graphs.py` captures both functions in a CUDA graph.
+Not here: choosing how many tokens to draft, the drafter itself, KV rollback.
 """
 
 from __future__ import annotations
