@@ -46,7 +46,7 @@ from dataclasses import dataclass
 import torch
 
 from kernels.common import SIGNED_VIEW, upload
-from weight_updates.checksum import checksum_tensor, checksum_tensors, concat_to, delta_terms
+from weight_updates.checksum import checksum_tensors, concat_to, delta_terms
 from weight_updates.encoding import GAP_DTYPES, Dense, Patch, Update, apply_bit_deltas, check_stream_dtypes, decode_streams
 from weight_updates.errors import WeightUpdateError
 from weight_updates.target import ParamSpec, WeightTarget
@@ -373,7 +373,7 @@ class UpdateSession:
         receiver = self._receiver
         patches = [p for _, p in members]
         sizes = [p.indices.num_indices for p in patches]
-        k, total = len(patches), sum(sizes)
+        total = sum(sizes)
         meta = upload(torch.tensor([sizes, [p.indices.overflow.numel() for p in patches], [receiver.specs[p.name].numel for p in patches],
                                     [p.escapes.numel() if p.is_delta else 0 for p in patches], [row for row, _ in members]],
                                    dtype=torch.int64), device)  # [5, k]
