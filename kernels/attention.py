@@ -51,14 +51,14 @@ _FAST_MIN_SPLIT_SIZE = 256  # fast mode never splits the context finer than this
 
 @triton.jit
 def _store_kv_kernel(
-    key_ptr, value_ptr, k_cache_ptr, v_cache_ptr, slot_ptr,
+    key_ptr, value_ptr, k_cache_ptr, v_cache_ptr, slot_ptr, stride_slot,
     stride_kt, stride_kh, stride_vt, stride_vh,
     stride_kcb, stride_kcs, stride_kch, stride_vcb, stride_vcs, stride_vch,
     num_kv_heads, head_dim, block_size,
     H_PAD: tl.constexpr, D_PAD: tl.constexpr,
 ):
     token = tl.program_id(0)
-    slot = tl.load(slot_ptr + token).to(tl.int64)
+    slot = tl.load(slot_ptr + token * stride_slot).to(tl.int64)
     if slot >= 0:
         offs_h = tl.arange(0, H_PAD)
         offs_d = tl.arange(0, D_PAD)
@@ -100,13 +100,11 @@ def store_kv(
                          f"{k_cache.dtype}, {v_cache.dtype}")
     _check_same_device(key, value, k_cache, v_cache, slot_mapping)
     _check_last_dim_contiguous(key=key, value=value, k_cache=k_cache, v_cache=v_cache)
-    if slot_mapping.stride(0) != 1:
-        raise ValueError("slot_mapping must be contiguous")
     num_tokens = key.shape[0]
     if num_tokens == 0:
         return
     _store_kv_kernel[(num_tokens,)](
-        key, value, k_cache, v_cache, slot_mapping,
+        key, value, k_cache, v_cache, slot_mapping, slot_mapping.stride(0),
         key.stride(0), key.stride(1), value.stride(0), value.stride(1),
         k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
         v_cache.stride(0), v_cache.stride(1), v_cache.stride(2),

@@ -86,6 +86,12 @@ def test_store_kv_matches_ref_and_skips_padding(dtype):
     store_kv_ref(key, value, k_ref, v_ref, slots)
     store_kv(key, value, k_cache, v_cache, slots)
     assert torch.equal(k_cache, k_ref) and torch.equal(v_cache, v_ref)
+    # a strided slot view (a column of a [T, d + 1] table, as speculative drafting passes it)
+    table = torch.stack([slots, torch.full_like(slots, 7)], dim=1)  # [6, 2]
+    k_strided, v_strided = k_ref.clone(), v_ref.clone()
+    store_kv(key * 2, value * 2, k_strided, v_strided, table[:, 0])
+    store_kv_ref(key * 2, value * 2, k_ref, v_ref, slots)
+    assert torch.equal(k_strided, k_ref) and torch.equal(v_strided, v_ref)
 
 
 def test_store_kv_rejects_misuse():
