@@ -2,8 +2,9 @@
 
 Trains a toy target on a learnable counting corpus (runner/spec_decode/toy_target.py), then for each
 drafter method starts a speculating engine from a fresh drafter, fills its rollout buffer, trains the
-drafter online (`train_drafter`), and measures decode throughput at each batch size with speculation
-(auto-off disabled) and without (the same engine with look-ahead 0, so both pay the same bookkeeping).
+drafter online (`train_drafter`), and measures decode throughput at each batch size without speculation
+(the same engine with look-ahead 0, so both pay the same bookkeeping), with speculation forced on, and
+with the engine's auto-off controller deciding (`over_plain`: the ratio to the first).
 On CUDA, uniform decode steps (with and without drafts) replay CUDA graphs (runner/spec_decode/graphs.py),
 all captured before the timed runs; --enforce-eager runs every step eagerly. Each decode line reports
 `cuda_graphs` and how many of the timed run's engine steps replayed a graph (`graph_steps` of `steps`).
@@ -36,11 +37,13 @@ def emit(**row) -> None:
     print(json.dumps(row), flush=True)
 
 
-def measure(engine, batch: int, new_tokens: int, vocab: int, speculate: bool, seed: int) -> dict:
-    """Decode `batch` prompts once (warm-up excluded); tokens/s and the acceptance of this run only."""
+def measure(engine, batch: int, new_tokens: int, vocab: int, mode: str, seed: int) -> dict:
+    """Decode `batch` prompts once (warm-up excluded); tokens/s and the acceptance of this run only.
+    mode: "spec" (always speculate), "plain" (look-ahead 0) or "auto" (the engine's auto-off controller,
+    which measures both modes per batch-size bucket during the warm-up and keeps the faster)."""
     ctl = engine.spec_controller
-    ctl.auto_off = False
-    ctl.k = engine.config.speculative.num_speculative_tokens if speculate else 0
+    ctl.auto_off = mode == "auto"
+    ctl.k = 0 if mode == "plain" else engine.config.speculative.num_speculative_tokens
     gen = torch.Generator().manual_seed(seed)
     params = SamplingParams(temperature=1.0, max_tokens=new_tokens, ignore_eos=True, seed=seed)
     engine.generate([r[:3].tolist() for r in counting_corpus(batch, 3, vocab, gen)], params)  # warm-up
@@ -71,12 +74,14 @@ def main() -> None:
     ap.add_argument("--new-tokens", type=int, default=None)
     ap.add_argument("--methods", default="eagle,mtp")
     ap.add_argument("--enforce-eager", action="store_true", help="no CUDA graphs (they are used by default on CUDA)")
+    ap.add_argument("--target-layers", type=int, default=12, help="decoder layers of the full run's target")
     ap.add_argument("--target-seconds", type=float, default=None, help="target training time (default 12 quick, 180)")
     args = ap.parse_args()
     if args.device == "cpu":
         torch.set_num_threads(max(1, min(4, os.cpu_count() or 1)))
     quick = args.quick
-    vocab, hidden, layers = (32, 64, 2) if quick else (256, 256, 4)
+    # the full run's target is deep enough that a one-layer drafter is cheap next to it (as with real models)
+    vocab, hidden, layers = (32, 64, 2) if quick else (256, 256, args.target_layers)
     batches = [int(b) for b in (args.batches or ("1,16" if quick else "1,16,64,256")).split(",")]
     new_tokens = args.new_tokens or (24 if quick else 128)
     tmp = tempfile.mkdtemp(prefix="spec_bench_")
@@ -103,10 +108,13 @@ def main() -> None:
             seconds = graphs.capture_all(max(batches), list(range(args.k + 1)))
             emit(stage="capture", method=method, num_graphs=len(graphs.graphs), seconds=round(seconds, 1))
         for batch in batches:
-            for speculate in (True, False):
-                row = measure(engine, batch, new_tokens, vocab, speculate, seed=batch)
-                emit(stage="decode", method=method, k=args.k if speculate else 0, batch=batch,
-                     new_tokens=new_tokens, device=args.device, **row)
+            plain = None
+            for mode in ("plain", "spec", "auto"):
+                row = measure(engine, batch, new_tokens, vocab, mode, seed=batch)
+                plain = plain or row["tokens_per_s"]
+                emit(stage="decode", method=method, mode=mode, k=0 if mode == "plain" else args.k, batch=batch,
+                     new_tokens=new_tokens, device=args.device, over_plain=round(row["tokens_per_s"] / plain, 3),
+                     **row)
 
 
 if __name__ == "__main__":
