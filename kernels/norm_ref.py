@@ -11,9 +11,9 @@ import torch
 
 def rms_norm_ref(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
     """x [..., H], weight [H] -> [..., H] in x's dtype."""
-    h = x.to(torch.float32)
+    h = x if x.dtype == torch.float32 else x.to(torch.float32)
     h = h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + eps)
-    return weight * h.to(x.dtype)
+    return weight * (h if x.dtype == torch.float32 else h.to(x.dtype))
 
 
 def fused_add_rms_norm_ref(

@@ -11,25 +11,33 @@ import torch
 
 
 def _rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """x * cos + rotate_half(x) * sin, with rotate_half(x) = (-x2, x1) and `sin` already signed (-s, s):
+    (x2, x1) * (-s, s) is (-x2, x1) * (s, s) exactly, one op fewer."""
     half = x.shape[-1] // 2
-    x1, x2 = x[..., :half], x[..., half:]
-    rotated = torch.cat((-x2, x1), dim=-1)
-    return x * cos + rotated * sin
+    rotated = torch.cat((x[..., half:], x[..., :half]), dim=-1)
+    return (x * cos).add_(rotated.mul_(sin))
 
 
 def rotary_cos_sin(
     positions: torch.Tensor, cos_sin_cache: torch.Tensor, dtype: torch.dtype
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """cos and sin [T, 1, D] in `dtype` for the given positions [T] (shared by all layers of a step)."""
+    """cos (c, c) and signed sin (-s, s), [T, 1, D] in `dtype`, for the given positions [T] (shared by all
+    layers of a step); `apply_rotary_cos_sin` takes them."""
     half = cos_sin_cache.shape[-1] // 2
     cs = cos_sin_cache.index_select(0, positions.to(torch.int64))  # [T, D]
     cos = torch.cat((cs[:, :half], cs[:, :half]), dim=-1)[:, None, :].to(dtype)
-    sin = torch.cat((cs[:, half:], cs[:, half:]), dim=-1)[:, None, :].to(dtype)
+    sin = torch.cat((-cs[:, half:], cs[:, half:]), dim=-1)[:, None, :].to(dtype)
     return cos, sin
 
 
 def apply_rotary_cos_sin(query, key, cos, sin) -> tuple[torch.Tensor, torch.Tensor]:
     return _rotate(query, cos, sin), _rotate(key, cos, sin)
+
+
+def apply_rotary_heads(heads: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """Rotate [T, H, D] heads (e.g. the query and key heads of a fused projection, side by side) with the
+    cos / signed sin of `rotary_cos_sin`; the same values as rotating query and key apart."""
+    return _rotate(heads, cos, sin)
 
 
 def apply_rotary_ref(

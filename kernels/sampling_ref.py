@@ -25,12 +25,11 @@ _MUL2 = 0x735A2D97
 
 def mix32(x: torch.Tensor) -> torch.Tensor:
     """A bijective 32-bit integer hash (two multiply-xorshift rounds) on int64 tensors holding uint32 values."""
-    x = x ^ (x >> 16)
-    x = (x * _MUL1) & MASK32
-    x = x ^ (x >> 15)
-    x = (x * _MUL2) & MASK32
-    x = x ^ (x >> 15)
-    return x
+    x = x ^ (x >> 16)  # a new tensor: the rounds below update it in place
+    x.mul_(_MUL1).bitwise_and_(MASK32)
+    x.bitwise_xor_(x >> 15)
+    x.mul_(_MUL2).bitwise_and_(MASK32)
+    return x.bitwise_xor_(x >> 15)
 
 
 def row_keys(seeds: torch.Tensor, positions: torch.Tensor, salt: int = 0) -> torch.Tensor:
@@ -47,7 +46,7 @@ def counter_uniform(seeds: torch.Tensor, positions: torch.Tensor, vocab_size: in
     keys = row_keys(seeds, positions, salt)  # [B]
     token_ids = torch.arange(vocab_size, dtype=torch.int64, device=seeds.device)
     h = mix32(keys[:, None] ^ token_ids[None, :])  # [B, V]
-    return ((h >> 9).to(torch.float32) + 0.5) * (1.0 / (1 << 23))
+    return h.bitwise_right_shift_(9).to(torch.float32).add_(0.5).mul_(1.0 / (1 << 23))
 
 
 def gumbel_noise(seeds: torch.Tensor, positions: torch.Tensor, vocab_size: int) -> torch.Tensor:
@@ -94,7 +93,7 @@ def processed_logits_ref(
     vocab = x.shape[-1]
     temp = torch.where(temperature > 0, temperature, torch.ones_like(temperature)).to(torch.float32)
     x = x / temp[:, None]
-    neg_inf = torch.tensor(float("-inf"), dtype=x.dtype, device=x.device)
+    neg_inf = float("-inf")
 
     k = top_k.to(torch.int64)
     use_k = (k > 0) & (k < vocab)
@@ -105,8 +104,8 @@ def processed_logits_ref(
         kth = sorted_x.gather(1, (k.clamp(1, vocab) - 1)[:, None])  # [B, 1]
         x = torch.where(use_k[:, None] & (x < kth), neg_inf, x)
 
-    use_p = top_p < 1.0
     if any_p:
+        use_p = top_p < 1.0
         probs = torch.softmax(x, dim=-1)
         sorted_p = torch.sort(probs, dim=-1, descending=True).values
         cum = torch.cumsum(sorted_p, dim=-1)
@@ -115,8 +114,8 @@ def processed_logits_ref(
         threshold = sorted_p.gather(1, idx)  # [B, 1]
         x = torch.where(use_p[:, None] & (probs < threshold), neg_inf, x)
 
-    use_min = min_p > 0.0
     if any_min:
+        use_min = min_p > 0.0
         probs = torch.softmax(x, dim=-1)
         cut = probs.max(dim=-1, keepdim=True).values * min_p.to(torch.float32)[:, None]
         x = torch.where(use_min[:, None] & (probs < cut), neg_inf, x)
@@ -140,16 +139,18 @@ def sample_ref(
     """
     processed = processed_logits_ref(logits, temperature, top_k, top_p, min_p)
     greedy = temperature <= 0
-    any_greedy, all_greedy = bool(greedy.any()), bool(greedy.all())
+    num_greedy = int(greedy.sum())
+    any_greedy, all_greedy = num_greedy > 0, num_greedy == greedy.shape[0]
     logprobs_all = torch.log_softmax(processed, dim=-1) if not all_greedy else None
     if any_greedy:  # greedy rows report the raw distribution
         raw_logprobs = torch.log_softmax(logits.to(torch.float32), dim=-1)
         logprobs_all = raw_logprobs if all_greedy else torch.where(greedy[:, None], raw_logprobs, logprobs_all)
     token_ids = torch.argmax(logits, dim=-1) if any_greedy else None
     if not all_greedy:
-        noise = gumbel_noise(seeds, positions, logits.shape[-1])
-        noisy = torch.where(processed > float("-inf"), processed + noise, processed)
-        sampled = torch.argmax(noisy, dim=-1)
+        # processed + Gumbel noise, as processed - log(-log(u)) (the same float32 values); a -inf entry stays
+        # -inf since the noise is finite
+        u = counter_uniform(seeds, positions, logits.shape[-1])
+        sampled = torch.argmax(processed - torch.log(torch.log(u).neg_()), dim=-1)
         token_ids = sampled if token_ids is None else torch.where(greedy, token_ids, sampled)
     logprobs = logprobs_all.gather(1, token_ids[:, None]).squeeze(1)
     top = None

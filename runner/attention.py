@@ -22,7 +22,7 @@ class AttentionMetadata:
     max_query_len: int
     max_seq_len: int
     deterministic: bool = False
-    plan: AttentionPlan | None = None  # CPU path: gather indices and mask, built by the first layer
+    plan: AttentionPlan | None = None  # CPU path: blocks to read and masks, built by the first layer
 
 
 class AttentionBackend:
@@ -35,10 +35,23 @@ class AttentionBackend:
 
             self._store, self._attend = store_kv, paged_attention
         else:
-            self._store, self._attend = store_kv_ref, None
+            self._store, self._attend = None, None
 
     def store(self, key, value, k_cache, v_cache, meta: AttentionMetadata) -> None:
-        self._store(key, value, k_cache, v_cache, meta.slot_mapping)
+        if self.use_triton:
+            self._store(key, value, k_cache, v_cache, meta.slot_mapping)
+            return
+        store_kv_ref(key, value, k_cache, v_cache, meta.slot_mapping, self._plan(meta, k_cache).all_slots_valid)
+
+    @staticmethod
+    def _plan(meta: AttentionMetadata, k_cache: torch.Tensor) -> AttentionPlan:
+        """The step's CPU attention plan, built once per step and shared by all layers."""
+        if meta.plan is None:
+            meta.plan = plan_paged_attention(
+                meta.query_start_loc, meta.seq_lens, meta.block_tables, meta.slot_mapping, k_cache.shape[1],
+                meta.slot_mapping.shape[0], meta.max_query_len, meta.max_seq_len,
+            )
+        return meta.plan
 
     def attend(self, query, k_cache, v_cache, meta: AttentionMetadata, scale: float, out=None) -> torch.Tensor:
         """query [T, Hq, D] -> [T, Hq, D]; on CUDA written into `out` when given (the CPU path ignores it)."""
@@ -47,12 +60,7 @@ class AttentionBackend:
                 query, k_cache, v_cache, meta.query_start_loc, meta.seq_lens, meta.block_tables, scale,
                 meta.max_query_len, meta.max_seq_len, out=out, deterministic=meta.deterministic,
             )
-        if meta.plan is None:  # built once per step, shared by all layers
-            meta.plan = plan_paged_attention(
-                meta.query_start_loc, meta.seq_lens, meta.block_tables, k_cache.shape[1],
-                query.shape[1] // k_cache.shape[2], query.shape[0], meta.max_query_len, meta.max_seq_len,
-            )
         return paged_attention_ref(
             query, k_cache, v_cache, meta.query_start_loc, meta.seq_lens, meta.block_tables, scale,
-            meta.max_query_len, meta.max_seq_len, plan=meta.plan, deterministic=meta.deterministic,
+            meta.max_query_len, meta.max_seq_len, plan=self._plan(meta, k_cache), deterministic=meta.deterministic,
         )

@@ -24,7 +24,7 @@ from torch import nn
 
 from kernels.norm_ref import fused_add_rms_norm_ref, rms_norm_ref
 from kernels.rotary_ref import (
-    apply_rotary_cos_sin, apply_rotary_ref, build_cos_sin_cache, rope_inv_freq, rotary_cos_sin,
+    apply_rotary_cos_sin, apply_rotary_heads, apply_rotary_ref, build_cos_sin_cache, rope_inv_freq, rotary_cos_sin,
 )
 from kernels.activation_ref import silu_and_mul_ref
 from kernels.attention_ref import rowwise_attention_ref
@@ -110,7 +110,7 @@ class Rotary:
 
     positions: torch.Tensor  # [T] int64
     cos_sin_cache: torch.Tensor  # [max_pos, D] float32
-    cos_sin: tuple[torch.Tensor, torch.Tensor] | None  # [T, 1, D] each (torch path), else None
+    cos_sin: tuple[torch.Tensor, torch.Tensor] | None  # cos, signed sin [T, 1, D] (torch path), else None
 
     @classmethod
     def make(cls, positions: torch.Tensor, cos_sin_cache: torch.Tensor, dtype: torch.dtype, dense: bool,
@@ -158,6 +158,8 @@ class Attention(nn.Module):
         """Paged: hidden [T, H] with `meta`. Dense (training): hidden [B, T, H], meta None, causal per row."""
         lead = hidden.shape[:-1]
         qkv = self.qkv_proj(hidden)
+        if meta is not None and not qkv.is_cuda and self.q_norm is None:
+            return self._paged_torch(rope, qkv, meta)
         q, k, v = qkv.split([self.q_size, self.kv_size, self.kv_size], dim=-1)
         q = q.reshape(*lead, self.num_heads, self.head_dim)
         k = k.reshape(*lead, self.num_kv_heads, self.head_dim)
@@ -174,6 +176,16 @@ class Attention(nn.Module):
                 dest = _linear_input(q.shape[0], self.q_size, q).view(q.shape)
             out = self.backend.attend(q, self.k_cache, self.v_cache, meta, self.scale, out=dest)
         return self.o_proj(out.reshape(*lead, self.q_size))
+
+    def _paged_torch(self, rope: Rotary, qkv: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor:
+        """The paged CPU path: query and key heads rotated together, K/V stored and read through the backend.
+        qkv [T, Hq*D + 2*Hkv*D] -> [T, H]."""
+        num_tokens, hq, hkv, d = qkv.shape[0], self.num_heads, self.num_kv_heads, self.head_dim
+        qk = apply_rotary_heads(qkv[:, : self.q_size + self.kv_size].view(num_tokens, hq + hkv, d), *rope.cos_sin)
+        v = qkv[:, self.q_size + self.kv_size :].view(num_tokens, hkv, d)
+        self.backend.store(qk[:, hq:], v, self.k_cache, self.v_cache, meta)
+        out = self.backend.attend(qk[:, :hq], self.k_cache, self.v_cache, meta, self.scale)
+        return self.o_proj(out.reshape(num_tokens, self.q_size))
 
     def _dense_attention(self, q, k, v) -> torch.Tensor:
         """q [B, T, Hq, D], k/v [B, T, Hkv, D] -> [B, T, Hq, D], causal, no cache."""
