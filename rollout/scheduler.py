@@ -301,11 +301,12 @@ class Scheduler:
 
     # ---- helpers -------------------------------------------------------------------------------------
     def _lookahead(self, req: Request) -> int:
-        """Draft slots for a decoding request: none while prefilling, and never past max_tokens / max_model_len."""
+        """Draft slots for a decoding request: none while prefilling, and never past max_model_len. Near
+        max_tokens a request still drafts the full count (its tokens past max_tokens are dropped by
+        `update`), so every row of a decode batch drafts alike and the step can replay a CUDA graph."""
         if self.num_lookahead_tokens == 0 or not req.params.speculative or req.num_tokens - req.num_computed_tokens != 1:
             return 0
-        room = min(req.max_tokens - req.num_output_tokens, self.max_model_len - req.num_tokens) - 1
-        return max(0, min(self.num_lookahead_tokens, room))
+        return max(0, min(self.num_lookahead_tokens, self.max_model_len - req.num_tokens - 1))
 
     def _complete(self, req: Request) -> bool:
         """Whether the request's tokens, in flight included, already reach max_tokens or max_model_len."""
