@@ -80,12 +80,23 @@ class DecodedStreams:
     sums: torch.Tensor  # [k, 4] int64 per stream: sum of its gaps (= last index + 1), escapes, escaped gaps < 1, other gaps < 1
 
 
+def segment_sums(values: torch.Tensor, lengths: torch.Tensor) -> torch.Tensor:
+    """Sums of consecutive segments: ``values`` [n] or [n, c] int64, ``lengths`` [k] int64 on the same device
+    (summing to n) -> [k] or [k, c]. One cumsum and one gather at the segment ends: an ``index_add_`` of
+    millions of elements into a few bins serializes on the device's atomics. Sums wrap modulo 2**64 as
+    ``index_add_``'s do."""
+    csum = torch.cumsum(values, 0)
+    csum = torch.nn.functional.pad(csum, (0, 0, 1, 0) if csum.dim() == 2 else (1, 0))  # [n + 1, ...]
+    ends = torch.cumsum(lengths, 0)  # [k]
+    return csum[ends] - csum[ends - lengths]
+
+
 def decode_streams(packed: Sequence[PackedIndices], lengths: torch.Tensor, device: torch.device) -> DecodedStreams:
     """Decode k streams in a fixed number of kernels whatever k is, without a host sync.
 
     ``lengths``: [k] int64 on ``device``, each stream's ``num_indices``. The gap streams are joined with one
     cat and one widening per run of equal gap dtypes (order streams by gap dtype to keep runs few), escapes
-    take their overflow values by rank in one gather, one cumsum gives every index, and one ``index_add_``
+    take their overflow values by rank in one gather, one cumsum gives every index, and ``segment_sums``
     gives the per-stream sums. A stream is well formed when its escape count equals its overflow count and
     no gap is < 1; then its indices are strictly increasing and >= 0 (upper bounds are the caller's).
     """
@@ -99,7 +110,7 @@ def decode_streams(packed: Sequence[PackedIndices], lengths: torch.Tensor, devic
     small = gaps < 1
     segment = torch.repeat_interleave(torch.arange(len(packed), device=device), lengths, output_size=total)  # [n]
     columns = torch.stack([gaps, escapes.to(torch.int64), (small & escapes).to(torch.int64), (small & ~escapes).to(torch.int64)], 1)  # [n, 4]
-    sums = torch.zeros(len(packed), 4, dtype=torch.int64, device=device).index_add_(0, segment, columns)  # [k, 4]
+    sums = segment_sums(columns, lengths)  # [k, 4]
     before = torch.cumsum(sums[:, 0], 0) - sums[:, 0]  # [k] running sum of the gaps before each stream
     indices = torch.cumsum(gaps, 0).sub_(before[segment]).sub_(1)  # [n]
     return DecodedStreams(indices=indices, segment=segment, sums=sums)

@@ -47,7 +47,8 @@ import torch
 
 from kernels.common import SIGNED_VIEW, upload
 from weight_updates.checksum import checksum_tensors, concat_to, delta_terms
-from weight_updates.encoding import GAP_DTYPES, Dense, Patch, Update, apply_bit_deltas, check_stream_dtypes, decode_streams
+from weight_updates.encoding import (GAP_DTYPES, Dense, Patch, Update, apply_bit_deltas, check_stream_dtypes, decode_streams,
+                                     segment_sums)
 from weight_updates.errors import WeightUpdateError
 from weight_updates.target import ParamSpec, WeightTarget
 
@@ -116,7 +117,7 @@ class _PatchGroup:
 
     def member_sums(self, values: torch.Tensor) -> torch.Tensor:
         """[k] int64 per-member sums of ``values`` ([n] int64)."""
-        return torch.zeros(len(self.members), dtype=torch.int64, device=values.device).index_add_(0, self.segment, values)
+        return segment_sums(values, self.meta[_SIZES])
 
 
 class WeightReceiver:
