@@ -14,9 +14,12 @@ bandwidth from a big clone in the same run, and the three target ratios. No mode
 weights are random tensors of the checkpoint's shapes (norms = 1), which is all the sync path sees.
 
 With ``--profile``: one more in-process round under the torch profiler (top operators), and op counts of
-the receiver's side of a patch push and a dense push (``event="op_counts"``: kernel-like aten ops, i.e. all
-but views and allocations, the per-op counts that grow with the number of parameters when a path is
-per-parameter, and on CUDA the runtime's launches, copies and syncs). ``--batched-scatter`` uses the
+the trainer's encode and the receiver's side of a patch push and a dense push (``event="op_counts"``:
+kernel-like aten ops, i.e. all but views and allocations, the per-op counts that grow with the number of
+parameters when a path is per-parameter, ``host_syncs``, and on CUDA the runtime's launches, copies and
+syncs). ``host_syncs`` counts, on any device, what makes the host wait for a CUDA device: reads of tensor
+values (``tolist``, ``item``, ``int`` / ``float`` / ``bool`` of a tensor) and ops whose output size depends
+on the data (``nonzero``, also inside boolean indexing; ``masked_select``). ``--batched-scatter`` uses the
 multi-tensor gather / scatter kernels on the CPU too (run it with TRITON_INTERPRET=1), so that the CPU
 counts show the CUDA path's structure.
 
@@ -24,6 +27,7 @@ Usage: python bench/weight_sync.py [--model 0.5b|1.5b] [--device cpu|cuda] [--qu
 """
 
 import argparse
+import contextlib
 import json
 import multiprocessing as mp
 import os
@@ -220,16 +224,43 @@ _NOT_KERNELS = {"as_strided", "view", "reshape", "_reshape_alias", "slice", "nar
                 "contiguous", "resize_", "as_strided_", "_index_put_impl_", "numpy_T", "set_", "pin_memory", "_pin_memory",
                 "is_pinned", "result_type"}
 _WATCH = ("copy_", "cat", "nonzero", "repeat_interleave", "arange", "index_select", "index", "index_put_", "cumsum",
-          "_local_scalar_dense", "stack", "sum", "zeros")
+          "_local_scalar_dense", "stack", "sum", "zeros", "searchsorted", "nonzero_static")
 _RUNTIME = ("cudaLaunchKernel", "cuLaunchKernel", "cudaMemcpyAsync", "cudaStreamSynchronize", "cudaDeviceSynchronize")
 
 
-def op_counts(events) -> dict:
+_HOST_READS = ("tolist", "item", "__int__", "__float__", "__bool__", "__index__")
+_SIZED_BY_DATA = ("nonzero", "masked_select")
+
+
+class HostReads(torch.overrides.TorchFunctionMode):
+    """Counts reads of tensor values by the host (``_HOST_READS``), whatever the device."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.count = 0
+
+    def __torch_function__(self, func, types, args=(), kwargs=None):
+        self.count += getattr(func, "__name__", "") in _HOST_READS
+        return func(*args, **(kwargs or {}))
+
+
+@contextlib.contextmanager
+def counting(device: torch.device):
+    """Profile the block (``prof``) and count its host reads (``reads.count``)."""
+    activities = [torch.profiler.ProfilerActivity.CPU]
+    if device.type == "cuda":
+        activities.append(torch.profiler.ProfilerActivity.CUDA)
+    with torch.profiler.profile(activities=activities) as prof, HostReads() as reads:
+        yield prof, reads
+
+
+def op_counts(events, host_reads: int) -> dict:
     counts = {e.key: e.count for e in events}
     aten = {k[len("aten::"):]: v for k, v in counts.items() if k.startswith("aten::")}
     return dict(
         kernel_like_ops=sum(v for k, v in aten.items() if k not in _NOT_KERNELS),
         aten_ops=sum(aten.values()),
+        host_syncs=host_reads + sum(aten.get(k, 0) for k in _SIZED_BY_DATA),
         **{k: aten.get(k, 0) for k in _WATCH},
         **{k: counts[k] for k in _RUNTIME if k in counts},
     )
@@ -238,9 +269,6 @@ def op_counts(events) -> dict:
 def count_round(specs, w0, w1, device: torch.device, batched_scatter: bool | None) -> None:
     """Op counts (JSON lines) of the trainer's encode and the receiver's session, for a patch push and a
     dense push, after a warm-up round."""
-    activities = [torch.profiler.ProfilerActivity.CPU]
-    if device.type == "cuda":
-        activities.append(torch.profiler.ProfilerActivity.CUDA)
     for counted in (False, True):
         receiver = warm_receiver({n: t.clone() for n, t in w0.items()}, batched_scatter)
         differ = WeightDiffer(specs, device=device)
@@ -249,16 +277,17 @@ def count_round(specs, w0, w1, device: torch.device, batched_scatter: bool | Non
             if mode == "dense":
                 differ.reset()
             sync(device)
-            with torch.profiler.profile(activities=activities) as encode_prof:
+            with counting(device) as (encode_prof, encode_reads):
                 pending = differ.encode(w1)
                 sync(device)
-            with torch.profiler.profile(activities=activities) as receive_prof:
+            with counting(device) as (receive_prof, receive_reads):
                 receiver.apply(version, pending.updates)
             differ.commit(pending)
             if counted:
-                emit(event="op_counts", mode=mode, side="encode", num_records=len(pending.updates), **op_counts(encode_prof.key_averages()))
+                emit(event="op_counts", mode=mode, side="encode", num_records=len(pending.updates),
+                     **op_counts(encode_prof.key_averages(), encode_reads.count))
                 emit(event="op_counts", mode=mode, side="receive", num_records=len(pending.updates),
-                     batched_scatter=receiver.batched_scatter, **op_counts(receive_prof.key_averages()))
+                     batched_scatter=receiver.batched_scatter, **op_counts(receive_prof.key_averages(), receive_reads.count))
 
 
 def main() -> None:

@@ -770,3 +770,145 @@ def test_segment_sums_match_index_add_with_empty_segments_and_wraparound():
     expected = torch.zeros(len(lengths), 3, dtype=torch.int64).index_add_(0, segment, values)
     assert torch.equal(segment_sums(values, lengths), expected)
     assert torch.equal(segment_sums(values[:, 0], lengths), expected[:, 0])
+
+
+# --- batched encode vs a per-parameter reference ---------------------------------------------------
+
+
+def reference_encode(snapshot: dict[str, torch.Tensor], checks: dict[str, int], specs, weights, config) -> list:
+    """The encoder one parameter at a time (a nonzero, a PackedIndices.encode and a checksum per parameter):
+    what ``WeightDiffer.encode`` must produce byte for byte."""
+    from weight_updates.encoding import MAX_PATCH_NUMEL, bit_deltas
+
+    updates = []
+    for name, tensor in weights.items():
+        new = tensor.detach().to(dtype=specs[name].dtype).contiguous()
+        old = snapshot.get(name)
+        if old is None:
+            updates.append(Dense(name=name, tensor=new, checksum=checksum(new)))
+            continue
+        view = INT_VIEW[new.dtype]
+        indices = torch.ne(new.view(-1).view(view), old.view(-1).view(view)).nonzero().squeeze(1)
+        esize = new.element_size()
+        budget = new.numel() * esize * config.max_patch_ratio
+        values_bytes = indices.numel() * esize
+        update = Dense(name=name, tensor=new, checksum=checksum(new))
+        if new.numel() < MAX_PATCH_NUMEL and values_bytes <= budget:
+            packed = PackedIndices.encode(indices)
+            if packed.nbytes + values_bytes <= budget:
+                values, old_values = new.view(-1)[indices], old.view(-1)[indices]
+                check = int(checks[name] + patch_checksum_delta(old_values, values, indices))
+                update = Patch(name=name, indices=packed, values=values, checksum=check)
+                if config.bit_deltas:
+                    deltas, escapes = bit_deltas(old_values, values)
+                    delta = Patch(name=name, indices=packed, values=deltas, escapes=escapes, checksum=check)
+                    update = delta if delta.nbytes < update.nbytes else update
+        updates.append(update)
+    return updates
+
+
+def assert_same_records(got: list, want: list) -> None:
+    def same(a, b, what):
+        assert (a is None) == (b is None), what
+        if a is not None:
+            assert (a.dtype, tuple(a.shape), a.device) == (b.dtype, tuple(b.shape), b.device), what
+            assert torch.equal(a.contiguous().view(-1).view(torch.uint8), b.contiguous().view(-1).view(torch.uint8)), what
+
+    assert [(type(u).__name__, u.name, u.checksum) for u in got] == [(type(u).__name__, u.name, u.checksum) for u in want]
+    for g, w in zip(got, want):
+        if isinstance(w, Dense):
+            same(g.tensor, w.tensor, f"{w.name} tensor")
+        else:
+            same(g.indices.gaps, w.indices.gaps, f"{w.name} gaps")
+            same(g.indices.overflow, w.indices.overflow, f"{w.name} overflow")
+            same(g.values, w.values, f"{w.name} values")
+            same(g.escapes, w.escapes, f"{w.name} escapes")
+
+
+def _bump(t: torch.Tensor, idx, by: int | torch.Tensor) -> torch.Tensor:
+    """A copy of ``t`` whose bits at flat ``idx`` are moved by ``by`` (as integers of the dtype's width)."""
+    out = t.clone()
+    bits = out.view(-1).view(INT_VIEW[t.dtype])
+    bits[idx] += by
+    return out
+
+
+@pytest.mark.parametrize("config", [{}, {"bit_deltas": False}, {"max_patch_ratio": 0.9}, {"max_patch_ratio": 0.0}],
+                         ids=["default", "no_deltas", "ratio_0.9", "ratio_0"])
+def test_batched_encode_matches_per_parameter_reference(config):
+    """Several dtypes; parameters unchanged, fully changed (dense), sparse (patch) with uint8 gaps (with and
+    without escapes), uint16 gaps with escapes, int32 gaps, bit deltas with escapes; a parameter without a
+    snapshot amid others that have one; fp32 master input; a non-contiguous input; a push of a subset out of
+    spec order. Every record must be byte-identical to the per-parameter reference, and the receiver must
+    end bitwise equal."""
+    from weight_updates import DiffConfig
+
+    config = DiffConfig(**config)
+    shapes = {
+        "a.u8": ((64, 64), torch.bfloat16),
+        "b.u8_escape": ((4096,), torch.bfloat16),
+        "c.u16": ((300_000,), torch.bfloat16),
+        "d.int32": ((1_000_000,), torch.float32),
+        "e.full": ((32, 32), torch.float16),
+        "f.same": ((128,), torch.bfloat16),
+        "g.deltas": ((4096,), torch.float32),
+        "h.fresh": ((48, 8), torch.bfloat16),
+        "i.master": ((40, 24), torch.float16),
+        "j.transposed": ((24, 40), torch.bfloat16),
+        "k.empty": ((0,), torch.bfloat16),
+    }
+    specs = {n: ParamSpec(shape=s, dtype=d) for n, (s, d) in shapes.items()}
+    gen = torch.Generator().manual_seed(7)
+    w0 = {n: (torch.randn(s, generator=gen) * 0.02).to(d) for n, (s, d) in shapes.items()}
+    w0["f.same"] = torch.ones(128, dtype=torch.bfloat16)
+    w0["i.master"] = w0["i.master"].float()  # an fp32 master weight, cast by the differ
+    target = TensorDictTarget({n: (t.to(specs[n].dtype)).clone() for n, t in w0.items()})
+    receiver = WeightReceiver(target)
+    differ = WeightDiffer(specs, config=config)
+
+    w1 = dict(w0)
+    w1["a.u8"] = _bump(w0["a.u8"], torch.arange(0, 4096, 7), 1)
+    w1["b.u8_escape"] = _bump(w0["b.u8_escape"], torch.tensor([0, 1, 2, 300, 301, 302, 303, 304, 305, 306, 4000]), 3)
+    c_idx = torch.cat([torch.arange(10, 200_000, 900), torch.tensor([270_000, 299_999])])  # gaps 900, two > 65535
+    w1["c.u16"] = _bump(w0["c.u16"], c_idx, -2)
+    w1["d.int32"] = _bump(w0["d.int32"], torch.tensor([70_000, 140_000, 210_000, 999_999]), 5)
+    w1["e.full"] = -w0["e.full"]
+    g_idx = torch.randperm(4096, generator=gen)[:60]
+    w1["g.deltas"] = _bump(_bump(w0["g.deltas"], g_idx, 2), g_idx[:4], 1 << 20)  # four jumps too big for a byte
+    w1["h.fresh"] = _bump(w0["h.fresh"], [3], 1)
+    w1["i.master"] = w0["i.master"] * (1 + 1e-2 * (torch.rand(40, 24, generator=gen) < 0.05))
+    w1["j.transposed"] = _bump(w0["j.transposed"], torch.arange(0, 960, 97), 1).t().contiguous().t()  # non-contiguous
+    assert not w1["j.transposed"].is_contiguous()
+    w2 = {n: w1[n] for n in ("g.deltas", "c.u16", "h.fresh", "a.u8")}  # a subset, out of spec order
+    w2["c.u16"] = _bump(w1["c.u16"], torch.arange(5, 300_000, 40_000), 1)
+    w2["h.fresh"] = _bump(w1["h.fresh"], torch.arange(0, 384, 2), -1)
+
+    snapshot: dict[str, torch.Tensor] = {}
+    checks: dict[str, int] = {}
+    sent = []
+    pushes = [w0, w1, w2, w2, w1]  # w1 again: every parameter pushed, every one with a snapshot
+    for step, weights in enumerate(pushes):
+        if step in (1, 2):
+            differ.reset(["h.fresh"])
+            snapshot.pop("h.fresh", None)
+        want = reference_encode(snapshot, checks, specs, weights, config)
+        push = differ.encode(weights)
+        assert_same_records(push.updates, want)
+        sent += push.updates
+        receiver.apply(receiver.version + 1, push.updates)
+        differ.commit(push)
+        for name, t in weights.items():
+            snapshot[name] = t.to(specs[name].dtype).contiguous().clone()
+            checks[name] = checksum(snapshot[name])
+        assert_bitwise_equal({n: target.read_checkpoint_tensor(n) for n in weights}, {n: snapshot[n] for n in weights})
+    repeated = sent[-len(w1) - len(w2) : -len(w1)]
+    assert all(isinstance(u, Patch) and u.indices.num_indices == 0 for u in repeated)
+    patches = [u for u in sent if isinstance(u, Patch)]
+    assert sum(isinstance(u, Dense) for u in sent) > len(shapes)  # the first push, "e.full", "h.fresh" twice
+    if config.max_patch_ratio == 0.0:
+        assert all(u.indices.num_indices == 0 for u in patches)  # every changed parameter goes dense
+        return
+    for gap_dtype, escaped in [(torch.uint8, False), (torch.uint8, True), (torch.uint16, True), (torch.int32, False)]:
+        assert any(u.indices.gaps.dtype == gap_dtype and (u.indices.overflow.numel() > 0) == escaped and u.indices.num_indices
+                   for u in patches), (gap_dtype, escaped)
+    assert any(u.is_delta and u.escapes.numel() for u in patches) == config.bit_deltas

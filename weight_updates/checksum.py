@@ -120,18 +120,22 @@ def checksum_tensor(t: torch.Tensor) -> torch.Tensor:
     return total
 
 
+def position_weights(positions: torch.Tensor) -> torch.Tensor:
+    """[n] int64 ``w(positions)`` of [n] int64 flat indices, on their device."""
+    table16 = _tables16.get(positions.device)
+    if table16 is None:  # T fits in int16; a 2-byte gather is much cheaper than an 8-byte one
+        table16 = _tables16[positions.device] = _weight_table(positions.device).to(torch.int16)
+    weights = table16.index_select(0, positions & (_CHUNK - 1)).to(torch.int64)  # [n]
+    return weights.add_(positions >> _CHUNK_BITS, alpha=2)
+
+
 def delta_terms(old: torch.Tensor, new: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
     """[n] int64 ``(s(new) - s(old)) * w(positions)``."""
     check_dtype_supported(new.dtype)
     assert old.dtype == new.dtype and old.shape == new.shape == positions.shape and positions.dtype == torch.int64
     diff = _signed_bits(new).to(torch.int64)  # [n]
     diff.sub_(_signed_bits(old).to(torch.int64))
-    table16 = _tables16.get(new.device)
-    if table16 is None:  # T fits in int16; a 2-byte gather is much cheaper than an 8-byte one
-        table16 = _tables16[new.device] = _weight_table(new.device).to(torch.int16)
-    weights = table16.index_select(0, positions & (_CHUNK - 1)).to(torch.int64)  # [n]
-    weights.add_(positions >> _CHUNK_BITS, alpha=2)
-    return diff.mul_(weights)
+    return diff.mul_(position_weights(positions))
 
 
 def patch_checksum_delta(old: torch.Tensor, new: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:

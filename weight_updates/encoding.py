@@ -3,13 +3,16 @@
 A ``Patch`` carries the flat checkpoint indices whose bit patterns changed, compressed as gaps
 between consecutive indices (``gap[0] = idx[0] + 1``, ``gap[k] = idx[k] - idx[k-1]``, all >= 1) in the
 narrowest of uint8 / uint16 / int32 that minimises bytes. A gap that does not fit is written as the
-escape value 0 and its true value goes, in order, into an int32 ``overflow`` array. Decoding is
-vectorised and runs on the tensors' device.
+escape value 0 and its true value goes, in order, into an int32 ``overflow`` array. Encoding and decoding
+are vectorised and run on the tensors' device; many streams encode together (``stream_gaps``,
+``encode_streams``) in a fixed number of kernels and without a host sync once the caller knows, per
+stream, how many gaps exceed each width.
 
 This module does not decide what changed (see ``differ``) and does not validate records against a
 target (see ``session``); ``decode_many`` only checks the codec's own invariants.
 """
 
+import itertools
 from collections.abc import Sequence
 from dataclasses import dataclass
 
@@ -49,17 +52,80 @@ class PackedIndices:
 
     @staticmethod
     def encode(indices: torch.Tensor) -> "PackedIndices":
-        """[n] int64 strictly increasing indices (< MAX_PATCH_NUMEL) -> the smallest encoding."""
+        """[n] int64 strictly increasing indices (< MAX_PATCH_NUMEL) -> the smallest encoding. One host sync
+        (``encode_streams`` encodes many streams with none)."""
         assert indices.dtype == torch.int64 and indices.dim() == 1
         gaps = torch.diff(indices, prepend=indices.new_full((1,), -1))  # [n], all >= 1
         over8, over16 = torch.stack([(gaps > _GAP_LIMIT[torch.uint8]).sum(), (gaps > _GAP_LIMIT[torch.uint16]).sum()]).tolist()
-        n = gaps.numel()
-        cost = {torch.uint8: n + 4 * over8, torch.uint16: 2 * n + 4 * over16, torch.int32: 4 * n}
-        gap_dtype = min(GAP_DTYPES, key=lambda d: cost[d])  # ties go to the narrower type
+        gap_dtype = choose_gap_dtype(gaps.numel(), over8, over16)
         too_big = gaps > _GAP_LIMIT[gap_dtype]
         overflow = gaps[too_big].to(torch.int32)
         gaps = gaps.masked_fill(too_big, 0).to(gap_dtype)
         return PackedIndices(gaps=gaps, overflow=overflow)
+
+
+def choose_gap_dtype(n: int, over8: int, over16: int) -> torch.dtype:
+    """The gap dtype of a stream of ``n`` gaps, ``over8`` / ``over16`` of them above the uint8 / uint16 limit:
+    the one with the fewest bytes (gaps plus 4 per escape); ties go to the narrower type."""
+    cost = {torch.uint8: n + 4 * over8, torch.uint16: 2 * n + 4 * over16, torch.int32: 4 * n}
+    return min(GAP_DTYPES, key=lambda d: cost[d])
+
+
+def packed_nbytes(n: int, gap_dtype: torch.dtype, num_overflow: int) -> int:
+    """``PackedIndices.nbytes`` of a stream of ``n`` gaps of ``gap_dtype`` with ``num_overflow`` escapes."""
+    return n * gap_dtype.itemsize + 4 * num_overflow
+
+
+def stream_gaps(indices: torch.Tensor, segment: torch.Tensor) -> torch.Tensor:
+    """Gaps of k concatenated index streams, as ``PackedIndices.encode`` computes them per stream.
+
+    ``indices``: [n] int64, each stream's strictly increasing indices, streams one after another;
+    ``segment``: [n] int64, the stream of each element (non-decreasing). Returns [n] int64 gaps, all >= 1:
+    a stream's first gap is its first index + 1, every other gap the distance to the previous index."""
+    prev = torch.nn.functional.pad(indices, (1, 0), value=-1)[:-1]  # [n]
+    first = segment != torch.nn.functional.pad(segment, (1, 0), value=-1)[:-1]  # [n] the first element of a stream
+    return indices - prev.masked_fill_(first, -1)
+
+
+def gaps_over_limits(gaps: torch.Tensor) -> torch.Tensor:
+    """[n, 2] bool: which gaps exceed the uint8 and the uint16 limit (per-stream sums of these feed
+    ``choose_gap_dtype`` and ``encode_streams``)."""
+    return torch.stack([gaps > _GAP_LIMIT[torch.uint8], gaps > _GAP_LIMIT[torch.uint16]], 1)
+
+
+def encode_streams(gaps: torch.Tensor, lengths: Sequence[int], gap_dtypes: Sequence[torch.dtype | None],
+                   over: Sequence[tuple[int, int]]) -> list["PackedIndices | None"]:
+    """Encode k streams whose gaps are concatenated (``stream_gaps``) without a host sync: the same
+    ``PackedIndices`` as ``PackedIndices.encode`` of each stream, as views into one array per gap dtype used.
+
+    ``gaps``: [n] int64; ``lengths[i]``: stream i's number of gaps; ``gap_dtypes[i]``: its dtype, or None to
+    skip it (its gaps still count for the positions of the others'); ``over[i]``: how many of its gaps exceed
+    the uint8 and the uint16 limit. Streams of int32 gaps must index below MAX_PATCH_NUMEL (no escapes).
+    Per gap dtype used: one narrowing and, for uint8 / uint16, one static-size compaction of the escaped gaps.
+    """
+    device = gaps.device
+    starts = [0, *itertools.accumulate(lengths)]
+    narrowed: dict[torch.dtype, torch.Tensor] = {}  # gap dtype -> [n] escaped narrow gaps
+    overflow: dict[torch.dtype, torch.Tensor] = {}  # gap dtype -> [escapes of every stream] int32
+    overflow_starts: dict[torch.dtype, list[int]] = {}  # gap dtype -> [k + 1] each stream's first escape
+    for column, dtype in enumerate((torch.uint8, torch.uint16)):
+        if dtype in gap_dtypes:
+            too_big = gaps > _GAP_LIMIT[dtype]  # [n]
+            overflow_starts[dtype] = [0, *itertools.accumulate(o[column] for o in over)]
+            where = torch.nonzero_static(too_big, size=overflow_starts[dtype][-1]).squeeze(1)  # [escapes]
+            overflow[dtype] = gaps.index_select(0, where).to(torch.int32)
+            narrowed[dtype] = gaps.masked_fill(too_big, 0).to(dtype)
+    if torch.int32 in gap_dtypes:
+        narrowed[torch.int32] = gaps.to(torch.int32)
+    no_overflow = torch.empty(0, dtype=torch.int32, device=device)
+    packed: list[PackedIndices | None] = []
+    for i, dtype in enumerate(gap_dtypes):
+        if dtype is None:
+            packed.append(None)
+            continue
+        escaped = no_overflow if dtype == torch.int32 else overflow[dtype][overflow_starts[dtype][i] : overflow_starts[dtype][i + 1]]
+        packed.append(PackedIndices(gaps=narrowed[dtype][starts[i] : starts[i + 1]], overflow=escaped))
+    return packed
 
 
 def check_stream_dtypes(packed: Sequence[PackedIndices]) -> None:
@@ -182,13 +248,24 @@ class Patch:
 Update = Dense | Patch
 
 
+def bit_differences(old: torch.Tensor, new: torch.Tensor) -> torch.Tensor:
+    """[n] int64: new bits - old bits, as signed integers of the dtype's width."""
+    int_dtype = SIGNED_VIEW[new.element_size()]
+    return new.view(int_dtype).to(torch.int64) - old.view(int_dtype).to(torch.int64)
+
+
+def delta_bytes(difference: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """(int8 deltas [n], escaped [n] bool) of ``bit_differences`` [n]: the delta byte, 0 where it is escaped
+    (the difference does not fit in a byte, or is 0)."""
+    escaped = (difference < -128) | (difference > 127) | (difference == 0)
+    return difference.masked_fill(escaped, 0).to(torch.int8), escaped
+
+
 def bit_deltas(old: torch.Tensor, new: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """(int8 deltas [n], escapes [k] of new's dtype): new bits = old bits + delta, or, where the delta
     byte is 0, the next escape. old and new differ at every position."""
-    int_dtype = SIGNED_VIEW[new.element_size()]
-    delta = new.view(int_dtype).to(torch.int64) - old.view(int_dtype).to(torch.int64)  # [n]
-    fits = (delta >= -128) & (delta <= 127) & (delta != 0)
-    return torch.where(fits, delta, 0).to(torch.int8), new[~fits]
+    deltas, escaped = delta_bytes(bit_differences(old, new))
+    return deltas, new[escaped]
 
 
 def apply_bit_deltas(old: torch.Tensor, delta: torch.Tensor, escapes: torch.Tensor, *, checked: bool = False) -> torch.Tensor:
