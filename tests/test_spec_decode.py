@@ -6,10 +6,16 @@ would have under fresh randomness: a chi-square p-value threshold of 1e-3 (FPR 0
 
 from __future__ import annotations
 
+import os
+import sys
 from collections import Counter
 
-import pytest
 import torch
+
+if not torch.cuda.is_available():  # the Triton kernels of rejection_kernel.py run under the interpreter
+    os.environ.setdefault("TRITON_INTERPRET", "1")
+
+import pytest
 
 from rollout import Engine, EngineConfig, SamplingParams, SpeculativeConfig
 from runner.spec_decode.controller import SpecController
@@ -129,6 +135,71 @@ def test_untruncated_processing_equals_the_reference():
     temp = torch.tensor([0.0, 0.5, 1.0, 1.3, 2.0])
     args = (temp, torch.zeros(5, dtype=torch.int64), torch.ones(5), torch.zeros(5))
     assert torch.equal(processed_logits(logits, *args, NO_TRUNCATION), processed_logits_ref(logits, *args))
+
+
+# ---- the Triton kernels against the torch reference ------------------------------------------------------
+KERNEL_DEVICE = torch.device("cuda" if torch.cuda.is_available() else "cpu")
+
+
+_LOG_ZERO = pytest.mark.filterwarnings("ignore:divide by zero:RuntimeWarning")  # the interpreter's log(0) = -inf
+
+
+@_LOG_ZERO
+@pytest.mark.parametrize("vocab", [37, 2500])  # one masked block; several blocks of 1024
+def test_kernels_equal_the_reference(vocab):
+    """`rejection_kernel.py` against `sample_draft_ref` / `rejection_sample_ref`: the same draft tokens,
+    acceptances, resampled and bonus tokens; q and logprobs to float rounding. Rows: greedy and tempered,
+    0..K drafts, drafters close to the target (many acceptances, bonus tokens), an unnormalized q = 2p
+    (all-zero residuals: the fallback to p), strided draft ids as the graph step passes them."""
+    from runner.spec_decode import rejection_kernel
+    from runner.spec_decode.rejection import (
+        ACCEPT_SALT,
+        DRAFT_SALT,
+        RESAMPLE_SALT,
+        rejection_sample_ref,
+        sample_draft_ref,
+    )
+
+    dev, R, K = KERNEL_DEVICE, 48, 3
+    g = torch.Generator().manual_seed(vocab)
+    target = torch.randn(R, K + 1, vocab, generator=g) * 2
+    closeness = torch.tensor([0.0, 0.05, 0.5, 3.0]).repeat(R // 4)[:, None, None]
+    draft_logits = target[:, :K] + closeness * torch.randn(R, K, vocab, generator=g)
+    target, draft_logits = target.to(dev), draft_logits.to(dev)
+    temperature = torch.tensor([0.0, 1.0, 0.6, 1.7], device=dev).repeat_interleave(R // 4)
+    seeds = torch.randint(0, 2**32, (R,), generator=g).to(dev)
+    positions = torch.randint(0, 5000, (R,), generator=g).to(dev)
+    num_drafts = torch.tensor([K, K, K, 0, 1, 2], device=dev).repeat(R // 6)
+    off = (torch.zeros(R, dtype=torch.int64, device=dev), torch.ones(R, device=dev), torch.zeros(R, device=dev))
+
+    ids = torch.zeros(R, K + 1, dtype=torch.int64, device=dev)
+    q = torch.empty(R, K, vocab, device=dev)
+    for j in range(K):
+        want_tokens, want_q = sample_draft_ref(draft_logits[:, j], temperature, *off, seeds, positions + j)
+        rejection_kernel.draft_sample(draft_logits[:, j].contiguous(), temperature, seeds, positions, j, ids[:, j + 1],
+                                      q[:, j], DRAFT_SALT)
+        assert torch.equal(ids[:, j + 1], want_tokens)
+        torch.testing.assert_close(q[:, j], want_q, rtol=1e-5, atol=1e-7)
+    drafts = ids[:, 1:]
+    q[R // 2 :: 4] = 2 * torch.softmax(target[R // 2 :: 4, :K].float() / temperature[R // 2 :: 4, None, None], -1)
+
+    want = rejection_sample_ref(target, drafts, q, num_drafts, temperature, *off, seeds, positions)
+    got = rejection_kernel.rejection_sample(target, drafts, q, num_drafts, temperature, seeds, positions, ACCEPT_SALT,
+                                            RESAMPLE_SALT)
+    assert torch.equal(got[1], want[1]) and torch.equal(got[0], want[0])
+    valid = got[0] >= 0
+    torch.testing.assert_close(got[2][valid], want[2][valid], rtol=0, atol=1e-5)
+    rejected = got[1] < num_drafts
+    sampled = temperature > 0
+    # every path taken: greedy stops, resampling (with and without the fallback), bonus tokens
+    assert (rejected & sampled).sum() > 4 and (~rejected & sampled & (num_drafts == K)).sum() > 2
+    assert (rejected & sampled)[R // 2 :: 4].any() and (~rejected & ~sampled & (num_drafts == K)).any()
+
+    no_drafts = rejection_kernel.rejection_sample(target[:, :1], drafts[:, :0], q[:, :0], num_drafts * 0, temperature,
+                                                  seeds, positions, ACCEPT_SALT, RESAMPLE_SALT)
+    want = rejection_sample_ref(target[:, :1], drafts[:, :0], q[:, :0], num_drafts * 0, temperature, *off, seeds,
+                                positions)
+    assert torch.equal(no_drafts[0], want[0]) and not no_drafts[1].any()
 
 
 # ---- the engine ----------------------------------------------------------------------------------------------
@@ -377,3 +448,76 @@ def test_static_step_has_no_host_sync(small_vocab_model, num_drafts):
     with Recorder() as rec:
         graphs.static_step(4, num_drafts)
     assert not rec.syncs, rec.syncs[0]
+
+
+@_LOG_ZERO
+def test_static_step_with_kernels_equals_eager_step(small_vocab_model, monkeypatch):
+    """The static step with the Triton draft and rejection kernels (as on CUDA) against the eager runner on
+    the torch reference: the same tokens and acceptances, logprobs to float rounding."""
+    from runner.spec_decode import rejection
+
+    spec = SpeculativeConfig(method="mtp", num_speculative_tokens=3)
+    prompts = [[2, 3, 1], [1, 1], [3, 0, 2, 2, 1]]
+    params = [SamplingParams(temperature=0, max_tokens=10, ignore_eos=True),
+              SamplingParams(temperature=1.0, max_tokens=10, ignore_eos=True, n=2, seed=7),
+              SamplingParams(temperature=0.8, max_tokens=10, ignore_eos=True, seed=8)]
+    want = [o for r in make_engine(small_vocab_model, spec, max_model_len=64).generate(prompts, params) for o in r.outputs]
+    monkeypatch.setattr(rejection, "use_kernels", lambda device: True)
+    engine = static_engine(small_vocab_model, spec, max_model_len=64)
+    got = [o for r in engine.generate(prompts, params) for o in r.outputs]
+    assert engine.runner.spec.graphs.num_steps[(4, 3)] > 0
+    assert [(o.token_ids, o.spec_decode_stats) for o in got] == [(o.token_ids, o.spec_decode_stats) for o in want]
+    for x, y in zip(got, want):
+        assert max(abs(u - v) for u, v in zip(x.logprobs, y.logprobs)) < 1e-5
+    hist = engine.spec_decode_stats["acceptance_histogram"]
+    assert hist[0] > 0 and sum(hist[1:]) > 0
+
+
+# CPU references of kernels the model runs on CUDA (one launch each there)
+_REFERENCE_KERNELS = _CPU_ONLY | {"rms_norm_ref", "fused_add_rms_norm_ref", "apply_rotary_heads", "apply_rotary_cos_sin",
+                                  "rotary_cos_sin", "silu_and_mul_ref"}
+_MODEL_OPS = ("aten.linear.", "aten.embedding.")
+
+
+@_LOG_ZERO
+@pytest.mark.parametrize("method", ["eagle", "mtp"])
+def test_static_step_launches(small_vocab_model, monkeypatch, method):
+    """With the Triton kernels on, the graph step launches nothing besides the models' linears, embeddings
+    and kernels but this short list (each op one launch on CUDA): the drafter state gather, one stack of the
+    look-ahead positions / context lengths / KV slots, the drafter's input cat per look-ahead step and in the
+    catch-up, the next-token clamp and stop index after verification, and the drafter state scatter. Before
+    the kernels, sampling and rejection took ~100 launches per draft step and ~190 for verification."""
+    from torch.utils._python_dispatch import TorchDispatchMode
+
+    from runner.spec_decode import rejection
+
+    class Recorder(TorchDispatchMode):
+        def __init__(self):
+            super().__init__()
+            self.ops = Counter()
+
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            out = func(*args, **(kwargs or {}))
+            name = str(func)
+            if func._schema.is_mutable or not any(  # views and no-op conversions alias their input
+                    isinstance(a, torch.Tensor) and isinstance(out, torch.Tensor)
+                    and a.untyped_storage().data_ptr() == out.untyped_storage().data_ptr() for a in args):
+                frame = sys._getframe()
+                while frame is not None and frame.f_code.co_name not in _REFERENCE_KERNELS and \
+                        not frame.f_code.co_filename.endswith("rejection_kernel.py"):  # the interpreter's copies
+                    frame = frame.f_back
+                if frame is None and not name.startswith(_MODEL_OPS) and not name.startswith("aten.empty"):
+                    self.ops[name] += 1
+            return out
+
+    monkeypatch.setattr(rejection, "use_kernels", lambda device: True)
+    engine = static_engine(small_vocab_model, SpeculativeConfig(method=method, num_speculative_tokens=4),
+                           max_model_len=64)
+    graphs = engine.runner.spec.graphs
+    graphs._fill_padding(0, 2, 4)
+    engine.runner.buffers.upload(2)
+    graphs.static_step(2, 4)  # makes the step's constants
+    with Recorder() as rec:
+        graphs.static_step(2, 4)
+    assert rec.ops == {"aten.index.Tensor": 2, "aten.stack.default": 1, "aten.cat.default": 4, "aten.clamp.default": 1,
+                       "aten.add.Tensor": 1, "aten.index_put_.default": 1}, rec.ops

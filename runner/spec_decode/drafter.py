@@ -91,12 +91,10 @@ class Drafter(nn.Module):
         meta: AttentionMetadata | None,  # None: dense causal attention (training)
     ) -> torch.Tensor:
         """Returns the normed drafter hidden state, same leading shape; logits = target LM head of it."""
-        x = torch.cat([next_embeds, features], dim=-1)
         if self.config.method == "eagle":
-            z = self.fc(x)
+            z = self.fc(torch.cat([next_embeds, features], dim=-1))
         else:
-            H = self.config.hidden_size
-            z = self.eh_proj(torch.cat([self.enorm(x[..., :H]), self.hnorm(x[..., H:])], dim=-1))
+            z = self.eh_proj(torch.cat([self.enorm(next_embeds), self.hnorm(features)], dim=-1))
         out, residual = self.layer(rope, z, None, meta)
         out, _ = self.norm(out, residual)
         return out

@@ -6,11 +6,19 @@ B rows is padded to the next capture size P (`runner.cuda_graph.capture_sizes`, 
 P * (d + 1) tokens fit the step buffers) and run by `static_step(P, d)`, whose shapes depend on (P, d) only:
 
     h = draft_hidden[sample_slots]           [P, H] each row's drafter state (padding rows: scratch row S)
-    d times: sample_draft, drafter step      one token per row, every row active (as the eager `_propose`);
-                                             drafts are written into the step's input ids
+    d times: LM head, sample_draft,          one token per row, every row active (as the eager `_propose`);
+             drafter step                    the draft is written straight into the step's input ids and q
+                                             into [P, d, V]; the look-ahead steps' rope positions, context
+                                             lengths and KV slots come from one stack of buffer views
     hidden, aux = target(input ids)          [P * (d + 1), H], q_len d + 1, attention grid for max_model_len
     rejection_sample (d > 0) | sampler       output_ids [P, d + 1], num_accepted [P], logprobs [P, d + 1]
-    catch-up drafter over every position     draft_hidden[sample_slots] = its output at the last accepted one
+    catch-up drafter over every position     next tokens = output_ids (-1 -> 0); draft_hidden[sample_slots] =
+                                             its output at the last accepted position
+
+On CUDA, sample_draft and rejection_sample are one Triton launch each (`rejection_kernel.py`), so besides
+the models' own kernels a step launches only a handful of indexing ops (tests/test_spec_decode.py counts
+them). Per-(P, d) constants (each row's first token index, the draft counts) are made by the first call,
+a warm-up outside any capture.
 
 Every input comes from persistent device buffers: the runner's `StepBuffers` (tokens, positions, KV
 slots, query offsets, context lengths, full-width block tables, sampling parameters), where `sample_slots`
@@ -64,6 +72,7 @@ class SpecDecodeGraphs:
         self.graphs: dict[tuple[int, int], torch.cuda.CUDAGraph] = {}  # (P, d) -> graph
         self.outputs: dict[tuple[int, int], tuple[torch.Tensor, torch.Tensor, torch.Tensor]] = {}
         self.pool = None
+        self.constants: dict[tuple[int, int], tuple[torch.Tensor, torch.Tensor]] = {}  # (P, d) -> _constants
         self.num_steps: Counter[tuple[int, int]] = Counter()
         """Steps run through this path, per (P, d)."""
 
@@ -153,7 +162,7 @@ class SpecDecodeGraphs:
         """The uniform step over the first `size` rows of the step buffers (what a graph captures).
 
         Returns (output_ids int64 [P, d + 1] with -1 after each row's last new token, num_accepted int64 [P],
-        logprobs f32 [P, d + 1])."""
+        logprobs f32 [P, d + 1], unspecified after the last new token)."""
         spec, r = self.spec, self.spec.runner
         b, target, drafter = r.buffers, r.model, spec.drafter
         P, d, K1 = size, num_drafts, num_drafts + 1
@@ -162,35 +171,44 @@ class SpecDecodeGraphs:
         sampling = (b.temperature[:P], b.top_k[:P], b.top_p[:P], b.min_p[:P])
         seeds, out_pos, state = b.seeds[:P], b.sample_positions[:P], b.sample_slots[:P]
         meta = self._meta(b.query_start_loc[: P + 1], b.seq_lens[:P], slots, K1)
+        row_start, counts = self._constants(P, d)
         if d:
+            drafts = ids.view(P, K1)[:, 1:]  # [P, d] the drafts go straight into the step's input ids
+            q = torch.empty(P, d, r.model_config.vocab_size, dtype=torch.float32, device=r.device)
             h = spec.draft_hidden[state]  # [P, H]
-            last_pos = positions.view(P, K1)[:, 0]  # [P] position of each row's last token
-            drafts, qs = [], []
+            if d > 1:  # look-ahead j: rope position, context length and KV slot of the row's token j, each [P]
+                grid = positions.view(P, K1), slots.view(P, K1)
+                ahead = torch.stack([grid[0][:, : d - 1].T, grid[0][:, 1:d].T, grid[1][:, : d - 1].T])  # [3, d - 1, P]
             for j in range(d):
-                tokens, q_j = sample_draft(target.compute_logits(h), *sampling, seeds, out_pos + j, uses=NO_TRUNCATION)
-                drafts.append(tokens)
-                qs.append(q_j)
+                sample_draft(target.compute_logits(h), *sampling, seeds, out_pos, NO_TRUNCATION, offset=j,
+                             out=(drafts[:, j], q[:, j]))
                 if j + 1 < d:  # the drafter reads its own output as h at the positions not verified yet
-                    pos_j = last_pos + j  # [P]
-                    meta_j = self._meta(self.row_index[: P + 1], pos_j + 1, slots.view(P, K1)[:, j].contiguous(), 1)
-                    h = drafter(target.model.embed_tokens(tokens), h, rope_for(target, pos_j, h.dtype), meta_j)
-            draft_ids = torch.stack(drafts, dim=1)  # [P, d]
-            ids.view(P, K1)[:, 1:] = draft_ids
+                    meta_j = self._meta(self.row_index[: P + 1], ahead[1, j], ahead[2, j], 1)
+                    h = drafter(target.model.embed_tokens(drafts[:, j]), h, rope_for(target, ahead[0, j], h.dtype), meta_j)
         hidden, aux = target.forward_with_aux(ids, positions, meta, drafter.aux_layers)
         logits = target.compute_logits(hidden)  # [T, V]
         if d:
-            num = torch.full((P,), d, dtype=torch.int64, device=r.device)
             output_ids, num_accepted, logprobs, _ = rejection_sample(
-                logits.view(P, K1, -1), draft_ids, torch.stack(qs, dim=1), num, *sampling, seeds, out_pos,
-                uses=NO_TRUNCATION,
+                logits.view(P, K1, -1), drafts, q, counts, *sampling, seeds, out_pos, uses=NO_TRUNCATION,
             )
+            # the token after each position: right up to each row's stop; after it the drafter's KV is rolled back
+            next_ids = output_ids.clamp(min=0).view(T)
+            stop = row_start + num_accepted  # [P] flat index of each row's last accepted position
         else:
             tokens, token_logprobs, _ = r.sampler(logits, *sampling, seeds, out_pos, truncation=False)
-            output_ids, logprobs = tokens[:, None], token_logprobs.float()[:, None]
-            num_accepted = torch.zeros(P, dtype=torch.int64, device=r.device)
-        stop = self.row_index[:P] * K1 + num_accepted  # [P] flat index of each row's last accepted position
-        spec.catch_up(ids, positions, meta, hidden, aux, stop, output_ids.gather(1, num_accepted[:, None])[:, 0], state)
+            output_ids, logprobs, num_accepted = tokens[:, None], token_logprobs[:, None], counts
+            next_ids, stop = tokens, row_start
+        spec.catch_up(next_ids, positions, meta, hidden, aux, stop, state)
         return output_ids, num_accepted, logprobs
+
+    def _constants(self, size: int, num_drafts: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """(flat index of each row's first token [P], num_drafts [P]) int64, made once per (P, d) outside
+        any capture (the first call is a warm-up)."""
+        key = (size, num_drafts)
+        if key not in self.constants:
+            start = self.row_index[:size] * (num_drafts + 1)
+            self.constants[key] = (start, torch.full_like(start, num_drafts))
+        return self.constants[key]
 
     def _meta(self, query_start_loc, seq_lens, slot_mapping, max_query_len: int) -> AttentionMetadata:
         """Metadata over the full-width block tables with the grid sized for max_model_len (static shapes)."""

@@ -17,7 +17,12 @@ Reported logprobs are under the target's processed distribution p (the distribut
 distributed as), for greedy rows the log-softmax of the raw target logits, as in `sample_ref`.
 With `uses` given, nothing here waits for the device; without truncation (`NO_TRUNCATION`) nothing makes a
 host constant either, so `runner/spec_decode/graphs.py` captures both functions in a CUDA graph.
-Not here: choosing how many tokens to draft, the drafter itself, KV rollback.
+
+`sample_draft_ref` and `rejection_sample_ref` are the plain-torch definitions. `sample_draft` and
+`rejection_sample` run them, except for CUDA batches without truncation and top-N logprobs, which take the
+Triton kernels of `rejection_kernel.py` (one launch per draft step, one for all of verification; the same
+function up to float rounding ties). Not here: choosing how many tokens to draft, the drafter itself, KV
+rollback.
 """
 
 from __future__ import annotations
@@ -51,12 +56,49 @@ def processed_logits(
     return logits.to(torch.float32) / temp[:, None]
 
 
+def use_kernels(device: torch.device) -> bool:
+    """Whether untruncated batches on `device` take the Triton kernels (`rejection_kernel.py`)."""
+    return device.type == "cuda"
+
+
 def salted_gumbel(seeds: torch.Tensor, positions: torch.Tensor, vocab_size: int, salt: int) -> torch.Tensor:
     """Gumbel noise float32 [B, V] keyed by (seed, position, salt, token id)."""
     return -torch.log(-torch.log(counter_uniform(seeds, positions, vocab_size, salt)))
 
 
 def sample_draft(
+    logits: torch.Tensor,  # [B, V] drafter logits
+    temperature: torch.Tensor,  # [B] f32, 0 = greedy
+    top_k: torch.Tensor,  # [B] int
+    top_p: torch.Tensor,  # [B] f32
+    min_p: torch.Tensor,  # [B] f32
+    seeds: torch.Tensor,  # [B] int64 uint32 values
+    positions: torch.Tensor,  # [B] int64; the drafted token's output position is positions + offset
+    uses: tuple[bool, bool, bool] | None = None,  # any row with (top-k, top-p, min-p), if known on the host
+    *,
+    offset: int = 0,
+    out: tuple[torch.Tensor, torch.Tensor] | None = None,  # (tokens [B] int64, q [B, V] f32) to write into
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """`sample_draft_ref` of positions + offset; (token_ids, q), written into `out` when given."""
+    if uses == NO_TRUNCATION and use_kernels(logits.device):
+        tokens, q = out if out is not None else (
+            torch.empty(logits.shape[0], dtype=torch.int64, device=logits.device),
+            torch.empty(logits.shape, dtype=torch.float32, device=logits.device),
+        )
+        from runner.spec_decode import rejection_kernel
+
+        rejection_kernel.draft_sample(logits, temperature, seeds, positions, offset, tokens, q, DRAFT_SALT)
+        return tokens, q
+    tokens, q = sample_draft_ref(logits, temperature, top_k, top_p, min_p, seeds, positions + offset if offset else positions,
+                                 uses)
+    if out is None:
+        return tokens, q
+    out[0].copy_(tokens)
+    out[1].copy_(q)
+    return out
+
+
+def sample_draft_ref(
     logits: torch.Tensor,  # [B, V] drafter logits
     temperature: torch.Tensor,  # [B] f32, 0 = greedy
     top_k: torch.Tensor,  # [B] int
@@ -79,6 +121,33 @@ def sample_draft(
 
 
 def rejection_sample(
+    target_logits: torch.Tensor,  # [R, K + 1, V]
+    draft_token_ids: torch.Tensor,  # [R, K] int64
+    draft_probs: torch.Tensor,  # [R, K, V] f32
+    num_drafts: torch.Tensor,  # [R] int64 in [0, K]
+    temperature: torch.Tensor,  # [R] f32
+    top_k: torch.Tensor,  # [R] int
+    top_p: torch.Tensor,  # [R] f32
+    min_p: torch.Tensor,  # [R] f32
+    seeds: torch.Tensor,  # [R] int64 uint32 values
+    positions: torch.Tensor,  # [R] int64 output position of the first new token
+    num_top_logprobs: int = 0,
+    uses: tuple[bool, bool, bool] | None = None,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, tuple[torch.Tensor, torch.Tensor] | None]:
+    """`rejection_sample_ref`; logprobs after a row's last new token are unspecified."""
+    if uses == NO_TRUNCATION and num_top_logprobs == 0 and use_kernels(target_logits.device):
+        from runner.spec_decode import rejection_kernel
+
+        output_ids, num_accepted, logprobs = rejection_kernel.rejection_sample(
+            target_logits, draft_token_ids, draft_probs, num_drafts, temperature, seeds, positions, ACCEPT_SALT,
+            RESAMPLE_SALT,
+        )
+        return output_ids, num_accepted, logprobs, None
+    return rejection_sample_ref(target_logits, draft_token_ids, draft_probs, num_drafts, temperature, top_k, top_p,
+                                min_p, seeds, positions, num_top_logprobs, uses)
+
+
+def rejection_sample_ref(
     target_logits: torch.Tensor,  # [R, K + 1, V] target logits at the last token and each draft
     draft_token_ids: torch.Tensor,  # [R, K] int64
     draft_probs: torch.Tensor,  # [R, K, V] f32, q each draft was drawn from

@@ -19,8 +19,9 @@ only lower acceptance, never change outputs.
 
 Uniform decode steps (every row decodes and drafts the same count, no truncation, no top-N logprobs) take
 the static-shape path of `graphs.py` instead: on CUDA a captured graph per padded batch size and draft
-count (not with `enforce_eager`), which computes the same tokens as the steps below. Everything else runs
-eagerly here. Not here: how many tokens to draft (the scheduler and the engine's auto-off controller).
+count (not with `enforce_eager`), which computes the same tokens as the steps below (on CUDA both sample
+drafts and verify batches without truncation or top-N logprobs through the same Triton kernels,
+`rejection.py`). Everything else runs eagerly here. Not here: how many tokens to draft (the scheduler and the engine's auto-off controller).
 """
 
 from __future__ import annotations
@@ -139,12 +140,13 @@ class SpeculativeRunner:
         if pending.shape[0]:
             known = ib.token_ids[inputs.slots[pending], inputs.seq_lens[pending].astype(np.int64)]  # next prompt token
             prompt_next = (_upload(cu[pending + 1] - 1, dev), _upload(known, dev))
+        ids = b.input_ids[:T]
         if R == 0:
-            self.catch_up(b.input_ids[:T], b.positions[:T], meta, hidden, aux, prompt_next=prompt_next)
+            self.catch_up(self.next_tokens(ids, prompt_next=prompt_next), b.positions[:T], meta, hidden, aux)
             return RunnerOutput(req_ids=[], sampled_token_ids=[])
         stop = _upload(last - num_drafts, dev) + num_accepted  # [R] flat index of each row's last accepted position
-        self.catch_up(b.input_ids[:T], b.positions[:T], meta, hidden, aux, stop,
-                      output_ids.gather(1, num_accepted[:, None])[:, 0], _upload(slots_r, dev), prompt_next)
+        next_ids = self.next_tokens(ids, stop, output_ids.gather(1, num_accepted[:, None])[:, 0], prompt_next)
+        self.catch_up(next_ids, b.positions[:T], meta, hidden, aux, stop, _upload(slots_r, dev))
         return self._finish(inputs, output_ids, num_accepted, logprobs, top, num_drafts)
 
     def _graph_size(self, inputs, n_sched, num_drafts, K, top_n, uses) -> int | None:
@@ -206,23 +208,31 @@ class SpeculativeRunner:
             deterministic=self.runner.config.deterministic,
         )
 
-    def catch_up(self, ids, positions, meta, hidden, aux, stop=None, stop_tokens=None, state=None,
-                 prompt_next=None) -> None:
-        """Run the drafter over every token of the step with the token after it; save the sampling rows' state.
+    @staticmethod
+    def next_tokens(ids, stop=None, stop_tokens=None, prompt_next=None) -> torch.Tensor:
+        """The token after each position of an eagerly run step, int64 [T] (the input of `catch_up`).
 
-        ids, positions [T]: the step's tokens (drafts included). stop [R]: flat index of each sampling row's
-        last accepted position, stop_tokens [R]: the new token after it, state [R]: the draft_hidden rows to
-        save to (all None: no row samples). prompt_next: (flat index [A], token [A]) of prefilling rows' last
-        token and the prompt token after it. Positions after a row's stop get a wrong next token; their
-        drafter KV is rolled back with the target's. No host sync.
-        """
-        target = self.runner.model
-        next_ids = torch.zeros_like(ids)  # [T] token after each position
+        ids [T]: the step's tokens (drafts included). stop [R]: flat index of each sampling row's last
+        accepted position, stop_tokens [R]: the new token after it (both None: no row samples).
+        prompt_next: (flat index [A], token [A]) of prefilling rows' last token and the prompt token after
+        it. Positions after a row's stop get a wrong next token; their drafter KV is rolled back with the
+        target's."""
+        next_ids = torch.zeros_like(ids)
         next_ids[:-1] = ids[1:]
         if prompt_next is not None:
             next_ids[prompt_next[0]] = prompt_next[1]
         if stop is not None:
             next_ids[stop] = stop_tokens
+        return next_ids
+
+    def catch_up(self, next_ids, positions, meta, hidden, aux, stop=None, state=None) -> None:
+        """Run the drafter over every token of the step with the token after it; save the sampling rows' state.
+
+        next_ids, positions [T]: the token after each position (right at least up to each row's stop) and
+        the positions. stop [R]: flat index of each sampling row's last accepted position, state [R]: the
+        draft_hidden rows to save its drafter output to (None: no row samples). No host sync.
+        """
+        target = self.runner.model
         features = self.drafter.target_features(hidden, aux)
         out = self.drafter(target.model.embed_tokens(next_ids), features,
                            rope_for(target, positions, hidden.dtype), meta)  # [T, H]
