@@ -278,6 +278,46 @@ class Engine:
         self.on_weights_updated(result.version)
         return result
 
+    def rank_local_layouts(self) -> list[dict]:
+        """Per rank, checkpoint name -> `CheckpointSlot`: which rows or columns of each checkpoint tensor
+        the rank holds (`shard`, along `dim`) and their shape (`shard_shape`); what a trainer cuts its
+        weights by for `update_weights_rank_local` (see `weight_updates.transports.rank_local`)."""
+        if self.config.tensor_parallel_size > 1:
+            return list(self.runner.weights.rank_layouts)
+        return [dict(self.runner.weights.layout)]
+
+    def rank_local_checksums(self) -> list[dict[str, int]]:
+        """Per rank, checkpoint name -> checksum (`weight_updates.checksum`) of the rank's part as it holds
+        it now: what a trainer compares its own parts with (`TrainerBridge.adopt_engine_weights`)."""
+        if self.config.tensor_parallel_size > 1:
+            return self.runner.rank_local_checksums()
+        from weight_updates.checksum import checksum
+
+        weights = self.runner.weights
+        return [{name: checksum(weights.view(name)) for name in weights.layout}]
+
+    def update_weights_rank_local(self, version: int, handles: Sequence[dict]) -> "UpdateResult":  # noqa: F821
+        """Apply a weight update whose records for rank r (in rank r's coordinates, see
+        `rank_local_layouts`) the trainer staged where rank r can map them: `handles[r]` is the JSON of
+        `weight_updates.transports.rank_local.stage_bucket` (a /dev/shm segment on the CPU, a CUDA IPC
+        handle on the GPU). Only the handles travel through this process; each rank maps its own bucket.
+
+        Every rank validates before any rank writes, and `policy_version` becomes `version` only when every
+        rank has written and verified; otherwise a WeightUpdateError (a ValueError) names the failing ranks
+        and their errors, and every rank's weights and the version are as they were. Returns rank 0's result.
+        """
+        self._drain()
+        if len(handles) != self.config.tensor_parallel_size:
+            raise ValueError(f"{len(handles)} handles for tensor_parallel_size={self.config.tensor_parallel_size}")
+        if self.config.tensor_parallel_size > 1:
+            result = self.runner.apply_rank_local_update(version, list(handles), self.policy_version)
+        else:
+            from weight_updates.transports.rank_local import serve_rank_local
+
+            result = serve_rank_local(self.weight_receiver, version, handles[0], exchange=lambda value: [value])
+        self.on_weights_updated(result.version)
+        return result
+
     def on_weights_updated(self, version: int) -> None:
         """Record a new policy version (weights were written in place between steps)."""
         self.scheduler.on_weights_updated(version)

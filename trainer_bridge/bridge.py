@@ -2,6 +2,7 @@
 
     batch = bridge.rollout(prompts, sampling)   engine.generate -> one TokenSample per completion
     stats = bridge.push_weights(model)          WeightDiffer.encode -> engine.apply_weight_update -> commit
+                                                (rank_local: per engine rank, -> engine.update_weights_rank_local)
     m     = bridge.logprob_mismatch(batch, trainer_logprobs)
 
 The engine behind it is a local `rollout.Engine` (same process) or a `rollout.pool.RolloutPool`; both
@@ -181,15 +182,33 @@ class TrainerBridge:
 
     The first push of a parameter is sent dense (the bridge has no snapshot of the engine's weights yet);
     later pushes send a patch of the changed coordinates when that is smaller (see `DiffConfig`).
+
+    With `rank_local=True` (a local `Engine`, any tensor-parallel size) each push is cut into the engine
+    ranks' parts (`Engine.rank_local_layouts`), diffed per rank against that rank's snapshot, staged where
+    rank r maps it (/dev/shm on the CPU, rank r's GPU through CUDA IPC) and applied with
+    `Engine.update_weights_rank_local`: no rank receives another rank's part. The counts and bytes of its
+    `PushResult` are summed over ranks (a replicated tensor counts once per rank).
     """
 
-    def __init__(self, engine, *, diff_config: DiffConfig = DiffConfig(), snapshot_device: str = "cpu") -> None:
+    def __init__(self, engine, *, diff_config: DiffConfig = DiffConfig(), snapshot_device: str = "cpu",
+                 rank_local: bool = False) -> None:
         for attr in ("generate", "weight_specs", "apply_weight_update", "policy_version"):
             if not hasattr(engine, attr):
                 raise ValueError(f"engine must offer {attr} (an Engine or a RolloutPool), got {type(engine).__name__}")
         self.engine = engine
         self.specs: dict[str, ParamSpec] = dict(engine.weight_specs())
         self.differ = WeightDiffer(self.specs, device=snapshot_device, config=diff_config)
+        self._rank_layouts: list[dict] | None = None
+        self._rank_differs: list[WeightDiffer] = []
+        if rank_local:
+            if not hasattr(engine, "update_weights_rank_local"):
+                raise ValueError(f"rank_local needs a local Engine (its ranks map the trainer's memory), got {type(engine).__name__}")
+            self._rank_layouts = engine.rank_local_layouts()
+            self._rank_differs = [
+                WeightDiffer({n: ParamSpec(slot.shard_shape, self.specs[n].dtype) for n, slot in layout.items()},
+                             device=snapshot_device, config=diff_config)
+                for layout in self._rank_layouts
+            ]
 
     @property
     def policy_version(self) -> int:
@@ -243,6 +262,8 @@ class TrainerBridge:
         bridge's snapshot are unchanged.
         """
         weights = _named_weights(weights)
+        if self._rank_layouts is not None:
+            return self._push_rank_local(weights)
         t0 = time.perf_counter()
         with torch.no_grad():
             push = self.differ.encode(weights)
@@ -257,14 +278,69 @@ class TrainerBridge:
             dense_nbytes=s.dense_nbytes, changed_fraction=s.changed_fraction, encode_s=t1 - t0, apply_s=t2 - t1,
         )
 
+    def _push_rank_local(self, weights) -> PushResult:
+        """`push_weights` with `rank_local=True`: one bucket per engine rank, holding only its part."""
+        from runner.parallel.worker import rank_device
+        from weight_updates.transports.rank_local import stage_bucket
+
+        full = self._full_weights(weights)
+        t0 = time.perf_counter()
+        pushes = self._encode_rank_local(full)
+        t1 = time.perf_counter()
+        buckets = []
+        try:
+            for rank, push in enumerate(pushes):
+                buckets.append(stage_bucket(push.updates, rank_device(self.engine.config.device, rank)))
+            self.engine.update_weights_rank_local(self.policy_version + 1, [b.handle for b in buckets])
+        finally:
+            for b in buckets:
+                b.close()
+        t2 = time.perf_counter()
+        for differ, push in zip(self._rank_differs, pushes):
+            differ.commit(push)
+        stats = [p.stats for p in pushes]
+        compared = [p for s in stats for p in s.params if p.num_changed >= 0]
+        return PushResult(
+            version=self.policy_version, num_dense=sum(s.num_dense for s in stats), num_patch=sum(s.num_patch for s in stats),
+            nbytes=sum(s.nbytes for s in stats), dense_nbytes=sum(s.dense_nbytes for s in stats),
+            changed_fraction=sum(p.num_changed for p in compared) / max(1, sum(p.numel for p in compared)),
+            encode_s=t1 - t0, apply_s=t2 - t1,
+        )
+
+    def _full_weights(self, weights) -> dict[str, torch.Tensor]:
+        """Checked against the full checkpoint specs before any cut (a cut could hide a wrong shape)."""
+        from weight_updates.differ import iter_named_tensors
+
+        full: dict[str, torch.Tensor] = {}
+        for name, tensor in iter_named_tensors(weights):
+            spec = self.specs.get(name)
+            if spec is None:
+                raise ValueError(f"unknown parameter {name!r} (not in the engine's checkpoint specs)")
+            if name in full:
+                raise ValueError(f"parameter {name!r} appears twice in one push")
+            if tuple(tensor.shape) != spec.shape:
+                raise ValueError(f"{name}: shape {tuple(tensor.shape)} != expected {spec.shape}")
+            full[name] = tensor
+        return full
+
+    def _encode_rank_local(self, full: dict[str, torch.Tensor]) -> list:
+        """One PendingPush per engine rank, of its part of `full`."""
+        from weight_updates.transports.rank_local import shard_weights
+
+        with torch.no_grad():
+            return [d.encode(shard_weights(full, layout)) for d, layout in zip(self._rank_differs, self._rank_layouts)]
+
     def adopt_engine_weights(self, weights) -> int:
         """Record `weights` as what the engine already holds, sending nothing (trainer and engine started
         from one checkpoint), so the next push is a patch instead of a full dense copy.
 
         Checked first, tensor by tensor: the engine's checksum must equal that of `weights` cast to the
-        engine dtype. A mismatch raises ValueError naming the tensors and records nothing. Needs a local
-        engine (a pool's workers are not read). Returns the number of tensors adopted.
+        engine dtype (with `rank_local=True`, every rank's part against that rank's). A mismatch raises
+        ValueError naming the tensors and records nothing. Needs a local engine (a pool's workers are not
+        read). Returns the number of tensors adopted.
         """
+        if self._rank_layouts is not None:
+            return self._adopt_rank_local(_named_weights(weights))
         receiver = getattr(self.engine, "weight_receiver", None)
         if receiver is None:
             raise ValueError("adopt_engine_weights needs a local Engine; push the weights to a pool instead")
@@ -277,6 +353,19 @@ class TrainerBridge:
                              f"{differ_names[:3]}; push them instead")
         self.differ.commit(push)
         return len(push.updates)
+
+    def _adopt_rank_local(self, weights) -> int:
+        """`adopt_engine_weights` with `rank_local=True`: every rank's part checked against its checksum."""
+        pushes = self._encode_rank_local(self._full_weights(weights))
+        held = self.engine.rank_local_checksums()
+        differ_names = [f"{u.name} (rank {rank})" for rank, push in enumerate(pushes) for u in push.updates
+                        if held[rank][u.name] != u.checksum]
+        if differ_names:
+            raise ValueError(f"the engine does not hold these weights: {len(differ_names)} tensor parts differ, e.g. "
+                             f"{differ_names[:3]}; push them instead")
+        for differ, push in zip(self._rank_differs, pushes):
+            differ.commit(push)
+        return len(pushes[0].updates)
 
     def logprob_mismatch(self, batch: RolloutBatch | PaddedBatch, trainer_logprobs: torch.Tensor) -> dict[str, float]:
         """Mismatch of the trainer's `token_logprobs(batch.input_ids)` ([B, T - 1]) against the rollout's."""

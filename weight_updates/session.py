@@ -8,7 +8,12 @@
     session.add(chunk_of_updates)                      # cheap checks now; nothing written
     result = session.finish()                          # validate all -> write -> verify -> version 7
 
-``finish`` runs in three phases and touches the weights only in the second:
+``finish`` runs in three phases and touches the weights only in the second. Ranks that must agree
+(tensor parallelism, each rank with its own shard) run them one by one and vote in between::
+
+    session.prepare()        # phase 1; then every rank learns whether every rank validated
+    session.commit()         # phases 2 and 3; then every rank learns whether every rank verified
+    session.publish()        # the version moves (or, where a peer failed, session.rollback())
 
 1. validate: names, shapes, dtypes, index streams and bounds, every announced name present, and
    every checksum *predicted* before writing (dense: checksum of the incoming tensor; patch: the
@@ -21,7 +26,8 @@
    ``dense_rollback=False``.
 3. verify by reading back through ``read_checkpoint_tensor``: dense parameters by a full checksum,
    patches by the exact bits at their indices (together with phase 1 that proves the post-update
-   checksum). Any failure in 2 or 3 writes the old values back (dense ones only with the rollback copy).
+   checksum). Any failure in 2 or 3 writes the old values back (dense ones only with the rollback copy),
+   and so does ``rollback`` after a successful ``commit``.
 
 A failed session raises ``WeightUpdateError`` naming the parameter and leaves weights and version as
 they were. Without the dense rollback copy, a failure after writing (which phase 1 leaves only to a
@@ -38,6 +44,7 @@ This module does not move bytes between processes (see ``transports``) and does 
 (see ``differ``).
 """
 
+import contextlib
 import dataclasses
 import time
 from collections.abc import Collection, Iterable
@@ -120,6 +127,19 @@ class _PatchGroup:
         return segment_sums(values, self.meta[_SIZES])
 
 
+@dataclass(kw_only=True, slots=True)
+class _Prepared:
+    """What phase 1 leaves for writing, verifying, publishing or rolling back."""
+
+    records: list[Update]  # in the order received
+    dense: list[_DenseRecord]
+    groups: list[_PatchGroup]
+    expected: torch.Tensor  # [R] int64 on the device: the sender's checksums
+    table_rows: torch.Tensor  # [R] int64: the records' rows of the receiver's checksum table
+    dense_rows: torch.Tensor  # [num dense] int64: the dense records' positions among the records
+    times: list[float]  # perf_counter at the start and end of phase 1, then after phases 2 and 3
+
+
 class WeightReceiver:
     """Holds the policy version of one target and the checksums of its parameters.
 
@@ -184,14 +204,21 @@ class WeightReceiver:
 
 
 class UpdateSession:
-    """One update: ``start(version)`` -> ``add(chunk)``* -> ``finish()``. Single use."""
+    """One update: ``start(version)`` -> ``add(chunk)``* -> ``finish()``. Single use.
+
+    ``finish`` is ``prepare`` -> ``commit`` -> ``publish``. Ranks that must agree (tensor parallelism)
+    call the three themselves and vote between them: ``prepare`` validates and writes nothing, ``commit``
+    writes and verifies but keeps the receiver's version, and a rank whose peer failed calls ``rollback``
+    instead of ``publish``.
+    """
 
     def __init__(self, receiver: WeightReceiver) -> None:
         self._receiver = receiver
-        self._state = "new"  # new -> started -> finished | failed
+        self._state = "new"  # new -> started -> prepared -> committed -> finished; any -> failed
         self._version = -1
         self._expected: frozenset[str] | None = None
         self._updates: dict[str, Update] = {}
+        self._prepared: _Prepared | None = None  # set by prepare, dropped when the session ends
 
     @property
     def state(self) -> str:
@@ -199,9 +226,8 @@ class UpdateSession:
 
     def start(self, version: int, *, expected_names: Collection[str] | None = None) -> None:
         """Open the session for ``version`` (> the receiver's). ``expected_names``: the parameters
-        the sender announced; ``finish`` fails if any did not arrive."""
-        if self._state != "new":
-            raise WeightUpdateError(f"start() on a session that is {self._state}")
+        the sender announced; ``prepare`` fails if any did not arrive."""
+        self._expect("start", "new")
         receiver = self._receiver
         if receiver._active is not None:
             raise WeightUpdateError("another session is open on this receiver")
@@ -218,8 +244,7 @@ class UpdateSession:
 
     def add(self, updates: Iterable[Update]) -> None:
         """Receive a chunk. Checks names, shapes and dtypes now; writes nothing."""
-        if self._state != "started":
-            raise WeightUpdateError(f"add() on a session that is {self._state}")
+        self._expect("add", "started")
         try:
             for update in updates:
                 self._check_record(update)
@@ -229,24 +254,88 @@ class UpdateSession:
             raise
 
     def abort(self) -> None:
-        """End the session without touching the weights (a transport gave up)."""
-        if self._state == "started":
-            self._receiver._active = None
-        if self._state in ("new", "started"):
-            self._state = "failed"
+        """End the session without touching the weights (a transport gave up, or a peer rejected it
+        before anything was written). After ``commit`` use ``rollback``."""
+        assert self._state != "committed", "abort() after commit(): rollback() writes the old values back"
+        self._end()
 
     def finish(self) -> UpdateResult:
         """Validate everything, write, verify; on success the receiver holds the new version."""
-        if self._state != "started":
-            raise WeightUpdateError(f"finish() on a session that is {self._state}")
-        try:
-            return self._finish()
-        finally:
-            if self._state == "started":
-                self._state = "failed"
-            self._receiver._active = None
+        self._expect("finish", "started")
+        self.prepare()
+        self.commit()
+        return self.publish()
+
+    def prepare(self) -> None:
+        """Phase 1: validate every record and predict every checksum; writes nothing. Raises
+        WeightUpdateError, and the session is over; on success ``commit`` or ``abort`` follows."""
+        self._expect("prepare", "started")
+        with self._ending_on_error():
+            self._prepared = self._validate()
+        self._state = "prepared"
+
+    def commit(self) -> None:
+        """Phases 2 and 3: write, read back and verify. A failure writes the old values back (dense ones
+        only with the rollback copy) and raises WeightUpdateError. The version changes at ``publish``."""
+        self._expect("commit", "prepared")
+        with self._ending_on_error():
+            self._write()
+            self._verify()
+        self._state = "committed"
+
+    def publish(self) -> UpdateResult:
+        """The receiver takes the new version and the verified checksums; the session is finished."""
+        self._expect("publish", "committed")
+        receiver, p = self._receiver, self._prepared
+        receiver._table[p.table_rows] = p.expected
+        receiver._known.update(u.name for u in p.records)
+        receiver.version = self._version
+        num_dense = len(p.dense)
+        result = UpdateResult(
+            version=self._version,
+            num_dense=num_dense,
+            num_patch=len(p.records) - num_dense,
+            nbytes=sum(u.nbytes for u in p.records),
+            validate_s=p.times[1] - p.times[0],
+            apply_s=p.times[2] - p.times[1],
+            verify_s=p.times[3] - p.times[2],
+        )
+        self._end("finished")
+        return result
+
+    def rollback(self) -> str:
+        """End the session with the weights as they were before it (a peer failed): after ``commit``
+        the old values are written back, before it nothing was written. Returns what was restored, in
+        words for an error message."""
+        assert self._state != "finished", "rollback() after publish()"
+        what = "nothing written"
+        if self._state == "committed":
+            p = self._prepared
+            self._rollback(p.dense, p.groups)
+            what = self._restored_what(p.dense)
+        self._end()
+        return what
 
     # ---------------------------------------------------------------------------------------------
+
+    def _expect(self, call: str, state: str) -> None:
+        if self._state != state:
+            raise WeightUpdateError(f"{call}() on a session that is {self._state}")
+
+    def _end(self, state: str = "failed") -> None:
+        if self._state in ("started", "prepared", "committed"):
+            self._receiver._active = None
+        if self._state != "finished":
+            self._state = state
+        self._prepared = None  # drops the staged payloads and the rollback copies
+
+    @contextlib.contextmanager
+    def _ending_on_error(self):
+        try:
+            yield
+        except BaseException:
+            self._end()
+            raise
 
     def _check_record(self, update: Update) -> None:
         specs = self._receiver.specs
@@ -272,14 +361,13 @@ class UpdateSession:
         elif update.is_delta and (update.escapes is None or update.escapes.dtype != spec.dtype or update.escapes.dim() != 1):
             raise WeightUpdateError(f"{update.name}: a bit-delta patch needs 1-D escape values of dtype {spec.dtype}")
 
-    def _finish(self) -> UpdateResult:
+    def _validate(self) -> "_Prepared":
+        """Phase 1: stage on device, decode and check index streams, predict checksums; one host sync."""
         receiver, target = self._receiver, self._receiver.target
         device = target.device
         missing = sorted((self._expected or frozenset()) - self._updates.keys())
         if missing:
             raise WeightUpdateError(f"stream cut short: {len(missing)} announced parameters never arrived, e.g. {missing[:5]}")
-
-        # Phase 1: stage on device, decode and check index streams, predict checksums; one host sync.
         t0 = time.perf_counter()
         records = list(self._updates.values())
         dense = [_DenseRecord(update=u, row=i, payload=u.tensor if u.tensor.device == device else u.tensor.to(device, non_blocking=True))
@@ -295,9 +383,13 @@ class UpdateSession:
         for g in groups:
             predicted[g.meta[_ROWS]] = g.predicted
         self._check_all(records, groups, predicted)
-        t1 = time.perf_counter()
+        return _Prepared(records=records, dense=dense, groups=groups, expected=expected, table_rows=table_rows_d,
+                         dense_rows=dense_rows, times=[t0, time.perf_counter()])
 
-        # Phase 2: write, keeping old values for rollback.
+    def _write(self) -> None:
+        """Phase 2: write, keeping old values for rollback; on failure restore and raise."""
+        receiver, target, p = self._receiver, self._receiver.target, self._prepared
+        dense = p.dense
         written: list[_DenseRecord] = []
         written_groups: list[_PatchGroup] = []
         try:
@@ -315,45 +407,37 @@ class UpdateSession:
                 for d in dense:
                     written.append(d)
                     target.write_dense(d.update.name, d.payload)
-            for g in groups:
+            for g in p.groups:
                 written_groups.append(g)
                 g.scatter(target, g.new)
-            if device.type == "cuda":
-                torch.cuda.synchronize(device)
+            if target.device.type == "cuda":
+                torch.cuda.synchronize(target.device)
         except Exception as e:
             self._rollback(written, written_groups)
             raise WeightUpdateError(f"target write failed, {self._restored_what(dense)}: {e}") from e
-        t2 = time.perf_counter()
+        p.times.append(time.perf_counter())
 
-        # Phase 3: read back and verify; one host sync.
-        failed = torch.zeros(num, dtype=torch.bool, device=device)  # [R]
-        if dense:
-            got = checksum_tensors([target.read_checkpoint_tensor(d.update.name) for d in dense])
-            failed[dense_rows] = got != expected[dense_rows]
-        for g in groups:
-            int_dtype = SIGNED_VIEW[g.new.element_size()]
-            differ = torch.ne(g.gather(target).view(int_dtype), g.new.view(int_dtype)).to(torch.int64)  # [n]
-            failed[g.meta[_ROWS]] = g.member_sums(differ) > 0
-        bad = [u.name for u, f in zip(records, failed.tolist()) if f]
+    def _verify(self) -> None:
+        """Phase 3: read back and verify; one host sync. On failure restore and raise."""
+        target, p = self._receiver.target, self._prepared
+        try:
+            failed = torch.zeros(len(p.records), dtype=torch.bool, device=target.device)  # [R]
+            if p.dense:
+                got = checksum_tensors([target.read_checkpoint_tensor(d.update.name) for d in p.dense])
+                failed[p.dense_rows] = got != p.expected[p.dense_rows]
+            for g in p.groups:
+                int_dtype = SIGNED_VIEW[g.new.element_size()]
+                differ = torch.ne(g.gather(target).view(int_dtype), g.new.view(int_dtype)).to(torch.int64)  # [n]
+                failed[g.meta[_ROWS]] = g.member_sums(differ) > 0
+            bad = [u.name for u, f in zip(p.records, failed.tolist()) if f]
+        except Exception as e:
+            self._rollback(p.dense, p.groups)
+            raise WeightUpdateError(f"read-back failed, {self._restored_what(p.dense)}: {e}") from e
         if bad:
-            self._rollback(dense, groups)
+            self._rollback(p.dense, p.groups)
             raise WeightUpdateError(f"verification after write failed for {bad[:5]}: the target did not hold the sent bits; "
-                                    f"{self._restored_what(dense)}")
-        t3 = time.perf_counter()
-
-        receiver._table[table_rows_d] = expected
-        receiver._known.update(u.name for u in records)
-        receiver.version = self._version
-        self._state = "finished"
-        return UpdateResult(
-            version=self._version,
-            num_dense=len(dense),
-            num_patch=num - len(dense),
-            nbytes=sum(u.nbytes for u in records),
-            validate_s=t1 - t0,
-            apply_s=t2 - t1,
-            verify_s=t3 - t2,
-        )
+                                    f"{self._restored_what(p.dense)}")
+        p.times.append(time.perf_counter())
 
     def _patch_groups(self, patches: list[tuple[int, Patch]], table_rows: torch.Tensor, device: torch.device) -> list[_PatchGroup]:
         """One group per engine dtype, each decoded, gathered and checked in a fixed number of kernels.

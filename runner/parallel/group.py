@@ -84,6 +84,19 @@ class TPGroup:
             self._broadcast(x.reshape(-1).view(torch.uint8))  # any dtype, as bytes
         return x
 
+    def all_gather_json(self, obj) -> list:
+        """Every rank passes `obj` (JSON-able); every rank returns the list of all ranks' objects, in rank
+        order. Two gloo all-gathers: the lengths, then the bytes padded to the longest."""
+        data = json.dumps(obj).encode()
+        lengths = [torch.zeros(1, dtype=torch.int64) for _ in range(self.size)]
+        self._control.allgather([lengths], [torch.tensor([len(data)], dtype=torch.int64)]).wait()
+        width = max(int(n[0]) for n in lengths)
+        mine = torch.zeros(width, dtype=torch.uint8)
+        mine[: len(data)] = torch.frombuffer(bytearray(data), dtype=torch.uint8)
+        parts = [torch.empty(width, dtype=torch.uint8) for _ in range(self.size)]
+        self._control.allgather([parts], [mine]).wait()
+        return [json.loads(p[: int(n[0])].numpy().tobytes()) for p, n in zip(parts, lengths)]
+
     def min_int(self, value: int) -> int:
         """The smallest of every rank's `value` (host)."""
         t = torch.tensor([value], dtype=torch.int64)

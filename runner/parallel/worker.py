@@ -10,14 +10,18 @@
 Every call that touches the model (KV-cache sizing, cache allocation, graph capture, a step, scoring,
 a weight update, release) is one JSON message from rank 0 over the gloo control channel, then the same
 call on every rank, so all ranks enter their collectives in the same order. Step messages are plain data
-(the scheduler's dataclasses as JSON); weight-update payloads follow their JSON metadata as broadcast
-tensors. Not here: scheduling (rollout/), the layers and the sampler (this package's other modules).
+(the scheduler's dataclasses as JSON). Weight updates come two ways: records from rank 0, whose payloads
+follow their JSON metadata as broadcast tensors ("apply_weight_update"), or rank-local, where the message
+carries one JSON handle per rank and each rank maps its own part's bucket, written by the trainer rank on
+its host or device ("apply_rank_local_update", weight_updates/transports/rank_local.py). Not here:
+scheduling (rollout/), the layers and the sampler (this package's other modules).
 """
 
 from __future__ import annotations
 
 import atexit
 import dataclasses
+import json
 import logging
 import os
 import tempfile
@@ -116,14 +120,39 @@ def broadcast_updates(tp, updates: list | None) -> list:
 
 # ---- every rank: one runner and the calls rank 0 announces ---------------------------------------------
 class _Rank:
-    """What each rank holds: its group, its ModelRunner shard, its weight receiver."""
+    """What each rank holds: its group, its ModelRunner shard, its weight receivers.
+
+    Two receivers write the same weights: "broadcast" in full checkpoint coordinates (every rank gets
+    every record) and "rank_local" in the rank's own (each rank maps its own bucket). Each caches
+    checksums in its own coordinates, so an update through one drops the other's cache, and both follow
+    rank 0's policy version.
+    """
 
     def __init__(self, config: EngineConfig, model_config: ModelConfig, max_model_len: int, tp) -> None:
         from runner.model_runner import ModelRunner
 
         self.tp = tp
         self.runner = ModelRunner(config, model_config, max_model_len, tp=tp)
-        self.receiver = None
+        self.receivers: dict = {}  # "broadcast" | "rank_local" -> WeightReceiver, made on first use
+
+    def _receiver(self, path: str, current_version: int):
+        from weight_updates import WeightReceiver
+
+        receiver = self.receivers.get(path)
+        if receiver is None:
+            if path == "broadcast":
+                receiver = WeightReceiver(self.runner.weights, version=current_version, dense_rollback=False)
+            else:
+                from runner.parallel.weights import RankLocalWeights
+
+                # The rollback copy: a peer's failure after this rank wrote must leave this rank unchanged.
+                receiver = WeightReceiver(RankLocalWeights(self.runner.model), version=current_version, dense_rollback=True)
+            self.receivers[path] = receiver
+        receiver.version = current_version
+        for other_path, other in self.receivers.items():
+            if other_path != path:
+                other.invalidate_checksums()
+        return receiver
 
     def handle(self, msg: dict, updates: list | None = None):
         op = msg["op"]
@@ -141,12 +170,21 @@ class _Rank:
 
             return full_sequence_logits(runner, msg["token_ids"])
         if op == "apply_weight_update":
-            from weight_updates import WeightReceiver
-
             records = broadcast_updates(self.tp, updates)
-            if self.receiver is None:
-                self.receiver = WeightReceiver(runner.weights, version=msg["current_version"], dense_rollback=False)
-            return self.receiver.apply(msg["version"], records)
+            return self._receiver("broadcast", msg["current_version"]).apply(msg["version"], records)
+        if op == "apply_rank_local_update":
+            from weight_updates.transports.rank_local import serve_rank_local
+
+            receiver = self._receiver("rank_local", msg["current_version"])
+            return serve_rank_local(receiver, msg["version"], msg["handles"][self.tp.rank], exchange=self.tp.all_gather_json)
+        if op == "rank_local_checksums":
+            from runner.parallel.weights import RankLocalWeights
+            from weight_updates.checksum import checksum_tensors
+
+            weights = RankLocalWeights(runner.model)
+            names = list(weights.layout)
+            sums = checksum_tensors([weights.view(n) for n in names]).tolist()
+            return self.tp.all_gather_json(dict(zip(names, sums)))
         raise AssertionError(f"unknown op {op!r}")
 
 
@@ -249,6 +287,23 @@ class TensorParallelRunner:
                 raise WeightUpdateError(f"not an update record: {type(u).__name__}")
         msg = {"op": "apply_weight_update", "version": version, "current_version": current_version}
         return self._call(msg, updates)
+
+    def apply_rank_local_update(self, version: int, handles: list[dict], current_version: int):
+        """Every rank maps `handles[rank]` (JSON from `weight_updates.transports.rank_local.stage_bucket`:
+        its own part's records) and applies it; the ranks vote so that all publish `version` or none changes
+        anything. Returns rank 0's UpdateResult; raises WeightUpdateError naming the failing ranks."""
+        if len(handles) != self.tp.size:
+            raise ValueError(f"{len(handles)} handles for {self.tp.size} tensor-parallel ranks")
+        msg = {"op": "apply_rank_local_update", "version": version, "current_version": current_version, "handles": list(handles)}
+        try:
+            json.dumps(msg)
+        except (TypeError, ValueError) as e:
+            raise ValueError(f"rank-local handles must be plain JSON: {e}") from None
+        return self._call(msg)
+
+    def rank_local_checksums(self) -> list[dict[str, int]]:
+        """Per rank, checkpoint name -> checksum of the rank's part (`weight_updates.checksum`)."""
+        return self._call({"op": "rank_local_checksums"})
 
     def release(self) -> None:
         """Stop the workers, drop rank 0's weights and cache, and leave the process group; safe to call twice."""

@@ -4,6 +4,9 @@
 - ``ipc``: same host; buckets in POSIX shared memory (CPU) or CUDA IPC allocations (GPU), described
   by JSON messages on a ``multiprocessing.connection.Connection``. Trainer rank r talks to rollout
   rank r only.
+- ``rank_local``: under tensor parallelism, trainer rank r stages rank r's part (in the rank's own
+  coordinates) in shared memory or a CUDA IPC allocation, the engine passes each rollout rank its JSON
+  handle, and the ranks vote so that all of them apply the update or none does.
 - ``dist``: ``torch.distributed`` broadcast of flat buckets (gloo on CPU, NCCL on GPU), JSON
   metadata as length-prefixed uint8 tensors.
 - ``nixl``: each rollout rank READs its own slice of the trainer's registered memory.

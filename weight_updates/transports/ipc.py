@@ -95,6 +95,56 @@ def open_cuda_ipc_handle(h: dict) -> torch.Tensor:
     )
 
 
+def write_shm_bucket(plan: BucketPlan) -> str:
+    """A new /dev/shm segment holding ``plan``'s bucket as a complete safetensors file; returns its path.
+    The caller unlinks it once the receiver is done."""
+    prefix = to_safetensors_prefix(plan.header)
+    path = os.path.join(SHM_DIR, f"{_SHM_PREFIX}{os.getpid()}-{uuid.uuid4().hex}")
+    try:
+        buf = torch.from_file(path, shared=True, size=len(prefix) + plan.nbytes, dtype=torch.uint8)  # [file bytes]
+        buf[: len(prefix)] = torch.frombuffer(bytearray(prefix), dtype=torch.uint8)
+        write_bucket(plan, buf[len(prefix) :])
+    except BaseException:
+        if os.path.exists(path):
+            os.unlink(path)
+        raise
+    return path
+
+
+def shm_chunk(path: str) -> dict:
+    """The JSON description of a segment made by ``write_shm_bucket`` (its header is inside it)."""
+    return {"kind": "shm", "path": path}
+
+
+def stage_cuda_bucket(plan: BucketPlan, device: torch.device) -> tuple[torch.Tensor, dict]:
+    """(buffer, JSON description): ``plan``'s bucket in a new CUDA allocation and its IPC handle. Keep the
+    buffer alive until the receiver is done with it."""
+    buf = torch.empty(max(plan.nbytes, 1), dtype=torch.uint8, device=device)  # [bucket bytes]
+    write_bucket(plan, buf)
+    torch.cuda.current_stream(device).synchronize()
+    return buf, {"kind": "cuda_ipc", "header": plan.header, "handle": cuda_ipc_handle(buf)}
+
+
+def map_chunk(msg: dict) -> tuple[dict, torch.Tensor]:
+    """(safetensors header, [n] uint8 bucket) of a chunk described by ``shm_chunk`` or
+    ``stage_cuda_bucket``, mapped without a copy. WeightUpdateError for a path outside /dev/shm's
+    weight-update segments, an unreadable segment or an unknown kind; KeyError / TypeError for a
+    message without the fields."""
+    if msg["kind"] == "shm":
+        path = str(msg["path"])
+        if os.path.dirname(path) != SHM_DIR or not os.path.basename(path).startswith(_SHM_PREFIX):
+            raise WeightUpdateError(f"refusing to map {path!r}: not a weight-update segment in {SHM_DIR}")
+        try:
+            buf = torch.from_file(path, shared=False, size=os.path.getsize(path), dtype=torch.uint8)  # [file bytes]
+        except (OSError, RuntimeError) as e:
+            raise WeightUpdateError(f"cannot map {path}: {e}") from None
+        header, data_start = parse_safetensors_prefix(buf)
+        return header, buf[data_start:]
+    if msg["kind"] == "cuda_ipc":
+        return msg["header"], open_cuda_ipc_handle(msg["handle"])
+    raise WeightUpdateError(f"unknown chunk kind {msg['kind']!r}")
+
+
 class IpcSender:
     """Trainer side of one rank-local pair. ``device`` is where buckets are staged: "cpu" uses
     /dev/shm, a CUDA device uses CUDA IPC."""
@@ -120,13 +170,12 @@ class IpcSender:
             for bucket in split_buckets(updates, self.bucket_bytes):
                 plan = plan_bucket(bucket)
                 if self.device.type == "cpu":
-                    send_json(self.conn, {"op": "chunk", "kind": "shm", "path": self._write_shm(plan, shm_paths)})
+                    shm_paths.append(write_shm_bucket(plan))
+                    send_json(self.conn, {"op": "chunk", **shm_chunk(shm_paths[-1])})
                 else:
-                    buf = torch.empty(max(plan.nbytes, 1), dtype=torch.uint8, device=self.device)
-                    write_bucket(plan, buf)
-                    torch.cuda.current_stream(self.device).synchronize()
+                    buf, chunk = stage_cuda_bucket(plan, self.device)
                     cuda_buffers.append(buf)
-                    send_json(self.conn, {"op": "chunk", "kind": "cuda_ipc", "header": plan.header, "handle": cuda_ipc_handle(buf)})
+                    send_json(self.conn, {"op": "chunk", **chunk})
             send_json(self.conn, {"op": "finish"})
             reply = recv_json(self.conn, timeout_s=self.timeout_s, waiting_for=f"the receiver's result for version {version}")
         finally:
@@ -137,16 +186,6 @@ class IpcSender:
         if not reply.get("ok"):
             raise WeightUpdateError(f"receiver rejected version {version}: {reply.get('error')}")
         return reply["result"]
-
-    @staticmethod
-    def _write_shm(plan: BucketPlan, paths: list[str]) -> str:
-        prefix = to_safetensors_prefix(plan.header)
-        path = os.path.join(SHM_DIR, f"{_SHM_PREFIX}{os.getpid()}-{uuid.uuid4().hex}")
-        paths.append(path)
-        buf = torch.from_file(path, shared=True, size=len(prefix) + plan.nbytes, dtype=torch.uint8)  # [file bytes]
-        buf[: len(prefix)] = torch.frombuffer(bytearray(prefix), dtype=torch.uint8)
-        write_bucket(plan, buf[len(prefix) :])
-        return path
 
 
 class IpcReceiver:
@@ -176,7 +215,7 @@ class IpcReceiver:
                     raise WeightUpdateError(f"expected 'chunk' or 'finish', got {msg['op']!r}")
                 if error is None:
                     try:
-                        header, data = self._map(msg)
+                        header, data = map_chunk(msg)
                         mapped.append(data)
                         session.add(read_bucket(header, data))
                     except WeightUpdateError as e:
@@ -196,21 +235,6 @@ class IpcReceiver:
             mapped.clear()
         self._reply({"op": "result", "ok": True, "result": result.to_json()})
         return result
-
-    def _map(self, msg: dict) -> tuple[dict, torch.Tensor]:
-        if msg["kind"] == "shm":
-            path = str(msg["path"])
-            if os.path.dirname(path) != SHM_DIR or not os.path.basename(path).startswith(_SHM_PREFIX):
-                raise WeightUpdateError(f"refusing to map {path!r}: not a weight-update segment in {SHM_DIR}")
-            try:
-                buf = torch.from_file(path, shared=False, size=os.path.getsize(path), dtype=torch.uint8)  # [file bytes]
-            except (OSError, RuntimeError) as e:
-                raise WeightUpdateError(f"cannot map {path}: {e}") from None
-            header, data_start = parse_safetensors_prefix(buf)
-            return header, buf[data_start:]
-        if msg["kind"] == "cuda_ipc":
-            return msg["header"], open_cuda_ipc_handle(msg["handle"])
-        raise WeightUpdateError(f"unknown chunk kind {msg['kind']!r}")
 
     def _reply(self, message: dict) -> None:
         try:
