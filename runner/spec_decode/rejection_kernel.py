@@ -35,6 +35,12 @@ def _exp(x, LIBDEVICE: tl.constexpr):
 
 
 @triton.jit
+def _tempered_at(row_ptr, token, temp):
+    """The tempered logit of one token (IEEE division, as `_tempered`)."""
+    return tl.math.div_rn(tl.load(row_ptr + token).to(tl.float32), temp)
+
+
+@triton.jit
 def _salted_key(seed, position, salt):
     """`row_keys(seed, position, salt)` of the reference on uint32 values."""
     return _mix32(_mix32(seed ^ salt) + position * 0x9E3779B9)
@@ -153,7 +159,7 @@ def _rejection_kernel(
                 if greedy:
                     accepted = draft == raw_argmax
                 else:
-                    p_draft = _exp(_tempered(row_ptr, draft, True, temp) - m, LIBDEVICE) / s
+                    p_draft = _exp(_tempered_at(row_ptr, draft, temp) - m, LIBDEVICE) / s
                     q_draft = tl.load(q_ptr + row * stride_qr + j * stride_qj + draft)
                     h = _mix32(_salted_key(seed, (position + j).to(tl.uint32), ACCEPT_SALT))
                     u = ((h >> 9).to(tl.float32) + 0.5) * (1.0 / 8388608.0)
@@ -193,7 +199,7 @@ def _rejection_kernel(
                 else:  # all drafts accepted: the ordinary sampler's noise (salt 0)
                     token = _noisy_argmax(row_ptr, vocab, temp, _mix32(_mix32(seed) + stop_key * 0x9E3779B9),
                                           BLOCK_V, LIBDEVICE).to(tl.int64)
-            logprob = _tempered(row_ptr, token, True, temp) - m - _log(s, LIBDEVICE)
+            logprob = _tempered_at(row_ptr, token, temp) - m - _log(s, LIBDEVICE)
         tl.store(out_ptr + row * (K + 1) + j, token)
         tl.store(logprobs_ptr + row * (K + 1) + j, logprob)
     tl.store(num_accepted_ptr + row, num_accepted.to(tl.int64))
