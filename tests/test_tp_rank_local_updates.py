@@ -8,14 +8,12 @@ import json
 import multiprocessing as mp
 import os
 import shutil
-import tempfile
 
 import pytest
 import torch
 from safetensors.torch import load_file, save_file
 
 from rollout import Engine, EngineConfig, SamplingParams
-from runner.model_runner import full_sequence_logits
 from runner.testing import write_random_checkpoint
 from trainer_bridge import TrainerBridge
 from weight_updates import Dense, PackedIndices, Patch, TensorDictTarget, WeightReceiver, WeightUpdateError, checksum
