@@ -247,11 +247,12 @@ class WeightDiffer:
         sizes = [self.specs[n].numel for n in names]
         starts = list(itertools.accumulate(sizes, initial=0))
         k = len(names)
-        # Weights on another device are cast and moved as before one by one (the cast then runs where
-        # ``Tensor.to`` runs it, so the bits do not depend on the path); the rest cast inside the cat.
-        parts = [t.reshape(-1) if t.device == device else t.to(device=device, dtype=dtype).reshape(-1)
-                 for t in (pushed[n] for n in names)]
-        new = torch.cat(parts, out=torch.empty(starts[-1], dtype=dtype, device=device))  # [n]
+        new = torch.empty(starts[-1], dtype=dtype, device=device)  # [n]
+        if all(pushed[n].device == device for n in names):
+            torch.cat([pushed[n].reshape(-1) for n in names], out=new)  # casts on the way
+        else:  # one move per tensor, straight into place (cast where ``Tensor.to`` would cast it: same bits)
+            for i, n in enumerate(names):
+                new[starts[i] : starts[i + 1]].view(self.specs[n].shape).copy_(pushed[n])
         fresh = [n for n in names if n not in self._checksums]
         fresh_views = [new[starts[i] : starts[i + 1]] for i, n in enumerate(names) if n not in self._checksums]
         fresh_checks = checksum_tensors(fresh_views) if fresh_views else torch.empty(0, dtype=torch.int64, device=device)
