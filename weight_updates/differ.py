@@ -161,8 +161,10 @@ class WeightDiffer:
         differ.commit(push)                          # only after the rollout side succeeded
 
     Memory: per engine dtype, once a parameter of it was committed, one flat engine-dtype copy of every
-    parameter of that dtype in ``specs``, on ``device``. A push holds its cast weights while a Dense record
-    or ``commit`` needs them, and the changed elements' positions and values.
+    parameter of that dtype in ``specs``, on ``device``. While encoding a dtype group: its pushed weights cast
+    into one flat buffer, a one-byte changed mask per element, and a few bytes per changed element (tens
+    of them for the per-element sums). A push holds its cast weights while a Dense record or ``commit``
+    needs them, and the changed elements' positions and values.
     """
 
     def __init__(self, specs: Mapping[str, ParamSpec], *, device: torch.device | str = "cpu", config: DiffConfig = DiffConfig()) -> None:
