@@ -97,3 +97,29 @@ def update_records(weights, *, as_dtype: torch.dtype | None = None, seed: int = 
         new = rounded(new, old.dtype)
         records.append(Patch(name=name, indices=PackedIndices.encode(idx), values=new[idx].clone(), checksum=checksum(new)))
     return records
+
+
+# ---- tensor parallelism on the CPU (gloo): one small model and engine config for the TP test files ----------
+TP_MODEL = dict(family="qwen2", vocab_size=256, hidden_size=64, intermediate_size=128, num_attention_heads=4,
+                num_key_value_heads=1, tie_word_embeddings=True, max_position_embeddings=256)
+
+
+@pytest.fixture(scope="module")
+def tp_model_dir(tmp_path_factory):
+    from runner.testing import write_random_checkpoint
+
+    return write_random_checkpoint(tmp_path_factory.mktemp("tp_qwen2"), **TP_MODEL)
+
+
+@pytest.fixture(scope="module")
+def single_thread():
+    before = torch.get_num_threads()
+    torch.set_num_threads(1)  # the workers use the engine process's thread count
+    yield
+    torch.set_num_threads(before)
+
+
+def tp_config(model_dir, **kw):
+    from rollout import EngineConfig
+
+    return EngineConfig(model=str(model_dir), dtype="float32", max_num_seqs=8, num_kv_blocks=64, max_model_len=128, **kw)

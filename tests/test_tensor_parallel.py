@@ -6,8 +6,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-from conftest import update_records
-from rollout import Engine, EngineConfig, SamplingParams
+from conftest import TP_MODEL, tp_config, update_records
+from rollout import Engine, SamplingParams
 from runner.model_config import ModelConfig
 from runner.model_runner import full_sequence_logits
 from runner.models.llama import DecoderForCausalLM
@@ -18,8 +18,6 @@ from runner.testing import write_random_checkpoint
 from weight_updates import Patch
 
 # kv heads (1) < ranks (2): replicated kv heads; tied embeddings: a vocab-parallel LM head over the embedding
-MODEL = dict(family="qwen2", vocab_size=256, hidden_size=64, intermediate_size=128, num_attention_heads=4,
-             num_key_value_heads=1, tie_word_embeddings=True, max_position_embeddings=256)
 PROMPTS = [[3, 4, 5], [6, 7, 8, 9, 10], [11, 12], [13, 14, 15, 16]]
 PARAMS = [
     SamplingParams(n=2, max_tokens=6, seed=1, ignore_eos=True),
@@ -30,38 +28,21 @@ PARAMS = [
 
 
 @pytest.fixture(scope="module")
-def model_dir(tmp_path_factory):
-    return write_random_checkpoint(tmp_path_factory.mktemp("tp_qwen2"), **MODEL)
+def engine_1(tp_model_dir, single_thread):
+    return Engine(tp_config(tp_model_dir))
 
 
 @pytest.fixture(scope="module")
-def single_thread():
-    before = torch.get_num_threads()
-    torch.set_num_threads(1)  # the workers use the engine process's thread count
-    yield
-    torch.set_num_threads(before)
-
-
-def _config(model_dir, **kw) -> EngineConfig:
-    return EngineConfig(model=str(model_dir), dtype="float32", max_num_seqs=8, num_kv_blocks=64, max_model_len=128, **kw)
-
-
-@pytest.fixture(scope="module")
-def engine_1(model_dir, single_thread):
-    return Engine(_config(model_dir))
-
-
-@pytest.fixture(scope="module")
-def engine_tp(model_dir, single_thread):
-    engine = Engine(_config(model_dir, tensor_parallel_size=2))
+def engine_tp(tp_model_dir, single_thread):
+    engine = Engine(tp_config(tp_model_dir, tensor_parallel_size=2))
     yield engine
     if engine.runner is not None:
         engine.close()
 
 
 @pytest.fixture(scope="module")
-def engine_ag(model_dir, single_thread):
-    engine = Engine(_config(model_dir, tensor_parallel_size=2, tp_sampling="allgather"))
+def engine_ag(tp_model_dir, single_thread):
+    engine = Engine(tp_config(tp_model_dir, tensor_parallel_size=2, tp_sampling="allgather"))
     yield engine
     if engine.runner is not None:
         engine.close()
@@ -74,7 +55,7 @@ def _tokens(outs):
 # ---- layouts (no processes) ------------------------------------------------------------------------------
 @pytest.mark.parametrize("num_kv_heads", [1, 2, 4])
 def test_sharded_layouts_cover_every_checkpoint_coordinate(num_kv_heads):
-    cfg = ModelConfig.from_dict({"architectures": ["Qwen2ForCausalLM"], **MODEL, "num_hidden_layers": 1,
+    cfg = ModelConfig.from_dict({"architectures": ["Qwen2ForCausalLM"], **TP_MODEL, "num_hidden_layers": 1,
                                  "num_key_value_heads": num_kv_heads})
     with torch.device("meta"):
         model = DecoderForCausalLM(cfg)
@@ -131,10 +112,10 @@ def test_tp_untied_llama_with_split_kv_heads(tmp_path, single_thread):
     path = write_random_checkpoint(tmp_path, family="llama", vocab_size=128, hidden_size=64, intermediate_size=96,
                                    num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=256)
     ids = [5, 9, 100, 127, 3, 3, 64]
-    ref_engine = Engine(_config(path))
+    ref_engine = Engine(tp_config(path))
     ref = full_sequence_logits(ref_engine.runner, ids)
     ref_tokens = _tokens(ref_engine.generate(PROMPTS, PARAMS))
-    with Engine(_config(path, tensor_parallel_size=2)) as engine:
+    with Engine(tp_config(path, tensor_parallel_size=2)) as engine:
         assert engine.runner.weights.view("lm_head.weight").shape == (64, 64)  # this rank's half of the vocab
         assert (engine.runner.full_sequence_logits(ids) - ref).abs().max().item() < 1e-5
         assert _tokens(engine.generate(PROMPTS, PARAMS)) == ref_tokens

@@ -13,16 +13,14 @@ import pytest
 import torch
 from safetensors.torch import load_file, save_file
 
-from rollout import Engine, EngineConfig, SamplingParams
-from runner.testing import write_random_checkpoint
+from conftest import tp_config
+from rollout import Engine, SamplingParams
 from trainer_bridge import TrainerBridge
 from weight_updates import Dense, PackedIndices, Patch, TensorDictTarget, WeightReceiver, WeightUpdateError, checksum
 from weight_updates.transports.ipc import SHM_DIR
 from weight_updates.transports.rank_local import serve_rank_local, shard_weights, stage_bucket
 
 # kv heads (1) < ranks (2): k/v replicated; tied embeddings: the embedding is vocab-sharded
-MODEL = dict(family="qwen2", vocab_size=256, hidden_size=64, intermediate_size=128, num_attention_heads=4,
-             num_key_value_heads=1, tie_word_embeddings=True, max_position_embeddings=256)
 PROMPTS = [[3, 4, 5], [6, 7, 8, 9, 10], [11, 12]]
 GREEDY = SamplingParams(temperature=0.0, max_tokens=8, ignore_eos=True)
 IDS = [3, 5, 7, 11, 13, 2, 9, 200, 255, 128]
@@ -155,33 +153,16 @@ def test_a_peer_failing_after_writing_rolls_back_every_rank(tmp_path):
 
 # ---- an engine with 2 ranks ------------------------------------------------------------------------------
 @pytest.fixture(scope="module")
-def model_dir(tmp_path_factory):
-    return write_random_checkpoint(tmp_path_factory.mktemp("rank_local_qwen2"), **MODEL)
-
-
-@pytest.fixture(scope="module")
-def single_thread():
-    before = torch.get_num_threads()
-    torch.set_num_threads(1)  # the workers use the engine process's thread count
-    yield
-    torch.set_num_threads(before)
-
-
-def _config(model_dir, **kw) -> EngineConfig:
-    return EngineConfig(model=str(model_dir), dtype="float32", max_num_seqs=8, num_kv_blocks=64, max_model_len=128, **kw)
-
-
-@pytest.fixture(scope="module")
-def engine_tp(model_dir, single_thread):
-    engine = Engine(_config(model_dir, tensor_parallel_size=2))
+def engine_tp(tp_model_dir, single_thread):
+    engine = Engine(tp_config(tp_model_dir, tensor_parallel_size=2))
     yield engine
     engine.close()
 
 
 @pytest.fixture(scope="module")
-def trainer(model_dir, engine_tp):
+def trainer(tp_model_dir, engine_tp):
     """The trainer's full weights (checkpoint names, float32) and a rank-local bridge that has pushed them."""
-    weights = {n: t for n, t in load_file(os.path.join(model_dir, "model.safetensors")).items() if n in engine_tp.weight_specs()}
+    weights = {n: t for n, t in load_file(os.path.join(tp_model_dir, "model.safetensors")).items() if n in engine_tp.weight_specs()}
     bridge = TrainerBridge(engine_tp, rank_local=True)
     assert bridge.adopt_engine_weights(weights) == len(weights)  # every rank's part checked by checksum
     return weights, bridge
@@ -217,7 +198,7 @@ def _step(weights: dict, seed: int, frac: float) -> dict:
     return out
 
 
-def test_rank_local_dense_and_patch_pushes_are_exact(engine_tp, trainer, model_dir, tmp_path, monkeypatch):
+def test_rank_local_dense_and_patch_pushes_are_exact(engine_tp, trainer, tp_model_dir, tmp_path, monkeypatch):
     weights, bridge = trainer
     before_shm = set(os.listdir(SHM_DIR))
     messages = []
@@ -255,9 +236,9 @@ def test_rank_local_dense_and_patch_pushes_are_exact(engine_tp, trainer, model_d
 
     # a fresh engine loaded from the updated checkpoint computes the same
     updated = tmp_path / "updated"
-    shutil.copytree(model_dir, updated)
+    shutil.copytree(tp_model_dir, updated)
     save_file({n: t.contiguous() for n, t in weights.items()}, str(updated / "model.safetensors"))
-    with Engine(_config(updated, tensor_parallel_size=2)) as fresh:
+    with Engine(tp_config(updated, tensor_parallel_size=2)) as fresh:
         assert _tokens(fresh.generate(PROMPTS, GREEDY)) == _tokens(engine_tp.generate(PROMPTS, GREEDY))
         fresh.step(), engine_tp.step()  # an empty step frees the finished requests' runner slots
         assert torch.equal(fresh.runner.full_sequence_logits(IDS), engine_tp.runner.full_sequence_logits(IDS))
@@ -327,9 +308,9 @@ def test_every_rank_must_update_the_same_tensors(engine_tp, trainer):
     assert engine_tp.policy_version == version and sums == held[0] and _bitwise_equal(rank0, held[1])
 
 
-def test_single_rank_engine_takes_the_same_path(model_dir, single_thread):
-    with Engine(_config(model_dir)) as engine:
-        weights = {n: t for n, t in load_file(os.path.join(model_dir, "model.safetensors")).items() if n in engine.weight_specs()}
+def test_single_rank_engine_takes_the_same_path(tp_model_dir, single_thread):
+    with Engine(tp_config(tp_model_dir)) as engine:
+        weights = {n: t for n, t in load_file(os.path.join(tp_model_dir, "model.safetensors")).items() if n in engine.weight_specs()}
         bridge = TrainerBridge(engine, rank_local=True)
         for seed, frac in ((1, 1.0), (2, 0.03)):
             weights = _step(weights, seed, frac)

@@ -309,19 +309,9 @@ class TrainerBridge:
 
     def _full_weights(self, weights) -> dict[str, torch.Tensor]:
         """Checked against the full checkpoint specs before any cut (a cut could hide a wrong shape)."""
-        from weight_updates.differ import iter_named_tensors
+        from weight_updates.differ import checked_named_tensors
 
-        full: dict[str, torch.Tensor] = {}
-        for name, tensor in iter_named_tensors(weights):
-            spec = self.specs.get(name)
-            if spec is None:
-                raise ValueError(f"unknown parameter {name!r} (not in the engine's checkpoint specs)")
-            if name in full:
-                raise ValueError(f"parameter {name!r} appears twice in one push")
-            if tuple(tensor.shape) != spec.shape:
-                raise ValueError(f"{name}: shape {tuple(tensor.shape)} != expected {spec.shape}")
-            full[name] = tensor
-        return full
+        return checked_named_tensors(weights, self.specs)
 
     def _encode_rank_local(self, full: dict[str, torch.Tensor]) -> list:
         """One PendingPush per engine rank, of its part of `full`."""

@@ -108,6 +108,24 @@ class PendingPush:
     checksums: dict[str, int] = field(repr=False)  # name -> checksum after the push
 
 
+def checked_named_tensors(weights: Weights, specs: Mapping[str, ParamSpec]) -> dict[str, torch.Tensor]:
+    """Name -> detached tensor of a push: every name known to ``specs``, given once, of its spec's shape and
+    a floating dtype. Raises ValueError naming the first offender."""
+    pushed: dict[str, torch.Tensor] = {}
+    for name, tensor in iter_named_tensors(weights):
+        spec = specs.get(name)
+        if spec is None:
+            raise ValueError(f"unknown parameter {name!r} (not in the engine's checkpoint specs)")
+        if name in pushed:
+            raise ValueError(f"parameter {name!r} appears twice in one push")
+        if tuple(tensor.shape) != spec.shape:
+            raise ValueError(f"{name}: shape {tuple(tensor.shape)} != expected {spec.shape}")
+        if not tensor.dtype.is_floating_point:
+            raise ValueError(f"{name}: dtype {tensor.dtype} is not a floating point dtype")
+        pushed[name] = tensor.detach()
+    return pushed
+
+
 def iter_named_tensors(weights: Weights) -> Iterable[tuple[str, torch.Tensor]]:
     """(name, tensor) pairs from a module's parameters, a mapping, or an iterable of pairs."""
     if isinstance(weights, torch.nn.Module):
@@ -199,18 +217,7 @@ class WeightDiffer:
 
     def encode(self, weights: Weights) -> PendingPush:
         """Validate all of ``weights``, then build one record per parameter. Raises ValueError."""
-        pushed: dict[str, torch.Tensor] = {}
-        for name, tensor in iter_named_tensors(weights):
-            spec = self.specs.get(name)
-            if spec is None:
-                raise ValueError(f"unknown parameter {name!r} (not in the engine's checkpoint specs)")
-            if name in pushed:
-                raise ValueError(f"parameter {name!r} appears twice in one push")
-            if tuple(tensor.shape) != spec.shape:
-                raise ValueError(f"{name}: shape {tuple(tensor.shape)} != expected {spec.shape}")
-            if not tensor.dtype.is_floating_point:
-                raise ValueError(f"{name}: dtype {tensor.dtype} is not a floating point dtype")
-            pushed[name] = tensor.detach()
+        pushed = checked_named_tensors(weights, self.specs)
         groups = []
         for layout in self._layouts.values():
             names = [n for n in layout.offsets if n in pushed]
