@@ -20,7 +20,7 @@ import triton
 import triton.language as tl
 from triton.language.extra import libdevice
 
-from kernels.sampling import _gumbel, _log, _mix32, _tempered
+from kernels.sampling import _gumbel, _lane_argmax, _log, _mix32, _tempered
 
 _BLOCK_V = 1024
 
@@ -61,8 +61,7 @@ def _row_stats(row_ptr, vocab, temp, BLOCK_V: tl.constexpr, LIBDEVICE: tl.conste
         lane_idx = tl.where(take, offs, lane_idx)
         lane_max = tl.maximum(lane_max, _tempered(row_ptr, offs, mask, temp))
     m = tl.max(lane_max, 0)
-    best = tl.max(lane_raw, 0)
-    argmax = tl.min(tl.where(lane_raw == best, lane_idx, 2147483647), 0)
+    _, argmax = _lane_argmax(lane_raw, lane_idx)
     acc = tl.zeros([BLOCK_V], tl.float32)
     for start in range(0, vocab, BLOCK_V):
         offs = start + tl.arange(0, BLOCK_V)
@@ -83,8 +82,8 @@ def _noisy_argmax(row_ptr, vocab, temp, key, BLOCK_V: tl.constexpr, LIBDEVICE: t
         take = noisy > lane
         lane = tl.where(take, noisy, lane)
         lane_idx = tl.where(take, offs, lane_idx)
-    best = tl.max(lane, 0)
-    return tl.min(tl.where(lane == best, lane_idx, 2147483647), 0)
+    _, argmax = _lane_argmax(lane, lane_idx)
+    return argmax
 
 
 @triton.jit
@@ -194,8 +193,8 @@ def _rejection_kernel(
                         take = noisy > lane
                         lane = tl.where(take, noisy, lane)
                         lane_idx = tl.where(take, offs, lane_idx)
-                    best = tl.max(lane, 0)
-                    token = tl.min(tl.where(lane == best, lane_idx, 2147483647), 0).to(tl.int64)
+                    _, token = _lane_argmax(lane, lane_idx)
+                    token = token.to(tl.int64)
                 else:  # all drafts accepted: the ordinary sampler's noise (salt 0)
                     token = _noisy_argmax(row_ptr, vocab, temp, _mix32(_mix32(seed) + stop_key * 0x9E3779B9),
                                           BLOCK_V, LIBDEVICE).to(tl.int64)
