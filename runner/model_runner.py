@@ -361,11 +361,7 @@ class ModelRunner:
         h.slot_mapping[start:end] = -1
         h.input_ids[start:end] = 0
         h.positions[start:end] = 0
-        h.temperature[start:end] = 1.0
-        h.top_k[start:end] = 0
-        h.top_p[start:end] = 1.0
-        h.min_p[start:end] = 0.0
-        h.sample_positions[start:end] = 0
+        self.buffers.pad_sampling(start, end)
 
     def release(self) -> None:
         """Drop graphs, KV cache and weights so their device memory can be freed."""

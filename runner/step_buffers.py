@@ -68,6 +68,17 @@ class StepBuffers:
         if num_block_rows:
             self._blocks[1][:num_block_rows].copy_(self._blocks[0][:num_block_rows], non_blocking=True)
 
+    def pad_sampling(self, start: int, end: int) -> None:
+        """Host staging of rows [start, end): the sampling parameters of padding rows (temperature 1, no
+        truncation, seed 0, output position 0), whose samples are dropped."""
+        h = self.host
+        h.temperature[start:end] = 1.0
+        h.top_k[start:end] = 0
+        h.top_p[start:end] = 1.0
+        h.min_p[start:end] = 0.0
+        h.seeds[start:end] = 0
+        h.sample_positions[start:end] = 0
+
     @staticmethod
     def put(dst: np.ndarray, src: np.ndarray) -> None:
         dst[: src.shape[0]] = src

@@ -148,12 +148,7 @@ class SpecDecodeGraphs:
         h.slot_mapping[tokens] = -1
         h.seq_lens[start:end] = K1
         h.block_tables[start:end] = 0
-        h.temperature[start:end] = 1.0
-        h.top_k[start:end] = 0
-        h.top_p[start:end] = 1.0
-        h.min_p[start:end] = 0.0
-        h.seeds[start:end] = 0
-        h.sample_positions[start:end] = 0
+        self.spec.runner.buffers.pad_sampling(start, end)
         h.sample_slots[start:end] = self.scratch_row
 
     # ---- the step ----------------------------------------------------------------------------------------
