@@ -134,7 +134,7 @@ def main() -> None:
                          "e.g. 4x8 (default on the CPU)")
     ap.add_argument("--enforce-eager", action="store_true")
     ap.add_argument("--sync-scheduling", action="store_true",
-                    help="engine runs with EngineConfig(async_scheduling=False) (the default overlaps host and device)")
+                    help="engine runs with EngineConfig(async_scheduling=False) (the default on CUDA overlaps host and device)")
     ap.add_argument("--deterministic", action="store_true",
                     help="also run each batch in deterministic mode and report its throughput against the fast mode")
     args = ap.parse_args()
@@ -157,7 +157,11 @@ def main() -> None:
         weight_bytes = sum(os.path.getsize(os.path.join(d, f)) for f in os.listdir(d) if f.endswith(".safetensors"))
         kv_per_token = 2 * mc.num_layers * mc.num_kv_heads * mc.head_dim * elem
         sched_kw = {"async_scheduling": False} if args.sync_scheduling else {}
-        common = dict(device=args.device, shape=shape, dtype=dtype, async_scheduling=not args.sync_scheduling)
+        from rollout import EngineConfig
+
+        async_default = EngineConfig(model="-", device=args.device).async_scheduling
+        common = dict(device=args.device, shape=shape, dtype=dtype,
+                      async_scheduling=async_default and not args.sync_scheduling)
         engine_tps: dict[str, float] = {}
         # 1. this engine, every workload (the rows that matter most come first)
         for batch in batches:

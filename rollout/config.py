@@ -88,7 +88,8 @@ class EngineConfig:
     async_scheduling: bool | None = None
     """Schedule and stage step t+1 while step t runs on the device (tokens of t reach t+1 on the device);
     hides the host's per-step work behind the GPU's. Not with speculative decoding or tensor parallelism.
-    None (the default) turns it on wherever it is supported; the tokens are the same either way."""
+    None (the default) turns it on for CUDA wherever it is supported (on the CPU the host is the device, so
+    there is nothing to overlap and the bookkeeping only costs); the tokens are the same either way."""
     log_stats: bool = False
     """Log throughput and cache figures while generating."""
 
@@ -120,7 +121,7 @@ class EngineConfig:
         if self.async_scheduling and not supported:
             raise ValueError("async_scheduling does not support speculative decoding or tensor_parallel_size > 1 yet")
         if self.async_scheduling is None:
-            self.async_scheduling = supported
+            self.async_scheduling = supported and self.device != "cpu"
 
 
 def _resolve_type(tp: Any) -> Any:
