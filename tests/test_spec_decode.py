@@ -145,12 +145,17 @@ _LOG_ZERO = pytest.mark.filterwarnings("ignore:divide by zero:RuntimeWarning")  
 
 
 @_LOG_ZERO
-@pytest.mark.parametrize("vocab", [37, 2500])  # one masked block; several blocks of 1024
-def test_kernels_equal_the_reference(vocab):
+@pytest.mark.parametrize("vocab,chunk", [
+    (37, 2048),  # one chunk, one masked block
+    (37, 16),  # three chunks, the last one partial
+    (5000, 2048),  # three chunks of two blocks of 1024, the last one partial
+])
+def test_kernels_equal_the_reference(vocab, chunk):
     """`rejection_kernel.py` against `sample_draft_ref` / `rejection_sample_ref`: the same draft tokens,
-    acceptances, resampled and bonus tokens; q and logprobs to float rounding. Rows: greedy and tempered,
-    0..K drafts, drafters close to the target (many acceptances, bonus tokens), an unnormalized q = 2p
-    (all-zero residuals: the fallback to p), strided draft ids as the graph step passes them."""
+    acceptances, resampled and bonus tokens; q (normalized over the whole row) and logprobs to float
+    rounding. Rows: greedy and tempered, 0..K drafts, drafters close to the target (many acceptances, bonus
+    tokens), an unnormalized q = 2p (all-zero residuals: the fallback to p), strided draft ids as the graph
+    step passes them, a greedy row whose maximum is tied in the first and the last chunk (first index)."""
     from runner.spec_decode import rejection_kernel
     from runner.spec_decode.rejection import (
         ACCEPT_SALT,
@@ -165,6 +170,8 @@ def test_kernels_equal_the_reference(vocab):
     target = torch.randn(R, K + 1, vocab, generator=g) * 2
     closeness = torch.tensor([0.0, 0.05, 0.5, 3.0]).repeat(R // 4)[:, None, None]
     draft_logits = target[:, :K] + closeness * torch.randn(R, K, vocab, generator=g)
+    for logits in (target, draft_logits):  # row 0 is greedy
+        logits[0, :, [3, vocab - 1]] = 20.0
     target, draft_logits = target.to(dev), draft_logits.to(dev)
     temperature = torch.tensor([0.0, 1.0, 0.6, 1.7], device=dev).repeat_interleave(R // 4)
     seeds = torch.randint(0, 2**32, (R,), generator=g).to(dev)
@@ -177,15 +184,17 @@ def test_kernels_equal_the_reference(vocab):
     for j in range(K):
         want_tokens, want_q = sample_draft_ref(draft_logits[:, j], temperature, *off, seeds, positions + j)
         rejection_kernel.draft_sample(draft_logits[:, j].contiguous(), temperature, seeds, positions, j, ids[:, j + 1],
-                                      q[:, j], DRAFT_SALT)
+                                      q[:, j], DRAFT_SALT, chunk=chunk)
         assert torch.equal(ids[:, j + 1], want_tokens)
         torch.testing.assert_close(q[:, j], want_q, rtol=1e-5, atol=1e-7)
+        torch.testing.assert_close(q[:, j].sum(-1), torch.ones(R, device=dev), rtol=0, atol=1e-5)
+    assert ids[0, 1:].tolist() == [3] * K
     drafts = ids[:, 1:]
     q[R // 2 :: 4] = 2 * torch.softmax(target[R // 2 :: 4, :K].float() / temperature[R // 2 :: 4, None, None], -1)
 
     want = rejection_sample_ref(target, drafts, q, num_drafts, temperature, *off, seeds, positions)
     got = rejection_kernel.rejection_sample(target, drafts, q, num_drafts, temperature, seeds, positions, ACCEPT_SALT,
-                                            RESAMPLE_SALT)
+                                            RESAMPLE_SALT, chunk=chunk)
     assert torch.equal(got[1], want[1]) and torch.equal(got[0], want[0])
     valid = got[0] >= 0
     torch.testing.assert_close(got[2][valid], want[2][valid], rtol=0, atol=1e-5)
@@ -196,10 +205,11 @@ def test_kernels_equal_the_reference(vocab):
     assert (rejected & sampled)[R // 2 :: 4].any() and (~rejected & ~sampled & (num_drafts == K)).any()
 
     no_drafts = rejection_kernel.rejection_sample(target[:, :1], drafts[:, :0], q[:, :0], num_drafts * 0, temperature,
-                                                  seeds, positions, ACCEPT_SALT, RESAMPLE_SALT)
+                                                  seeds, positions, ACCEPT_SALT, RESAMPLE_SALT, chunk=chunk)
     want = rejection_sample_ref(target[:, :1], drafts[:, :0], q[:, :0], num_drafts * 0, temperature, *off, seeds,
                                 positions)
     assert torch.equal(no_drafts[0], want[0]) and not no_drafts[1].any()
+    torch.testing.assert_close(no_drafts[2], want[2], rtol=0, atol=1e-5)
 
 
 # ---- the engine ----------------------------------------------------------------------------------------------

@@ -20,9 +20,9 @@ host constant either, so `runner/spec_decode/graphs.py` captures both functions 
 
 `sample_draft_ref` and `rejection_sample_ref` are the plain-torch definitions. `sample_draft` and
 `rejection_sample` run them, except for CUDA batches without truncation and top-N logprobs, which take the
-Triton kernels of `rejection_kernel.py` (one launch per draft step, one for all of verification; the same
-function up to float rounding ties). Not here: choosing how many tokens to draft, the drafter itself, KV
-rollback.
+Triton kernels of `rejection_kernel.py` (two launches per draft step, three for all of verification, each
+split over the vocabulary; the same function up to float rounding ties). Not here: choosing how many tokens
+to draft, the drafter itself, KV rollback.
 """
 
 from __future__ import annotations
