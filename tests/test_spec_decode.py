@@ -155,7 +155,8 @@ def test_kernels_equal_the_reference(vocab, chunk):
     acceptances, resampled and bonus tokens; q (normalized over the whole row) and logprobs to float
     rounding. Rows: greedy and tempered, 0..K drafts, drafters close to the target (many acceptances, bonus
     tokens), an unnormalized q = 2p (all-zero residuals: the fallback to p), strided draft ids as the graph
-    step passes them, a greedy row whose maximum is tied in the first and the last chunk (first index)."""
+    step passes them, a greedy row whose maximum is tied in the first and the last chunk (first index), a
+    sampled row with -inf logits (whole chunks of them at chunk 16)."""
     from runner.spec_decode import rejection_kernel
     from runner.spec_decode.rejection import (
         ACCEPT_SALT,
@@ -172,6 +173,8 @@ def test_kernels_equal_the_reference(vocab, chunk):
     draft_logits = target[:, :K] + closeness * torch.randn(R, K, vocab, generator=g)
     for logits in (target, draft_logits):  # row 0 is greedy
         logits[0, :, [3, vocab - 1]] = 20.0
+    target[13, :, -16:] = float("-inf")  # a sampled row's masked tokens (whole chunks at chunk = 16)
+    draft_logits[13, :, :16] = float("-inf")
     target, draft_logits = target.to(dev), draft_logits.to(dev)
     temperature = torch.tensor([0.0, 1.0, 0.6, 1.7], device=dev).repeat_interleave(R // 4)
     seeds = torch.randint(0, 2**32, (R,), generator=g).to(dev)
