@@ -15,7 +15,7 @@ P * (d + 1) tokens fit the step buffers) and run by `static_step(P, d)`, whose s
     catch-up drafter over every position     next tokens = output_ids (-1 -> 0); draft_hidden[sample_slots] =
                                              its output at the last accepted position
 
-On CUDA, sample_draft and rejection_sample are one Triton launch each (`rejection_kernel.py`), so besides
+On CUDA, sample_draft and rejection_sample are two and three Triton launches (`rejection_kernel.py`), so besides
 the models' own kernels a step launches only a handful of indexing ops (tests/test_spec_decode.py counts
 them). Per-(P, d) constants (each row's first token index, the draft counts) are made by the first call,
 a warm-up outside any capture.
