@@ -11,7 +11,11 @@ Checks, on random-weight Qwen2-like models (hidden 256, vocab 1024):
   - the sampler's peak memory on rank 0 with batch-sharded sampling about 1/2 of the all-gather path's
     (measured with the CUDA allocator, printed as one JSON line);
   - Dense and Patch weight updates applied on every rank, compared with the single-GPU engine;
-  - close() stops the worker rank.
+  - close() stops the worker rank;
+  - rank-local updates through CUDA IPC (TrainerBridge(rank_local=True), trainer weights in bf16 on cuda:0):
+    a dense then a patch push land exactly on every rank (checksums of each rank's parts) and the engine then
+    matches a fresh TP engine loaded from the trainer's weights; a corrupt part on rank 1 changes no rank; the
+    staged CUDA buckets are freed after the push (allocator bytes per GPU, printed as one JSON line).
 Tokens are not compared with the single-GPU engine: in bf16 its logits differ from TP's in the last bits
 (see BF16_* below), which may flip a near-tie. Skipped unless at least 2 CUDA devices are visible.
 """
@@ -19,17 +23,23 @@ Tokens are not compared with the single-GPU engine: in bf16 its logits differ fr
 from __future__ import annotations
 
 import json
+import math
 import os
+import shutil
 
 import pytest
 import torch
+from safetensors.torch import load_file, save_file
 
 from conftest import update_records
 from rollout import Engine, EngineConfig, SamplingParams
 from runner.model_runner import full_sequence_logits
 from runner.parallel.memory import SamplerPeak
+from runner.parallel.worker import rank_device
 from runner.testing import write_random_checkpoint
-from weight_updates import Patch
+from trainer_bridge import TrainerBridge
+from weight_updates import Dense, Patch, WeightUpdateError, checksum
+from weight_updates.transports.rank_local import shard_weights, stage_bucket
 
 pytestmark = [pytest.mark.cuda,
               pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs 2 CUDA GPUs (NCCL tensor parallelism)")]
@@ -301,3 +311,169 @@ def test_close_stops_the_worker_rank(engine_ag):
         pass
     assert engine_ag.runner is None
     assert not any(w.is_alive() for w in workers)
+
+
+# ---- rank-local weight updates through CUDA IPC ------------------------------------------------------------
+# The trainer runs in the engine's process and holds full bf16 checkpoint tensors on rank 0's GPU. Each push
+# stages rank r's part in one CUDA allocation on rank r's GPU (cuda:0 in this process, cuda:1 from this process
+# for the worker rank) and hands the engine JSON handles: rank 0 maps a bucket of its own process, rank 1
+# opens a CUDA IPC handle of another process. The engine is eager, and so is the fresh engine it is compared
+# with: the same kernels at the same shapes, and an all-reduce over 2 ranks adds two values in either order
+# bitwise the same, so equal weights give bitwise equal logits.
+GREEDY = SamplingParams(temperature=0.0, max_tokens=16, ignore_eos=True)
+# Slack of torch.cuda.memory_allocated after a push against before it, per GPU, in this process. Expected: 0
+# (rank 0's session frees what it allocated; nothing else here allocates on the GPUs during a push). Each rank's
+# dense bucket of the test model is ~2 MB, asserted to be > 4x this.
+BUCKET_SLACK_BYTES = 256 << 10
+
+
+@pytest.fixture(scope="module")
+def engine_rl(model_dir):
+    """TP=2 on cuda:0 and cuda:1, eager; only the rank-local tests update its weights."""
+    yield from _closing(Engine(_config(model_dir, tensor_parallel_size=2, enforce_eager=True)))
+
+
+def _trainer_device(engine: Engine) -> torch.device:
+    return rank_device(engine.config.device, 0)
+
+
+@pytest.fixture(scope="module")
+def trainer_weights(model_dir, engine_rl):
+    """The checkpoint as a trainer holds it: every parameter of the engine, full, bf16, on rank 0's GPU."""
+    specs = engine_rl.weight_specs()
+    return {n: t.to(_trainer_device(engine_rl)) for n, t in load_file(os.path.join(model_dir, "model.safetensors")).items()
+            if n in specs}
+
+
+def _adamw_step(weights: dict, *, seed: int, frac: float, lr: float = 1e-2, weight_decay: float = 0.1) -> dict:
+    """New weights after an AdamW-like first step (lr * sign(grad), plus decoupled weight decay) on a random
+    `frac` of each tensor's elements, in float32, rounded to the weights' dtype. A step of >= 0.009 moves every
+    chosen bf16 element (|w| <= ~1 here, where half a bf16 spacing is <= 0.004)."""
+    g = torch.Generator().manual_seed(seed)
+    out = {}
+    for name, w in weights.items():
+        grad = torch.randn(w.shape, generator=g).to(w.device)
+        chosen = (torch.rand(w.shape, generator=g) < frac).to(w.device)
+        w32 = w.float()
+        out[name] = torch.where(chosen, w32 - lr * (grad.sign() + weight_decay * w32), w32).to(w.dtype)
+    return out
+
+
+def _expected_sums(engine: Engine, weights: dict) -> list[dict[str, int]]:
+    """Per rank, the checksums of the parts the trainer cuts from `weights` for it."""
+    return [{n: checksum(p) for n, p in shard_weights(weights, layout).items()} for layout in engine.rank_local_layouts()]
+
+
+def _settle(engine: Engine) -> None:
+    """Once the worker rank answers a later call it has left the push and dropped its mapping of its bucket
+    (its CUDA IPC reference count reaches 0); then torch frees the buffers this process produced whose
+    consumer let go after this process had already dropped them (held in torch's IPC limbo until then)."""
+    engine.rank_local_checksums()
+    torch.cuda.ipc_collect()
+
+
+def test_rank_local_cuda_ipc_dense_then_patch_push(engine_rl, trainer_weights, model_dir, tmp_path, monkeypatch):
+    """TrainerBridge(rank_local=True), snapshot and trainer weights on cuda:0: a dense push, then a patch push after
+    a sparse AdamW-like step. Every rank holds exactly its parts of the trainer's weights (checksums against the
+    trainer's cuts), the version advances by one per push, and the engine decodes and scores exactly like a
+    fresh TP=2 engine loaded from a checkpoint of the trainer's weights."""
+    engine = engine_rl
+    handles = []
+    plain = engine.update_weights_rank_local
+
+    def recording(version, hs):
+        handles.append(list(hs))
+        return plain(version, hs)
+
+    monkeypatch.setattr(engine, "update_weights_rank_local", recording)
+    ids = _ids(48, seed=7)
+    before = _logits(engine, ids)
+    version = engine.policy_version
+    bridge = TrainerBridge(engine, rank_local=True, snapshot_device=str(_trainer_device(engine)))
+
+    weights = _adamw_step(trainer_weights, seed=1, frac=1.0)
+    dense = bridge.push_weights(weights)  # the bridge's first push: every part dense
+    assert dense.num_patch == 0 and dense.num_dense > 0 and dense.version == version + 1
+    assert engine.policy_version == version + 1
+    assert engine.rank_local_checksums() == _expected_sums(engine, weights)
+
+    weights = _adamw_step(weights, seed=2, frac=0.02)
+    patch = bridge.push_weights(weights)
+    assert patch.num_dense == 0 and patch.num_patch == dense.num_dense and patch.version == version + 2
+    assert 0 < patch.nbytes < dense.nbytes / 4
+    assert engine.policy_version == version + 2
+    assert engine.rank_local_checksums() == _expected_sums(engine, weights)
+
+    assert len(handles) == 2
+    for push in handles:  # one CUDA IPC bucket per rank, on the rank's own GPU
+        assert [h["kind"] for h in push] == ["cuda_ipc"] * 2
+        assert [h["handle"]["device"] for h in push] == [rank_device(engine.config.device, r).index for r in range(2)]
+    monkeypatch.undo()
+
+    updated = tmp_path / "updated"
+    shutil.copytree(model_dir, updated)
+    save_file({n: t.contiguous().cpu() for n, t in weights.items()}, str(updated / "model.safetensors"), metadata={"format": "pt"})
+    with Engine(_config(updated, tensor_parallel_size=2, enforce_eager=True)) as fresh:
+        assert _tokens(engine.generate(PROMPTS, GREEDY)) == _tokens(fresh.generate(PROMPTS, GREEDY))
+        after, reference = _logits(engine, ids), _logits(fresh, ids)
+    assert torch.equal(after, reference), f"max |updated - fresh| = {(after - reference).abs().max():.3e}"
+    assert (after - before).abs().mean() > 1e-2  # the pushes moved the logits
+
+
+def test_rank_local_corrupt_cuda_part_on_rank_1_changes_no_rank(engine_rl, trainer_weights):
+    """Rank 1's CUDA bucket carries a dense part whose checksum is off by one bit: the update is refused on every
+    rank before anything is written; both ranks' parts, the version and the served tokens stay as they were."""
+    engine = engine_rl
+    name = "model.layers.0.self_attn.q_proj.weight"  # sharded by rows
+    new = _adamw_step({name: trainer_weights[name]}, seed=3, frac=1.0)
+    parts = [shard_weights(new, layout)[name].contiguous() for layout in engine.rank_local_layouts()]
+    records = [[Dense.of(name, parts[0])], [Dense(name=name, tensor=parts[1], checksum=checksum(parts[1]) ^ 1)]]
+    version = engine.policy_version
+    sums = engine.rank_local_checksums()
+    tokens = _tokens(engine.generate(PROMPTS, GREEDY))
+    buckets = []
+    try:
+        for rank, recs in enumerate(records):
+            buckets.append(stage_bucket(recs, rank_device(engine.config.device, rank)))
+        assert [b.handle["kind"] for b in buckets] == ["cuda_ipc"] * 2
+        with pytest.raises(WeightUpdateError, match="nothing written on any rank: rank 1: checksum mismatch") as err:
+            engine.update_weights_rank_local(version + 1, [b.handle for b in buckets])
+    finally:
+        for b in buckets:
+            b.close()
+    assert "rank 0:" not in str(err.value) and name in str(err.value)
+    assert engine.policy_version == version
+    assert engine.rank_local_checksums() == sums
+    assert _tokens(engine.generate(PROMPTS, GREEDY)) == tokens  # still serving, the same weights
+
+
+def test_rank_local_cuda_buckets_are_freed_after_the_push(engine_rl, trainer_weights, capsys):
+    """The buckets of a dense push (each rank's whole part) are allocated on the ranks' GPUs during the push (peak
+    allocation of this process on GPU r >= rank r's part) and freed after it: this process's allocated bytes
+    on each GPU return to within BUCKET_SLACK_BYTES of their value before. The trainer's snapshot is on the host,
+    so the push allocates nothing else on the GPUs that outlives it."""
+    engine = engine_rl
+    devices = [rank_device(engine.config.device, r) for r in range(2)]
+    bridge = TrainerBridge(engine, rank_local=True)
+    bridge.push_weights(_adamw_step(trainer_weights, seed=4, frac=1.0))  # first uses: receivers, checksum tables
+    new = _adamw_step(trainer_weights, seed=5, frac=1.0)  # every element moves: dense parts on both ranks
+    part_bytes = [sum(math.prod(slot.shard_shape) * new[n].element_size() for n, slot in layout.items())
+                  for layout in engine.rank_local_layouts()]
+    assert min(part_bytes) > 4 * BUCKET_SLACK_BYTES
+    _settle(engine)
+    before = [torch.cuda.memory_allocated(d) for d in devices]
+    for d in devices:
+        torch.cuda.reset_peak_memory_stats(d)
+    push = bridge.push_weights(new)
+    lingering = [torch.cuda.memory_allocated(d) - b for d, b in zip(devices, before)]
+    _settle(engine)
+    peak = [torch.cuda.max_memory_allocated(d) - b for d, b in zip(devices, before)]
+    left = [torch.cuda.memory_allocated(d) - b for d, b in zip(devices, before)]
+    with capsys.disabled():
+        print("\n" + json.dumps({"test": "gpu_tp_rank_local_bucket_memory", "part_bytes": part_bytes, "peak_bytes": peak,
+                                 "left_at_return_bytes": lingering, "left_after_ipc_collect_bytes": left}))
+    assert push.num_patch == 0 and push.num_dense > 0
+    for rank in range(2):
+        assert peak[rank] >= part_bytes[rank], (rank, peak, part_bytes)  # rank r's bucket was on rank r's GPU
+        assert left[rank] <= BUCKET_SLACK_BYTES, (rank, left, lingering)
+    assert engine.rank_local_checksums() == _expected_sums(engine, new)

@@ -16,6 +16,8 @@ Where a bucket lives:
   JSON header + data), mapped with ``torch.from_file`` on both sides; the message carries its path.
 - CUDA (``kind="cuda_ipc"``): a device buffer shared with ``torch.multiprocessing.reductions``;
   the message carries the safetensors header and the CUDA IPC handle fields as JSON (hex bytes).
+  A handle is mapped in the process that made it too (rank 0 of a tensor-parallel engine maps the
+  bucket its own process staged): CUDA cannot open it there, so that process uses the buffer itself.
 
 Only JSON crosses the connection; tensor data crosses only through the shared memory. A receiver
 that sees a bad chunk keeps reading until ``finish`` and then reports the first error, so the
@@ -26,6 +28,7 @@ its own connection.
 
 import os
 import uuid
+import weakref
 from collections.abc import Sequence
 from multiprocessing.connection import Connection
 
@@ -48,6 +51,11 @@ from weight_updates.wire import (
 SHM_DIR = "/dev/shm"
 _SHM_PREFIX = "weight-update-"
 
+# Tensors this process described with ``cuda_ipc_handle``, by (handle, storage offset), while they live.
+# cudaIpcOpenMemHandle fails in the exporting process ("invalid device context"), and torch's rebuild does not
+# find the exporter's own storage there, so ``open_cuda_ipc_handle`` looks the tensor up here instead.
+_EXPORTED: "weakref.WeakValueDictionary[tuple[str, int], torch.Tensor]" = weakref.WeakValueDictionary()
+
 
 def cuda_ipc_handle(t: torch.Tensor) -> dict:
     """JSON-ready description of a CUDA tensor for ``open_cuda_ipc_handle`` in another process."""
@@ -57,7 +65,9 @@ def cuda_ipc_handle(t: torch.Tensor) -> dict:
     assert rebuild is rebuild_cuda_tensor, "not a CUDA tensor"
     (tensor_cls, size, stride, offset, storage_cls, dtype, device, handle, storage_nbytes, storage_offset, _, ref_handle, ref_offset, event_handle, event_sync) = args
     assert tensor_cls is torch.Tensor and storage_cls is torch.storage.TypedStorage and dtype == torch.uint8
+    _EXPORTED[handle.hex(), storage_offset] = t
     return {
+        "pid": os.getpid(),
         "size": list(size),
         "stride": list(stride),
         "offset": offset,
@@ -73,9 +83,20 @@ def cuda_ipc_handle(t: torch.Tensor) -> dict:
 
 
 def open_cuda_ipc_handle(h: dict) -> torch.Tensor:
-    """The uint8 CUDA tensor described by ``cuda_ipc_handle``, mapped into this process."""
+    """The uint8 CUDA tensor described by ``cuda_ipc_handle``, mapped into this process (in the process that
+    described it: a view of the tensor itself). WeightUpdateError if that process no longer holds it."""
     from torch.multiprocessing.reductions import rebuild_cuda_tensor
 
+    if h.get("pid") == os.getpid():
+        exported = _EXPORTED.get((h["handle"], int(h["storage_offset"])))
+        if exported is None:
+            raise WeightUpdateError("CUDA IPC handle made by this process for a tensor it no longer holds")
+        # What torch's rebuild does when it finds the storage in its cache: give back the count the export
+        # took for a consumer; no consumer would ever release it, and the producer's free would then keep
+        # the buffer allocated (parked in torch's IPC limbo) for good.
+        torch.storage.TypedStorage._release_ipc_counter(bytes.fromhex(h["ref_counter_handle"]), int(h["ref_counter_offset"]),
+                                                        device=int(h["device"]))
+        return exported.as_strided(tuple(h["size"]), tuple(h["stride"]), int(h["offset"]))
     return rebuild_cuda_tensor(
         torch.Tensor,
         torch.Size(h["size"]),
