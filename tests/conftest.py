@@ -123,3 +123,20 @@ def tp_config(model_dir, **kw):
     from rollout import EngineConfig
 
     return EngineConfig(model=str(model_dir), dtype="float32", max_num_seqs=8, num_kv_blocks=64, max_model_len=128, **kw)
+
+
+def sampler_peaks(engines: dict, prompts, params) -> tuple[dict, dict]:
+    """Per named TP engine: rank 0's peak sampler memory (bytes, `SamplerPeak`) while generating, and the
+    generated token ids; rank 0's sampler is restored afterwards."""
+    from runner.parallel.memory import SamplerPeak
+
+    peaks, tokens = {}, {}
+    for name, engine in engines.items():
+        rank0 = engine.runner.runner
+        plain = rank0.sampler
+        rank0.sampler = SamplerPeak(plain, rank0.device)
+        try:
+            tokens[name] = [[c.token_ids for c in o.outputs] for o in engine.generate(prompts, params)]
+        finally:
+            peaks[name], rank0.sampler = rank0.sampler.peak_bytes, plain
+    return peaks, tokens

@@ -31,10 +31,9 @@ import pytest
 import torch
 from safetensors.torch import load_file, save_file
 
-from conftest import update_records
+from conftest import sampler_peaks, update_records
 from rollout import Engine, EngineConfig, SamplingParams
 from runner.model_runner import full_sequence_logits
-from runner.parallel.memory import SamplerPeak
 from runner.parallel.worker import rank_device
 from runner.testing import write_random_checkpoint
 from trainer_bridge import TrainerBridge
@@ -259,15 +258,7 @@ def test_batch_sharded_sampling_halves_peak_logits_memory(engine_tp, engine_ag, 
     vectors, in 512-byte allocator blocks) is a few KiB, so the ratio must be 0.5 within 0.1."""
     prompts = [[i + 2, i + 3] for i in range(64)]  # 64 sampling rows in the prefill step
     params = SamplingParams(max_tokens=3, seed=5, ignore_eos=True)
-    peaks, tokens = {}, {}
-    for name, engine in (("sharded", engine_tp), ("allgather", engine_ag)):
-        rank0 = engine.runner.runner
-        plain = rank0.sampler
-        rank0.sampler = SamplerPeak(plain, rank0.device)
-        try:
-            tokens[name] = _tokens(engine.generate(prompts, params))
-        finally:
-            peaks[name], rank0.sampler = rank0.sampler.peak_bytes, plain
+    peaks, tokens = sampler_peaks({"sharded": engine_tp, "allgather": engine_ag}, prompts, params)
     ratio = peaks["sharded"] / max(peaks["allgather"], 1)
     with capsys.disabled():
         print("\n" + json.dumps({"test": "gpu_tp_sampler_peak", "rows": 64, "vocab": VOCAB, "dtype": "bfloat16",

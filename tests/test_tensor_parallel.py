@@ -6,13 +6,12 @@ from __future__ import annotations
 import pytest
 import torch
 
-from conftest import TP_MODEL, tp_config, update_records
+from conftest import TP_MODEL, sampler_peaks, tp_config, update_records
 from rollout import Engine, SamplingParams
 from runner.model_config import ModelConfig
 from runner.model_runner import full_sequence_logits
 from runner.models.llama import DecoderForCausalLM
 from runner.parallel.layers import head_partition
-from runner.parallel.memory import SamplerPeak
 from runner.parallel.weights import local_flat_indices
 from runner.testing import write_random_checkpoint
 from weight_updates import Patch
@@ -137,15 +136,7 @@ def test_batch_sharded_sampling_halves_peak_logits_memory(engine_tp, engine_ag):
     """Measured on rank 0 with the torch profiler around each sampler call (logits exchange + sampling)."""
     prompts = [[i + 2, i + 3] for i in range(8)]  # 8 sampling rows per decode step
     params = SamplingParams(max_tokens=3, seed=5, ignore_eos=True)
-    peaks, tokens = {}, {}
-    for name, engine in (("sharded", engine_tp), ("allgather", engine_ag)):
-        rank0 = engine.runner.runner
-        plain = rank0.sampler
-        rank0.sampler = SamplerPeak(plain, rank0.device)
-        try:
-            tokens[name] = _tokens(engine.generate(prompts, params))
-        finally:
-            peaks[name], rank0.sampler = rank0.sampler.peak_bytes, plain
+    peaks, tokens = sampler_peaks({"sharded": engine_tp, "allgather": engine_ag}, prompts, params)
     assert tokens["sharded"] == tokens["allgather"]
     assert 0 < peaks["sharded"] < 0.6 * peaks["allgather"], peaks
 

@@ -23,6 +23,7 @@ import torch
 
 from rollout.sampling_params import SamplingParams
 from weight_updates import DiffConfig, ParamSpec, WeightDiffer
+from weight_updates.differ import checked_named_tensors
 
 
 @dataclass(kw_only=True, slots=True)
@@ -283,7 +284,7 @@ class TrainerBridge:
         from runner.parallel.worker import rank_device
         from weight_updates.transports.rank_local import stage_bucket
 
-        full = self._full_weights(weights)
+        full = checked_named_tensors(weights, self.specs)  # against the full specs: a cut could hide a wrong shape
         t0 = time.perf_counter()
         pushes = self._encode_rank_local(full)
         t1 = time.perf_counter()
@@ -306,12 +307,6 @@ class TrainerBridge:
             changed_fraction=sum(p.num_changed for p in compared) / max(1, sum(p.numel for p in compared)),
             encode_s=t1 - t0, apply_s=t2 - t1,
         )
-
-    def _full_weights(self, weights) -> dict[str, torch.Tensor]:
-        """Checked against the full checkpoint specs before any cut (a cut could hide a wrong shape)."""
-        from weight_updates.differ import checked_named_tensors
-
-        return checked_named_tensors(weights, self.specs)
 
     def _encode_rank_local(self, full: dict[str, torch.Tensor]) -> list:
         """One PendingPush per engine rank, of its part of `full`."""
@@ -346,7 +341,7 @@ class TrainerBridge:
 
     def _adopt_rank_local(self, weights) -> int:
         """`adopt_engine_weights` with `rank_local=True`: every rank's part checked against its checksum."""
-        pushes = self._encode_rank_local(self._full_weights(weights))
+        pushes = self._encode_rank_local(checked_named_tensors(weights, self.specs))
         held = self.engine.rank_local_checksums()
         differ_names = [f"{u.name} (rank {rank})" for rank, push in enumerate(pushes) for u in push.updates
                         if held[rank][u.name] != u.checksum]
