@@ -778,7 +778,7 @@ def test_segment_sums_match_index_add_with_empty_segments_and_wraparound():
 def reference_encode(snapshot: dict[str, torch.Tensor], checks: dict[str, int], specs, weights, config) -> list:
     """The encoder one parameter at a time (a nonzero, a PackedIndices.encode and a checksum per parameter):
     what ``WeightDiffer.encode`` must produce byte for byte."""
-    from weight_updates.encoding import MAX_PATCH_NUMEL, bit_deltas
+    from weight_updates.encoding import MAX_PATCH_NUMEL, bit_differences, delta_bytes
 
     updates = []
     for name, tensor in weights.items():
@@ -800,7 +800,8 @@ def reference_encode(snapshot: dict[str, torch.Tensor], checks: dict[str, int], 
                 check = int(checks[name] + patch_checksum_delta(old_values, values, indices))
                 update = Patch(name=name, indices=packed, values=values, checksum=check)
                 if config.bit_deltas:
-                    deltas, escapes = bit_deltas(old_values, values)
+                    deltas, escaped = delta_bytes(bit_differences(old_values, values))
+                    escapes = values[escaped]
                     delta = Patch(name=name, indices=packed, values=deltas, escapes=escapes, checksum=check)
                     update = delta if delta.nbytes < update.nbytes else update
         updates.append(update)

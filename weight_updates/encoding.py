@@ -9,7 +9,7 @@ are vectorised and run on the tensors' device; many streams encode together (``s
 stream, how many gaps exceed each width.
 
 This module does not decide what changed (see ``differ``) and does not validate records against a
-target (see ``session``); ``decode_many`` only checks the codec's own invariants.
+target (see ``session``); ``PackedIndices.decode`` only checks the codec's own invariants.
 """
 
 import itertools
@@ -44,11 +44,15 @@ class PackedIndices:
 
     def decode(self, device: torch.device) -> torch.Tensor:
         """[num_indices] int64 indices on ``device``. Raises WeightUpdateError on a malformed stream
-        (see ``decode_many``). One host sync."""
-        (indices,), malformed, _ = decode_many([self], device)
-        if malformed.item():
+        (its escape count differs from its overflow count, or a gap is < 1; dtypes and ranks are checked
+        first). One host sync."""
+        check_stream_dtypes([self])
+        counts = upload(torch.tensor([self.num_indices, self.overflow.numel()], dtype=torch.int64), device)  # [2]
+        decoded = decode_streams([self], counts[:1], device)
+        sums = decoded.sums[0]
+        if bool((sums[1] != counts[1]) | (sums[2] > 0) | (sums[3] > 0)):
             raise WeightUpdateError(f"malformed index stream: {self.gaps.numel()} gaps, {self.overflow.numel()} overflow values")
-        return indices
+        return decoded.indices
 
     @staticmethod
     def encode(indices: torch.Tensor) -> "PackedIndices":
@@ -182,25 +186,6 @@ def decode_streams(packed: Sequence[PackedIndices], lengths: torch.Tensor, devic
     return DecodedStreams(indices=indices, segment=segment, sums=sums)
 
 
-def decode_many(packed: Sequence[PackedIndices], device: torch.device) -> tuple[list[torch.Tensor], torch.Tensor, torch.Tensor]:
-    """Decode k streams in a few kernels, without a host sync.
-
-    Returns ([n_i] int64 indices per stream, [k] bool ``malformed``, [k] int64 last index or -1 if
-    empty), all on ``device``. ``malformed[i]`` is set when stream i's escape count differs from its
-    overflow count or one of its gaps is < 1; while no stream is malformed, every stream's indices are
-    strictly increasing and >= 0 (upper bounds are the caller's). Dtypes and ranks are checked on the
-    host (WeightUpdateError).
-    """
-    check_stream_dtypes(packed)
-    lengths = [p.num_indices for p in packed]
-    meta = upload(torch.tensor([*lengths, *(p.overflow.numel() for p in packed)], dtype=torch.int64), device)  # [2k]
-    k = len(packed)
-    decoded = decode_streams(packed, meta[:k], device)
-    sums = decoded.sums
-    malformed = (sums[:, 1] != meta[k:]) | (sums[:, 2] > 0) | (sums[:, 3] > 0)
-    return list(decoded.indices.split(lengths)), malformed, sums[:, 0] - 1
-
-
 @dataclass(frozen=True, kw_only=True, slots=True)
 class Dense:
     """The whole checkpoint tensor of one parameter."""
@@ -261,22 +246,13 @@ def delta_bytes(difference: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     return difference.masked_fill(escaped, 0).to(torch.int8), escaped
 
 
-def bit_deltas(old: torch.Tensor, new: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """(int8 deltas [n], escapes [k] of new's dtype): new bits = old bits + delta, or, where the delta
-    byte is 0, the next escape. old and new differ at every position."""
-    deltas, escaped = delta_bytes(bit_differences(old, new))
-    return deltas, new[escaped]
-
-
-def apply_bit_deltas(old: torch.Tensor, delta: torch.Tensor, escapes: torch.Tensor, *, checked: bool = False) -> torch.Tensor:
-    """New values [n] (old's dtype) from old values [n], int8 deltas [n] and escapes. Raises
-    WeightUpdateError when the number of escape bytes is not the number of escapes (a host sync; skipped
-    when the caller has `checked` the counts already: then a wrong count gives wrong values, never an
-    error). Concatenated patches decode together: escapes are consumed in order, by rank, in one gather."""
+def apply_bit_deltas(old: torch.Tensor, delta: torch.Tensor, escapes: torch.Tensor) -> torch.Tensor:
+    """New values [n] (old's dtype) from old values [n], int8 deltas [n] and escapes, without a host sync.
+    The caller checks that the number of escape bytes is the number of escapes (otherwise the values are
+    wrong, never out of range). Concatenated patches decode together: escapes are consumed in order, by
+    rank, in one gather."""
     int_dtype = SIGNED_VIEW[old.element_size()]
     escaped = delta == 0  # [n]
-    if not checked and int(escaped.sum()) != escapes.numel():
-        raise WeightUpdateError(f"{int(escaped.sum())} escaped deltas but {escapes.numel()} escape values")
     new = (old.view(int_dtype).to(torch.int64) + delta.to(torch.int64)).to(int_dtype)  # [n]
     if escapes.numel():
         rank = (torch.cumsum(escaped, 0) - 1).clamp_(0, escapes.numel() - 1)  # [n] which escape value

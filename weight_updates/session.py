@@ -477,7 +477,7 @@ class UpdateSession:
         escaped = torch.zeros(total, dtype=torch.int64, device=device)  # [n] 1 where a delta byte escapes
         if num_delta:
             escapes = concat_to([p.escapes for p in patches if p.is_delta], dtype, device)  # [num escapes]
-            decoded_deltas = apply_bit_deltas(group.old[:num_delta], deltas, escapes, checked=True)
+            decoded_deltas = apply_bit_deltas(group.old[:num_delta], deltas, escapes)
             group.new = decoded_deltas if num_delta == total else torch.cat([decoded_deltas, plain])
             escaped[:num_delta] = deltas == 0
         else:
