@@ -32,6 +32,21 @@ def capture_sizes(max_num_seqs: int) -> list[int]:
     return sizes
 
 
+def capture(step, pool=None):
+    """(graph, outputs) of `step()` captured as a CUDA graph in memory pool `pool` (None: a new one). Two
+    warm-up calls on a side stream first compile and autotune every kernel outside the capture."""
+    stream = torch.cuda.Stream()
+    stream.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(stream):
+        for _ in range(2):
+            step()
+    torch.cuda.current_stream().wait_stream(stream)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph, pool=pool):
+        outputs = step()
+    return graph, outputs
+
+
 class DecodeGraphs:
     def __init__(self, runner, sizes: list[int]) -> None:
         self.runner = runner
@@ -63,15 +78,7 @@ class DecodeGraphs:
     def _capture_one(self, size: int, truncation: bool) -> None:
         """Capture one variant. The warm-up runs compute the step the buffers hold (during a run: the real
         step, so they rewrite the same KV values), which compiles the kernels outside the capture."""
-        stream = torch.cuda.Stream()
-        stream.wait_stream(torch.cuda.current_stream())
-        with torch.cuda.stream(stream):
-            for _ in range(2):
-                self.runner.decode_forward(size, truncation)
-        torch.cuda.current_stream().wait_stream(stream)
-        graph = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(graph, pool=self.pool):
-            tokens, logprobs = self.runner.decode_forward(size, truncation)
+        graph, (tokens, logprobs) = capture(lambda: self.runner.decode_forward(size, truncation), self.pool)
         if self.pool is None:
             self.pool = graph.pool()
         self.graphs[(size, truncation)] = graph

@@ -50,7 +50,7 @@ import numpy as np
 import torch
 
 from runner.attention import AttentionMetadata
-from runner.cuda_graph import capture_sizes
+from runner.cuda_graph import capture, capture_sizes
 from runner.input_batch import StepInputs
 from runner.spec_decode.drafter import rope_for
 from runner.spec_decode.rejection import NO_TRUNCATION, rejection_sample, sample_draft
@@ -222,15 +222,7 @@ class SpecDecodeGraphs:
         self._fill_padding(0, size, num_drafts)
         self.spec.runner.buffers.upload(size)
         torch.cuda.synchronize()
-        stream = torch.cuda.Stream()
-        stream.wait_stream(torch.cuda.current_stream())
-        with torch.cuda.stream(stream):
-            for _ in range(2):
-                self.static_step(size, num_drafts)
-        torch.cuda.current_stream().wait_stream(stream)
-        graph = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(graph, pool=self.pool):
-            out = self.static_step(size, num_drafts)
+        graph, out = capture(lambda: self.static_step(size, num_drafts), self.pool)
         if self.pool is None:
             self.pool = graph.pool()
         torch.cuda.synchronize()
