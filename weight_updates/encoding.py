@@ -154,11 +154,16 @@ def segment_sums(values: torch.Tensor, lengths: torch.Tensor) -> torch.Tensor:
     """Sums of consecutive segments: ``values`` [n] or [n, c] int64, ``lengths`` [k] int64 on the same device
     (summing to n) -> [k] or [k, c]. One cumsum and one gather at the segment ends: an ``index_add_`` of
     millions of elements into a few bins serializes on the device's atomics. Sums wrap modulo 2**64 as
-    ``index_add_``'s do."""
-    csum = torch.cumsum(values, 0)
-    csum = torch.nn.functional.pad(csum, (0, 0, 1, 0) if csum.dim() == 2 else (1, 0))  # [n + 1, ...]
+    ``index_add_``'s do. The columns are laid end to end and scanned as one 1-D tensor (differences within
+    a column stay exact under wraparound): CUDA scans a 1-D tensor with a device-wide scan, but an [n, c]
+    or [c, n] tensor one column or row per thread block, which took seconds for n in the millions."""
+    rows = (values[:, None] if values.dim() == 1 else values).t().contiguous()  # [c, n]
+    num_columns, n = rows.shape
+    csum = torch.nn.functional.pad(torch.cumsum(rows.view(-1), 0), (1, 0))  # [c * n + 1]
     ends = torch.cumsum(lengths, 0)  # [k]
-    return csum[ends] - csum[ends - lengths]
+    base = torch.arange(num_columns, device=rows.device)[:, None] * n  # [c, 1]
+    sums = (csum[base + ends] - csum[base + ends - lengths]).t()  # [k, c]
+    return sums.reshape((lengths.shape[0],) + values.shape[1:])
 
 
 def decode_streams(packed: Sequence[PackedIndices], lengths: torch.Tensor, device: torch.device) -> DecodedStreams:
