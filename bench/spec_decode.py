@@ -20,6 +20,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import statistics
 import sys
 import tempfile
 import time
@@ -37,28 +38,32 @@ def emit(**row) -> None:
     print(json.dumps(row), flush=True)
 
 
-def measure(engine, batch: int, new_tokens: int, vocab: int, mode: str, seed: int) -> dict:
-    """Decode `batch` prompts once (warm-up excluded); tokens/s and the acceptance of this run only.
-    mode: "spec" (always speculate), "plain" (look-ahead 0) or "auto" (the engine's auto-off controller,
-    which measures both modes per batch-size bucket during the warm-up and keeps the faster)."""
+def measure(engine, batch: int, new_tokens: int, vocab: int, mode: str, seed: int, repeats: int) -> dict:
+    """Decode `batch` prompts `repeats` times after a warm-up; the median run's tokens/s, and the acceptance
+    and step counts of all timed runs. mode: "spec" (always speculate), "plain" (look-ahead 0) or "auto"
+    (the engine's auto-off controller, which measures both modes per batch-size bucket during the warm-up
+    and keeps the faster)."""
     ctl = engine.spec_controller
     ctl.auto_off = mode == "auto"
     ctl.k = 0 if mode == "plain" else engine.config.speculative.num_speculative_tokens
     gen = torch.Generator().manual_seed(seed)
     params = SamplingParams(temperature=1.0, max_tokens=new_tokens, ignore_eos=True, seed=seed)
     engine.generate([r[:3].tolist() for r in counting_corpus(batch, 3, vocab, gen)], params)  # warm-up
-    prompts = [r[:3].tolist() for r in counting_corpus(batch, 3, vocab, gen)]
-    if engine.config.device.startswith("cuda"):
-        torch.cuda.synchronize()
     graphs = engine.runner.spec.graphs
     graph_steps, engine_steps = sum(graphs.num_steps.values()) if graphs else 0, engine.scheduler.stats.num_steps
-    start = time.perf_counter()
-    outs = engine.generate(prompts, params)
-    seconds = time.perf_counter() - start
-    stats = [o.outputs[0].spec_decode_stats for o in outs]
+    seconds, stats = [], []
+    for _ in range(repeats):
+        prompts = [r[:3].tolist() for r in counting_corpus(batch, 3, vocab, gen)]
+        if engine.config.device.startswith("cuda"):
+            torch.cuda.synchronize()
+        start = time.perf_counter()
+        outs = engine.generate(prompts, params)
+        seconds.append(time.perf_counter() - start)
+        stats += [o.outputs[0].spec_decode_stats for o in outs]
     steps = sum(s["num_spec_steps"] for s in stats)
     accepted = sum(s["num_accepted_tokens"] for s in stats)
-    return dict(tokens_per_s=round(batch * new_tokens / seconds, 1),
+    return dict(tokens_per_s=round(batch * new_tokens / statistics.median(seconds), 1),
+                tokens_per_s_runs=[round(batch * new_tokens / t, 1) for t in seconds],
                 mean_acceptance_length=round(1 + accepted / steps, 3) if steps else None,
                 cuda_graphs=graphs is not None,
                 graph_steps=(sum(graphs.num_steps.values()) if graphs else 0) - graph_steps,
@@ -73,6 +78,7 @@ def main() -> None:
     ap.add_argument("--k", type=int, default=4)
     ap.add_argument("--new-tokens", type=int, default=None)
     ap.add_argument("--methods", default="eagle,mtp")
+    ap.add_argument("--repeats", type=int, default=3, help="timed runs per row; the median is reported")
     ap.add_argument("--enforce-eager", action="store_true", help="no CUDA graphs (they are used by default on CUDA)")
     ap.add_argument("--target-layers", type=int, default=12, help="decoder layers of the full run's target")
     ap.add_argument("--target-seconds", type=float, default=None, help="target training time (default 12 quick, 180)")
@@ -110,7 +116,7 @@ def main() -> None:
         for batch in batches:
             plain = None
             for mode in ("plain", "spec", "auto"):
-                row = measure(engine, batch, new_tokens, vocab, mode, seed=batch)
+                row = measure(engine, batch, new_tokens, vocab, mode, seed=batch, repeats=args.repeats)
                 plain = plain or row["tokens_per_s"]
                 emit(stage="decode", method=method, mode=mode, k=0 if mode == "plain" else args.k, batch=batch,
                      new_tokens=new_tokens, device=args.device, over_plain=round(row["tokens_per_s"] / plain, 3),

@@ -286,8 +286,13 @@ def count_round(specs, w0, w1, device: torch.device, batched_scatter: bool | Non
             if counted:
                 emit(event="op_counts", mode=mode, side="encode", num_records=len(pending.updates),
                      **op_counts(encode_prof.key_averages(), encode_reads.count))
+                events = receive_prof.key_averages()
                 emit(event="op_counts", mode=mode, side="receive", num_records=len(pending.updates),
-                     batched_scatter=receiver.batched_scatter, **op_counts(receive_prof.key_averages(), receive_reads.count))
+                     batched_scatter=receiver.batched_scatter, **op_counts(events, receive_reads.count))
+                if device.type == "cuda":  # where the receiver's device time goes
+                    emit(event="receive_device_time", mode=mode, total_ms=round(sum(e.self_device_time_total for e in events if not e.key.startswith("aten::")) / 1e3, 3),
+                         top=[[e.key[:60], e.count, round(e.self_device_time_total / 1e3, 3)]
+                              for e in sorted(events, key=lambda e: -e.self_device_time_total)[:10]])
 
 
 def main() -> None:

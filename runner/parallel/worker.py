@@ -24,6 +24,7 @@ import dataclasses
 import json
 import logging
 import os
+import sys
 import tempfile
 
 import torch
@@ -208,6 +209,11 @@ def run_worker(rank: int, size: int, store_path: str, config: EngineConfig, mode
                 pass
     finally:
         tp.close()
+    # A released rank leaves without interpreter teardown: destroying aborted NCCL communicators and the CUDA
+    # context at exit can block past rank 0's join, and the rank has nothing left to save but its streams.
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(0)
 
 
 class TensorParallelRunner:
