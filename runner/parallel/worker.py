@@ -207,10 +207,12 @@ def run_worker(rank: int, size: int, store_path: str, config: EngineConfig, mode
                 state.handle(msg)
             except WeightUpdateError:  # rank 0 raises the same error to the caller
                 pass
-    finally:
+    except BaseException:
         tp.close()
-    # A released rank leaves without interpreter teardown: destroying aborted NCCL communicators and the CUDA
-    # context at exit can block past rank 0's join, and the rank has nothing left to save but its streams.
+        raise
+    # A released rank leaves at once, without aborting its NCCL communicators or tearing the interpreter
+    # down: either can block past rank 0's join, and process exit releases the communicators and the CUDA
+    # context anyway. The rank has nothing left to save but its streams.
     sys.stdout.flush()
     sys.stderr.flush()
     os._exit(0)
