@@ -141,10 +141,10 @@ def warm_receiver(weights: dict[str, torch.Tensor], batched_scatter: bool | None
 
 
 def rollout_process(conn, shapes: dict[str, tuple[int, ...]], device: str) -> None:
-    """Spawned rollout rank: loads w0 (the same seeded init), then serves two IPC sessions."""
+    """Spawned rollout rank: loads w0 (the same seeded init), then serves four IPC sessions."""
     ipc = IpcReceiver(conn, warm_receiver(init_weights(shapes, torch.device(device))), timeout_s=300)
     conn.send_bytes(b"ready")
-    for _ in range(2):
+    for _ in range(4):
         ipc.serve_one(start_timeout_s=300)
 
 
@@ -339,9 +339,11 @@ def main() -> None:
     ipc = IpcSender(trainer_end, device=device, timeout_s=300)
     differ = WeightDiffer(specs, device=device)
     differ.commit(differ.encode(w0))
-    ipc_patch = timed_push("ipc_patch", differ, ipc.send, 1, w1, device)
-    differ.reset()
-    timed_push("ipc_dense", differ, ipc.send, 2, w1, device)
+    for version in (1, 3):  # the first pair (patch to w1, dense back to w0) warms the rollout process up
+        quiet = version == 1
+        ipc_patch = timed_push("ipc_patch", differ, ipc.send, version, w1, device, quiet)
+        differ.reset()
+        timed_push("ipc_dense", differ, ipc.send, version + 1, w0 if quiet else w1, device, quiet)
     proc.join(60)
 
     dense_update_s = dense["apply_verify_s"]
