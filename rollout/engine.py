@@ -11,6 +11,9 @@ Weight updates apply between steps only (`apply_weight_update`), and bump `polic
 records the version it was sampled under. A bad request is refused at `add_request` with a ValueError
 and never reaches the scheduler, so it cannot disturb the requests already running.
 
+Between rollout batches `sleep(level)` frees the KV cache and graphs (level 2: also moves the weights to
+host memory) for a trainer sharing the device, and `wake_up(tags)` brings them back.
+
 With `tensor_parallel_size=P > 1` this process is rank 0: it runs the scheduler, and the runner
 (runner/parallel/worker.py) spawns P - 1 worker ranks and sends them each step's scheduler output as
 plain data. Call `close()` (or use the engine as a context manager) to stop them; exit does it too.
@@ -75,6 +78,7 @@ class Engine:
         self._groups: dict[str, RequestGroup] = {}
         self._ids = itertools.count()
         self._receiver = None
+        self._asleep: set[str] = set()  # "kv_cache" / "weights" while freed by sleep()
         self._inflight = None  # async scheduling: (SchedulerOutput, StepHandle) launched, not yet collected
         self._drained: list[Request] = []  # requests that got tokens in a drain, reported by the next step
         self.spec_controller = None  # SpecController (auto-off) when speculating
@@ -99,6 +103,7 @@ class Engine:
     # ---- requests -------------------------------------------------------------------------------------
     def add_request(self, prompt: Prompt, params: SamplingParams | None = None, request_id: str | None = None) -> str:
         """Queue one prompt (n samples). Raises ValueError, and queues nothing, for a bad request."""
+        self._check_awake("add_request")
         params = params or SamplingParams()
         if not isinstance(params, SamplingParams):
             raise ValueError(f"params must be SamplingParams, got {type(params).__name__}")
@@ -145,6 +150,7 @@ class Engine:
 
         A prompt whose samples have all finished is reported once, finished, and then forgotten.
         """
+        self._check_awake("step")
         outs = []
         for group in {id(r.group): r.group for r in self._step()}.values():
             outs.append(self._output(group))
@@ -197,6 +203,7 @@ class Engine:
         use_tqdm: bool = False,
     ) -> list[RequestOutput]:
         """Generate completions for every prompt; returns one RequestOutput per prompt, in order."""
+        self._check_awake("generate")
         if isinstance(prompts, str) or (isinstance(prompts, Sequence) and prompts and isinstance(prompts[0], int)):
             prompts = [prompts]
         prompts = list(prompts)
@@ -251,6 +258,7 @@ class Engine:
         the update), so only a target that fails to hold written bits, caught by the read-back, could leave
         them changed, and that error says so."""
         self._drain()
+        self._check_awake("weight updates", "weights")
         if self.config.tensor_parallel_size > 1:
             raise ValueError("with tensor_parallel_size > 1, weight updates go through apply_weight_update (every rank)")
         if self._receiver is None:
@@ -271,6 +279,7 @@ class Engine:
         later tokens record the new version, and no new request reuses prefix-cache blocks of older weights.
         """
         self._drain()  # tokens of a step in flight belong to the old version
+        self._check_awake("apply_weight_update", "weights")
         if self.config.tensor_parallel_size > 1:
             result = self.runner.apply_weight_update(version, updates, self.policy_version)
         else:
@@ -289,6 +298,7 @@ class Engine:
     def rank_local_checksums(self) -> list[dict[str, int]]:
         """Per rank, checkpoint name -> checksum (`weight_updates.checksum`) of the rank's part as it holds
         it now: what a trainer compares its own parts with (`TrainerBridge.adopt_engine_weights`)."""
+        self._check_awake("rank_local_checksums", "weights")
         if self.config.tensor_parallel_size > 1:
             return self.runner.rank_local_checksums()
         from weight_updates.checksum import checksum
@@ -307,6 +317,7 @@ class Engine:
         and their errors, and every rank's weights and the version are as they were. Returns rank 0's result.
         """
         self._drain()
+        self._check_awake("update_weights_rank_local", "weights")
         if len(handles) != self.config.tensor_parallel_size:
             raise ValueError(f"{len(handles)} handles for tensor_parallel_size={self.config.tensor_parallel_size}")
         if self.config.tensor_parallel_size > 1:
@@ -321,6 +332,54 @@ class Engine:
     def on_weights_updated(self, version: int) -> None:
         """Record a new policy version (weights were written in place between steps)."""
         self.scheduler.on_weights_updated(version)
+
+    # ---- sleep / wake ---------------------------------------------------------------------------------
+    def sleep(self, level: int = 1) -> None:
+        """Give device memory to a trainer that shares the device between rollout batches.
+
+        Level 1 frees the KV cache and the CUDA graphs; the weights stay on the device, so weight updates
+        still apply while the engine sleeps. Level 2 also moves the weights to host memory (pinned on CUDA);
+        updates then wait for `wake_up(["weights"])`. The prefix cache is emptied (its blocks' contents are
+        gone). Requires no unfinished requests: finish or abort them first.
+        """
+        if level not in (1, 2):
+            raise ValueError(f"sleep level must be 1 (KV cache and graphs) or 2 (also the weights), got {level!r}")
+        if self.has_unfinished_requests():
+            raise ValueError("sleep() with unfinished requests: finish or abort them first")
+        freeing = {"kv_cache"} | ({"weights"} if level == 2 else set())
+        if freeing <= self._asleep:
+            return
+        if "kv_cache" in self._asleep:  # asleep at level 1 already; free the weights too
+            raise ValueError("already asleep at level 1; wake_up() before sleeping at level 2")
+        self.runner.sleep(offload_weights=level == 2)
+        self.kv_manager.reset_prefix_cache()
+        self._asleep = freeing
+        logger.info("asleep at level %d: freed %s", level, " and ".join(sorted(freeing)))
+
+    def wake_up(self, tags: Sequence[str] | None = None) -> None:
+        """Bring back what `sleep` freed: `tags` "weights" and/or "kv_cache" (default both), so a caller can
+        restore the weights, push an update, and only then allocate the KV cache. The KV cache comes back
+        empty (same size, graphs captured again); the weights bitwise as they were or as updated."""
+        wanted = {"weights", "kv_cache"} if tags is None else set(tags)
+        unknown = wanted - {"weights", "kv_cache"}
+        if unknown:
+            raise ValueError(f"unknown wake_up tags {sorted(unknown)}; use 'weights' and/or 'kv_cache'")
+        if "weights" in wanted and "weights" in self._asleep:
+            self.runner.wake_weights()
+            self._asleep.discard("weights")
+        if "kv_cache" in wanted and "kv_cache" in self._asleep:
+            if "weights" in self._asleep:
+                raise ValueError("wake_up(['kv_cache']) needs the weights on the device: wake 'weights' first")
+            self.runner.wake_kv_cache()
+            self._asleep.discard("kv_cache")
+
+    @property
+    def is_sleeping(self) -> bool:
+        return bool(self._asleep)
+
+    def _check_awake(self, what: str, part: str = "kv_cache") -> None:
+        if part in self._asleep:
+            raise ValueError(f"{what} while the engine sleeps (its {part.replace('_', ' ')} is freed): call wake_up() first")
 
     # ---- lifetime ---------------------------------------------------------------------------------------
     def __enter__(self) -> "Engine":

@@ -117,6 +117,12 @@ class _EngineWorker:
     def generate(self, prompts: list, params: list[SamplingParams]) -> list[RequestOutput]:
         return self.engine.generate(prompts, params)
 
+    def sleep(self, level: int) -> None:
+        self.engine.sleep(level)
+
+    def wake_up(self, tags: list[str] | None) -> None:
+        self.engine.wake_up(tags)
+
     def apply_update(self, version: int, message: dict) -> dict:
         """message = {"header": JSON str, "data": uint8 numpy array}; returns the UpdateResult as JSON."""
         import torch
@@ -166,7 +172,8 @@ class PendingRollout:
 
 
 class RolloutPool:
-    """Engine workers as Ray actors; offers generate / weight_specs / apply_weight_update / policy_version."""
+    """Engine workers as Ray actors; offers generate / weight_specs / apply_weight_update / policy_version /
+    sleep / wake_up."""
 
     def __init__(self, config: PoolConfig) -> None:
         import ray
@@ -282,6 +289,18 @@ class RolloutPool:
         for i in died:  # restarted after the others applied, so they copy the new weights
             self._restart(i)
         return results[0]
+
+    def sleep(self, level: int = 1) -> None:
+        """`Engine.sleep(level)` on every worker: free their KV caches (and at level 2 their weights)."""
+        import ray
+
+        ray.get([w.sleep.remote(level) for w in self.workers])
+
+    def wake_up(self, tags: Sequence[str] | None = None) -> None:
+        """`Engine.wake_up(tags)` on every worker."""
+        import ray
+
+        ray.get([w.wake_up.remote(None if tags is None else list(tags)) for w in self.workers])
 
     def shutdown(self) -> None:
         import ray

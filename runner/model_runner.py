@@ -88,6 +88,7 @@ class ModelRunner:
         self.num_kv_blocks = 0
         self.kv_caches: list[tuple[torch.Tensor, torch.Tensor]] = []
         self.graphs = None  # DecodeGraphs once captured (CUDA, enforce_eager=False)
+        self._recapture = False  # asleep: capture the graphs again on wake
         S = config.max_num_seqs
         self.last_sampled = torch.zeros(S, dtype=torch.int64, device=self.device)  # [max_num_seqs] by slot
         pin = self.device.type == "cuda"
@@ -188,10 +189,13 @@ class ModelRunner:
             probe.release()
             if self.spec is not None and self.spec.graphs is not None:  # speculative steps replay their own graphs
                 graph_bytes = max(graph_bytes, self.spec.graphs.probe_bytes())
-        self.kv_caches = []
-        self.model.bind_kv_cache([(None, None)] * self.model_config.num_layers)
+        self._drop_kv_cache()
         torch.cuda.empty_cache()
         return activation_bytes, graph_bytes
+
+    def _drop_kv_cache(self) -> None:
+        self.kv_caches = []
+        self.model.bind_kv_cache([(None, None)] * self.model_config.num_layers)
 
     def allocate_kv_cache(self, num_blocks: int, quiet: bool = False) -> None:
         cfg = self.model_config
@@ -362,6 +366,49 @@ class ModelRunner:
         h.input_ids[start:end] = 0
         h.positions[start:end] = 0
         self.buffers.pad_sampling(start, end)
+
+    # ---- sleep / wake: device memory for a trainer sharing the device between rollout batches ------------
+    def sleep(self, offload_weights: bool) -> None:
+        """Free the KV cache and the CUDA graphs (their contents are not kept); with `offload_weights` also
+        move every parameter (target and drafter) to host memory, pinned on CUDA. The modules keep their
+        Parameter objects, only `.data` moves, so checkpoint views and weight receivers stay valid."""
+        self._recapture = self.graphs is not None
+        if self.graphs is not None:
+            self.graphs.release()
+            self.graphs = None
+        self._drop_kv_cache()
+        if self.spec is not None:
+            self.spec.free_kv_cache()
+        if offload_weights:
+            pin = self.device.type == "cuda"
+            for p in self._parameters():
+                host = torch.empty(p.shape, dtype=p.dtype, pin_memory=pin)
+                host.copy_(p.data)
+                p.data = host
+        gc.collect()
+        if self.device.type == "cuda":
+            torch.cuda.empty_cache()
+
+    def wake_weights(self) -> None:
+        """Move offloaded parameters back to the device (bitwise the values they had)."""
+        for p in self._parameters():
+            if p.device != self.device:
+                p.data = p.data.to(self.device, non_blocking=True)
+        if self.device.type == "cuda":
+            torch.cuda.synchronize(self.device)
+
+    def wake_kv_cache(self) -> None:
+        """Allocate the KV cache again (same number of blocks, zeroed) and capture the graphs it had."""
+        self.allocate_kv_cache(self.num_kv_blocks, quiet=True)
+        if self._recapture:
+            self.capture_graphs()
+
+    def _parameters(self) -> list[torch.nn.Parameter]:
+        params = list(self.model.parameters())
+        if self.spec is not None:
+            seen = {id(p) for p in params}  # an MTP drafter shares the target's LM head
+            params += [p for p in self.spec.drafter.parameters() if id(p) not in seen]
+        return params
 
     def release(self) -> None:
         """Drop graphs, KV cache and weights so their device memory can be freed."""

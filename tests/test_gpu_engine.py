@@ -149,3 +149,24 @@ def test_weight_updates_on_the_gpu_are_bitwise_and_validated(bf16_model):
     prompts = _prompts(4)
     assert [o.outputs[0].token_ids for o in engine.generate(prompts, params)] == \
         [o.outputs[0].token_ids for o in fresh.generate(prompts, params)]
+
+
+def test_sleep_gives_back_cache_and_weight_memory_and_wake_up_replays_graphs(bf16_model):
+    """Level 1 returns at least the KV cache's bytes to the allocator, level 2 also the weights'; after
+    wake_up the graphs are captured again and seeded sampling continues exactly."""
+    engine = Engine(EngineConfig(model=str(bf16_model), device="cuda", dtype="bfloat16", max_num_seqs=16,
+                                 max_model_len=512, num_kv_blocks=512))
+    runner = engine.runner
+    prompts, params = _prompts(6, seed=4), SamplingParams(n=2, max_tokens=32, ignore_eos=True, seed=9)
+    before = [c.token_ids for o in engine.generate(prompts, params) for c in o.outputs]
+    kv_bytes = sum(2 * k.numel() * k.element_size() for k, _ in runner.kv_caches)
+    weight_bytes = sum(p.numel() * p.element_size() for p in runner._parameters())
+    for level, freed in ((1, kv_bytes), (2, kv_bytes + weight_bytes)):
+        torch.cuda.synchronize()
+        allocated = torch.cuda.memory_allocated()
+        engine.sleep(level)
+        assert allocated - torch.cuda.memory_allocated() >= freed, f"level {level}"
+        assert runner.graphs is None
+        engine.wake_up()
+        assert runner.graphs is not None and all(p.is_cuda for p in runner._parameters())
+        assert [c.token_ids for o in engine.generate(prompts, params) for c in o.outputs] == before, f"level {level}"

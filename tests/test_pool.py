@@ -1,4 +1,5 @@
-"""RolloutPool on Ray (2 CPU workers): seeded parity with a local engine, weight pushes, a dead worker.
+"""RolloutPool on Ray (2 CPU workers): seeded parity with a local engine, weight pushes, sleep / wake_up,
+a dead worker.
 
 One combined test, because Ray start-up (~6 s) and each actor (~4 s) dominate the cost.
 """
@@ -57,6 +58,13 @@ def test_pool_matches_local_engine_and_loses_no_sample_when_a_worker_dies(tmp_pa
         a2, b2 = local_bridge.rollout(PROMPTS, params), pool_bridge.rollout(PROMPTS, params)
         assert _streams(a2) == _streams(b2) and _streams(a2) != _streams(a)
         assert all(v == 2 for s in b2.samples for v in s.policy_versions[s.num_prompt_tokens:])
+
+        # sleeping between batches: every worker frees its KV cache, refuses work, and comes back exact
+        pool.sleep(1)
+        with pytest.raises(ValueError, match="while the engine sleeps"):
+            pool.generate(PROMPTS[:1], params)
+        pool.wake_up()
+        assert _streams(pool_bridge.rollout(PROMPTS, params)) == _streams(a2)
 
         # kill worker 0 while its shard is in flight: the shard is re-run, the worker restarted
         per_prompt = [dataclasses.replace(params, seed=params.seed + i) for i in range(len(PROMPTS))]

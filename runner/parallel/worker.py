@@ -164,6 +164,12 @@ class _Rank:
             return runner.allocate_kv_cache(msg["num_blocks"])
         if op == "capture_graphs":
             return runner.capture_graphs()
+        if op == "sleep":
+            return runner.sleep(msg["offload_weights"])
+        if op == "wake_weights":
+            return runner.wake_weights()
+        if op == "wake_kv_cache":
+            return runner.wake_kv_cache()
         if op == "execute":
             return runner.execute(decode_sched(msg["sched"]))
         if op == "full_sequence_logits":
@@ -277,6 +283,15 @@ class TensorParallelRunner:
 
     def capture_graphs(self) -> None:
         self._call({"op": "capture_graphs"})
+
+    def sleep(self, offload_weights: bool) -> None:
+        self._call({"op": "sleep", "offload_weights": bool(offload_weights)})
+
+    def wake_weights(self) -> None:
+        self._call({"op": "wake_weights"})
+
+    def wake_kv_cache(self) -> None:
+        self._call({"op": "wake_kv_cache"})
 
     def execute(self, sched: SchedulerOutput):
         return self._call({"op": "execute", "sched": encode_sched(sched)})

@@ -78,6 +78,13 @@ class SpeculativeRunner:
         if self.graphs is not None:  # captured against the old caches
             self.graphs.release()
 
+    def free_kv_cache(self) -> None:
+        """Drop the drafter's KV cache and the graphs captured against it (`allocate_kv_cache` restores)."""
+        self.kv_cache = (None, None)
+        self.drafter.bind_kv_cache(*self.kv_cache)
+        if self.graphs is not None:
+            self.graphs.release()
+
     def replace_drafter(self, drafter: Drafter) -> None:
         """Serve `drafter` from the next step on (it takes over the existing drafter KV cache)."""
         drafter.bind_kv_cache(*self.kv_cache)
