@@ -1,6 +1,6 @@
 """Tensor-parallel decode: throughput and the sampler's peak memory, batch-sharded sampling vs all-gather.
 
-Prints one JSON line per (tp, sampling mode): decode tokens/s over pure-decode steps, and the peak
+Prints one JSON line per (tp, sampling mode, async scheduling): decode tokens/s over pure-decode steps, and the peak
 memory allocated during one sampler call on rank 0 (logits exchange + sampling), measured with
 `runner.parallel.memory` (CUDA allocator peak; on the CPU the torch profiler's allocation events). A
 tp=1 line gives the single-process baseline. Random-weight models are written locally (no downloads).
@@ -31,14 +31,14 @@ SHAPES = {
 }
 
 
-def run(model_dir: str, args, tp: int, mode: str) -> None:
+def run(model_dir: str, args, tp: int, mode: str, async_scheduling: bool | None = None) -> None:
     from rollout import Engine, EngineConfig, SamplingParams
     from runner.parallel.memory import SamplerPeak
 
     config = EngineConfig(
         model=model_dir, device=args.device, dtype=args.dtype, max_num_seqs=args.batch, enforce_eager=args.enforce_eager,
         max_num_batched_tokens=max(2048, args.batch * args.prompt_len), max_model_len=args.prompt_len + args.max_tokens + 1,
-        tensor_parallel_size=tp, tp_sampling=mode, num_kv_blocks=args.num_kv_blocks,
+        tensor_parallel_size=tp, tp_sampling=mode, num_kv_blocks=args.num_kv_blocks, async_scheduling=async_scheduling,
     )
     with Engine(config) as engine:
         vocab = engine.model_config.vocab_size
@@ -58,15 +58,35 @@ def run(model_dir: str, args, tp: int, mode: str) -> None:
             steps += 1
         seconds = time.perf_counter() - start
 
+        if args.profile:  # rank 0's view of a few decode steps: where its host and device time go
+            profile_steps(engine, prompts, tp, mode, config.async_scheduling)
         rank0 = engine.runner if tp == 1 else engine.runner.runner
         plain = rank0.sampler
         rank0.sampler = SamplerPeak(plain, rank0.device)
         engine.generate(prompts, SamplingParams(max_tokens=2, ignore_eos=True, seed=2))  # prefill + one decode step
         peak, rank0.sampler = rank0.sampler.peak_bytes, plain
         emit(bench="tp_decode", device=args.device, shape=args.shape, dtype=str(rank0.dtype).removeprefix("torch."),
-             tp=tp, tp_sampling=mode if tp > 1 else None, batch=args.batch, vocab=vocab, decode_steps=steps,
+             tp=tp, tp_sampling=mode if tp > 1 else None, async_scheduling=config.async_scheduling, batch=args.batch, vocab=vocab, decode_steps=steps,
              decode_tokens_per_s=round(tokens / seconds, 1), step_ms=round(1e3 * seconds / max(steps, 1), 3),
              sampler_peak_bytes=peak, full_logits_bytes=args.batch * vocab * torch.finfo(rank0.dtype).bits // 8)
+
+
+def profile_steps(engine, prompts, tp: int, mode: str, async_scheduling: bool, top: int = 8) -> None:
+    from rollout import SamplingParams
+
+    for p in prompts:
+        engine.add_request(p, SamplingParams(max_tokens=12, ignore_eos=True, seed=3))
+    engine.step()  # the prefill stays outside the profile
+    activities = [torch.profiler.ProfilerActivity.CPU]
+    if torch.cuda.is_available():
+        activities.append(torch.profiler.ProfilerActivity.CUDA)
+    with torch.profiler.profile(activities=activities) as prof:
+        while engine.has_unfinished_requests():
+            engine.step()
+    events = prof.key_averages()
+    for key in ("self_cpu_time_total", "self_device_time_total")[: len(activities)]:
+        emit(bench="tp_decode_profile", tp=tp, tp_sampling=mode, async_scheduling=async_scheduling, sort=key,
+             top=[[e.key[:60], e.count, round(getattr(e, key) / 1e3, 3)] for e in sorted(events, key=lambda e: -getattr(e, key))[:top]])
 
 
 def main() -> None:
@@ -82,6 +102,7 @@ def main() -> None:
     ap.add_argument("--max-tokens", type=int, default=64)
     ap.add_argument("--num-kv-blocks", type=int, default=None, help="default: sized automatically")
     ap.add_argument("--enforce-eager", action="store_true", help="no CUDA graphs")
+    ap.add_argument("--profile", action="store_true", help="also profile a few decode steps on rank 0 (ms per op)")
     args = ap.parse_args()
     if args.quick:
         args.shape, args.batch, args.max_tokens, args.prompt_len = "tiny", 16, 16, 16
@@ -92,6 +113,7 @@ def main() -> None:
         run(model_dir, args, 1, "sharded")
         for mode in ("sharded", "allgather"):
             run(model_dir, args, args.tp, mode)
+        run(model_dir, args, args.tp, "sharded", async_scheduling=True)
 
 
 if __name__ == "__main__":

@@ -87,9 +87,10 @@ class EngineConfig:
     """Speculative decoding; None disables it."""
     async_scheduling: bool | None = None
     """Schedule and stage step t+1 while step t runs on the device (tokens of t reach t+1 on the device);
-    hides the host's per-step work behind the GPU's. Not with speculative decoding or tensor parallelism.
-    None (the default) turns it on for CUDA wherever it is supported (on the CPU the host is the device, so
-    there is nothing to overlap and the bookkeeping only costs); the tokens are the same either way."""
+    hides the host's per-step work behind the GPU's. Not with speculative decoding. None (the default)
+    turns it on for CUDA without tensor parallelism (on the CPU the host is the device, so there is nothing
+    to overlap and the bookkeeping only costs; under tensor parallelism it is opt-in: every rank stages its
+    next step while the current one runs); the tokens are the same either way."""
     log_stats: bool = False
     """Log throughput and cache figures while generating."""
 
@@ -117,11 +118,10 @@ class EngineConfig:
             raise ValueError(f"EngineConfig.tp_sampling must be 'sharded' or 'allgather', got {self.tp_sampling!r}")
         if self.tensor_parallel_size > 1 and self.speculative is not None:
             raise ValueError("speculative decoding does not support tensor_parallel_size > 1 yet")
-        supported = self.speculative is None and self.tensor_parallel_size == 1
-        if self.async_scheduling and not supported:
-            raise ValueError("async_scheduling does not support speculative decoding or tensor_parallel_size > 1 yet")
+        if self.async_scheduling and self.speculative is not None:
+            raise ValueError("async_scheduling does not support speculative decoding yet")
         if self.async_scheduling is None:
-            self.async_scheduling = supported and self.device != "cpu"
+            self.async_scheduling = self.speculative is None and self.tensor_parallel_size == 1 and self.device != "cpu"
 
 
 def _resolve_type(tp: Any) -> Any:

@@ -8,9 +8,11 @@
         -> RunnerOutput (rank 0's copy)               (its copy is dropped)
 
 Every call that touches the model (KV-cache sizing, cache allocation, graph capture, a step, scoring,
-a weight update, release) is one JSON message from rank 0 over the gloo control channel, then the same
-call on every rank, so all ranks enter their collectives in the same order. Step messages are plain data
-(the scheduler's dataclasses as JSON). Weight updates come two ways: records from rank 0, whose payloads
+a weight update, sleep / wake, release) is one JSON message from rank 0 over the gloo control channel,
+then the same call on every rank, so all ranks enter their collectives in the same order. Step messages
+are plain data (the scheduler's dataclasses as JSON). Under async scheduling the message is "launch":
+every rank enqueues step t+1 and then collects step t, so each rank stages its next step while the
+device runs the current one; any other message finds the workers' step collected (rank 0 drains first). Weight updates come two ways: records from rank 0, whose payloads
 follow their JSON metadata as broadcast tensors ("apply_weight_update"), or rank-local, where the message
 carries one JSON handle per rank and each rank maps its own part's bucket, written by the trainer rank on
 its host or device ("apply_rank_local_update", weight_updates/transports/rank_local.py). Not here:
@@ -135,6 +137,7 @@ class _Rank:
         self.tp = tp
         self.runner = ModelRunner(config, model_config, max_model_len, tp=tp)
         self.receivers: dict = {}  # "broadcast" | "rank_local" -> WeightReceiver, made on first use
+        self.in_flight = None  # a worker's launched step (async scheduling), collected one step later
 
     def _receiver(self, path: str, current_version: int):
         from weight_updates import WeightReceiver
@@ -158,6 +161,12 @@ class _Rank:
     def handle(self, msg: dict, updates: list | None = None):
         op = msg["op"]
         runner = self.runner
+        if op == "launch":  # a worker under async scheduling: launch t+1, then collect t, as rank 0 does
+            handle = runner.launch(decode_sched(msg["sched"]))
+            self._collect()
+            self.in_flight = handle
+            return None
+        self._collect()  # any other call finds no step in flight, as rank 0 drains before it
         if op == "determine_num_kv_blocks":
             return self.tp.min_int(runner.determine_num_kv_blocks())
         if op == "allocate_kv_cache":
@@ -193,6 +202,12 @@ class _Rank:
             sums = checksum_tensors([weights.view(n) for n in names]).tolist()
             return self.tp.all_gather_json(dict(zip(names, sums)))
         raise AssertionError(f"unknown op {op!r}")
+
+    def _collect(self) -> None:
+        """Collect the step in flight (its tokens fill the rank's token history)."""
+        if self.in_flight is not None:
+            self.runner.collect(self.in_flight)
+            self.in_flight = None
 
 
 def run_worker(rank: int, size: int, store_path: str, config: EngineConfig, model_config: ModelConfig,
@@ -295,6 +310,15 @@ class TensorParallelRunner:
 
     def execute(self, sched: SchedulerOutput):
         return self._call({"op": "execute", "sched": encode_sched(sched)})
+
+    def launch(self, sched: SchedulerOutput):
+        """Async scheduling: every rank enqueues the step; rank 0's handle is collected by `collect`."""
+        assert not self._closed, "the tensor-parallel runner is released"
+        self.tp.broadcast_json({"op": "launch", "sched": encode_sched(sched)})
+        return self.runner.launch(sched)
+
+    def collect(self, handle):
+        return self.runner.collect(handle)
 
     def full_sequence_logits(self, token_ids: list[int]) -> torch.Tensor:
         """Full-vocabulary logits [len(token_ids), vocab] of one sequence (see model_runner.full_sequence_logits)."""
