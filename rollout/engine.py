@@ -32,7 +32,7 @@ from typing import Iterable, Sequence
 from rollout.config import EngineConfig
 from rollout.kv_cache_manager import KVCacheManager
 from rollout.outputs import CompletionOutput, RequestOutput
-from rollout.request import Request, RequestGroup
+from rollout.request import Request, RequestGroup, StopStrings
 from rollout.sampling_params import SamplingParams
 from rollout.scheduler import Scheduler, new_spec_stats, record_spec_step, spec_stats_summary
 from rollout.tokenizer import Tokenizer
@@ -119,6 +119,9 @@ class Engine:
         max_tokens = min(params.max_tokens, self.max_model_len - len(token_ids))
         base_seed = params.seed if params.seed is not None else self._rng.getrandbits(32)
         group = RequestGroup(request_id, text, list(token_ids), params)
+        stop_strings = None
+        if params.stop:
+            stop_strings = StopStrings(params.stop, lambda ids: self.tokenizer.decode(ids, params.skip_special_tokens))
         for j in range(params.n):
             req = Request(
                 req_id=f"{request_id}-{j}",
@@ -130,6 +133,7 @@ class Engine:
                 token_ids=list(token_ids),
                 num_prompt_tokens=len(token_ids),
                 spec_stats=new_spec_stats(self.config.speculative.num_speculative_tokens) if self.config.speculative else None,
+                stop_strings=stop_strings,
             )
             group.members.append(req)
         self._groups[request_id] = group
@@ -425,6 +429,9 @@ class Engine:
     def _validate_prompt(self, token_ids: list[int], params: SamplingParams) -> None:
         if len(token_ids) == 0:
             raise ValueError("prompt is empty")
+        if params.stop and self.tokenizer is None:
+            raise ValueError(f"stop strings need a tokenizer, but {self.config.tokenizer or self.config.model} has no "
+                             "tokenizer.json; use stop_token_ids")
         vocab = self.model_config.vocab_size
         bad = [t for t in token_ids if not 0 <= t < vocab]
         if bad:
@@ -448,6 +455,8 @@ class Engine:
             text = None
             if finished and self.tokenizer is not None:
                 text = self.tokenizer.decode(r.output_token_ids, r.params.skip_special_tokens)
+                if isinstance(r.stop_reason, str):
+                    text = r.stop_strings.truncate(text, r.stop_reason, r.params.include_stop_str_in_output)
             n_top = r.params.top_logprobs
             outs.append(
                 CompletionOutput(
@@ -460,6 +469,7 @@ class Engine:
                     top_logprobs=[t[:n_top] for t in r.top_logprobs] if n_top else None,
                     num_preemptions=r.num_preemptions,
                     spec_decode_stats=None if r.spec_stats is None else spec_stats_summary(r.spec_stats),
+                    stop_reason=r.stop_reason if finished else None,
                 )
             )
         return RequestOutput(

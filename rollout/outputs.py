@@ -18,13 +18,16 @@ class CompletionOutput:
     logprobs: list[float] | None
     """Logprob of each sampled token under the distribution it was drawn from (see SamplingParams)."""
     finish_reason: str | None
-    """"stop" (EOS or a stop token), "length" (max_tokens / max_model_len), "abort", or None while running."""
+    """"stop" (EOS, a stop token or a stop string), "length" (max_tokens / max_model_len), "abort", or None
+    while running."""
     policy_versions: list[int]
     """The engine's policy_version when each token was sampled."""
     text: str | None = None
     top_logprobs: list[list[tuple[int, float]]] | None = None
     num_preemptions: int = 0
     spec_decode_stats: dict | None = None
+    stop_reason: int | str | None = None
+    """The stop token id or stop string that ended the completion; None for EOS, length or abort."""
 
     @property
     def finished(self) -> bool:

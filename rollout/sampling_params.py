@@ -38,6 +38,12 @@ class SamplingParams:
     """Per-request seed: a seeded request yields the same tokens whatever else is in the batch."""
     stop_token_ids: list[int] = field(default_factory=list)
     """Extra token ids that end a completion (the stop token is kept in the output)."""
+    stop: list[str] = field(default_factory=list)
+    """Strings that end a completion once the detokenized output contains one (needs the model's
+    tokenizer.json). The token that completes the string is the last one kept in `token_ids` (and
+    `logprobs`); `text` ends before the string unless `include_stop_str_in_output`."""
+    include_stop_str_in_output: bool = False
+    """Keep the matched stop string at the end of `text`."""
     ignore_eos: bool = False
     """Generate past the model's EOS token(s)."""
     logprobs: bool = True
@@ -74,6 +80,11 @@ class SamplingParams:
         if self.seed is not None and not isinstance(self.seed, int):
             raise ValueError(f"SamplingParams.seed must be an int or None, got {self.seed!r}")
         self.stop_token_ids = [int(t) for t in self.stop_token_ids]
+        if isinstance(self.stop, str):
+            self.stop = [self.stop]
+        self.stop = list(self.stop)
+        if not all(isinstance(x, str) and x for x in self.stop):
+            raise ValueError(f"SamplingParams.stop must be a list of non-empty strings, got {self.stop!r}")
 
     @property
     def greedy(self) -> bool:

@@ -315,8 +315,14 @@ class Scheduler:
     def _check_stop(self, req: Request, token: int, num_tokens: int) -> RequestStatus | None:
         """The request's status once `token`, its `num_tokens`-th token, is appended."""
         num_output = num_tokens - req.num_prompt_tokens
-        if token in req.stop_ids and num_output > req.params.min_tokens:
-            return RequestStatus.FINISHED_STOPPED
+        if num_output > req.params.min_tokens:
+            if token in req.stop_ids:
+                req.stop_reason = token if token in req.params.stop_token_ids else None
+                return RequestStatus.FINISHED_STOPPED
+            if req.stop_strings is not None:
+                req.stop_reason = req.stop_strings.find(req.token_ids, req.num_prompt_tokens, num_tokens)
+                if req.stop_reason is not None:
+                    return RequestStatus.FINISHED_STOPPED
         if num_output >= req.max_tokens or num_tokens >= self.max_model_len:
             return RequestStatus.FINISHED_LENGTH
         return None
