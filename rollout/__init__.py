@@ -18,7 +18,12 @@ def __getattr__(name: str):
         from rollout.engine import Engine
 
         return Engine
+    if name == "AsyncEngine":
+        from rollout.async_engine import AsyncEngine
+
+        return AsyncEngine
     raise AttributeError(name)
 
 
-__all__ = ["Engine", "EngineConfig", "SamplingParams", "SpeculativeConfig", "RequestOutput", "CompletionOutput"]
+__all__ = ["Engine", "AsyncEngine", "EngineConfig", "SamplingParams", "SpeculativeConfig", "RequestOutput",
+           "CompletionOutput"]

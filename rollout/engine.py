@@ -142,7 +142,8 @@ class Engine:
         return request_id
 
     def abort_request(self, request_id: str) -> None:
-        group = self._groups.get(request_id)
+        """Stop every sample of a prompt and free its blocks; it is not reported again."""
+        group = self._groups.pop(request_id, None)
         if group is not None:
             self.scheduler.abort([m.req_id for m in group.members])
 

@@ -1,0 +1,192 @@
+"""asyncio front end: many coroutines share one Engine that steps in a background thread.
+
+Agentic and multi-turn RL rollouts are many independent episodes, each waiting on its own completion
+(then calling a tool, then asking again). `AsyncEngine` lets each episode `await generate(...)` (or
+`async for` over `stream(...)`) while the engine batches whatever requests are pending at every step::
+
+    engine = AsyncEngine(EngineConfig(model="path/to/hf_dir"))
+
+    async def episode(prompt_ids):
+        out = await engine.generate(prompt_ids, SamplingParams(max_tokens=64, seed=1))
+        follow_up = prompt_ids + out.outputs[0].token_ids + tool_result_ids
+        return await engine.generate(follow_up, SamplingParams(max_tokens=64, seed=2))
+
+    results = await asyncio.gather(*(episode(p) for p in prompts))
+    await engine.call(lambda e: bridge.push_weights(policy))   # between steps, on the engine's thread
+    engine.close()
+
+The Engine is used only from its thread: requests, aborts and `call`s are commands the thread runs
+between steps, so a weight update or `sleep` never lands in the middle of a step. A bad request raises
+its ValueError in the coroutine that sent it; the others go on. A cancelled `generate` / `stream` aborts
+its request. Not here: HTTP serving, chat templates.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import itertools
+import logging
+import queue
+import threading
+from collections.abc import AsyncIterator, Callable
+from typing import Any
+
+from rollout.config import EngineConfig
+from rollout.outputs import RequestOutput
+from rollout.sampling_params import SamplingParams
+
+logger = logging.getLogger(__name__)
+
+_STOP = object()  # the command that ends the engine thread
+
+
+class AsyncEngine:
+    """One `Engine` driven by a background thread; coroutine-friendly `generate`, `stream` and `call`."""
+
+    def __init__(self, config_or_engine: "EngineConfig | Engine") -> None:  # noqa: F821
+        from rollout.engine import Engine
+
+        self.engine = config_or_engine if isinstance(config_or_engine, Engine) else Engine(config_or_engine)
+        self._commands: queue.SimpleQueue = queue.SimpleQueue()  # (fn, loop, future) | _STOP
+        self._streams: dict[str, tuple[asyncio.AbstractEventLoop, asyncio.Queue]] = {}  # engine thread only
+        self._ids = itertools.count()
+        self._closed = False
+        self._error: BaseException | None = None  # a step that raised: the engine thread has stopped
+        self._thread = threading.Thread(target=self._run, name="rollout-engine", daemon=True)
+        self._thread.start()
+
+    # ---- coroutines ---------------------------------------------------------------------------------
+    async def generate(self, prompt, params: SamplingParams | None = None, request_id: str | None = None) -> RequestOutput:
+        """The finished RequestOutput of one prompt (all n samples)."""
+        out = None
+        async for out in self.stream(prompt, params, request_id):
+            pass
+        return out
+
+    async def stream(self, prompt, params: SamplingParams | None = None,
+                     request_id: str | None = None) -> AsyncIterator[RequestOutput]:
+        """The prompt's RequestOutput after every step that gave it tokens, the last one finished."""
+        loop = asyncio.get_running_loop()
+        outputs: asyncio.Queue = asyncio.Queue()
+        rid = f"async-{next(self._ids)}" if request_id is None else str(request_id)
+
+        def add(engine) -> str:
+            engine.add_request(prompt, params, rid)  # a bad request raises here, and nothing is queued
+            self._streams[rid] = (loop, outputs)
+            return rid
+
+        await self.call(add)
+        finished = False
+        try:
+            while not finished:
+                out = await outputs.get()
+                if isinstance(out, BaseException):
+                    raise out
+                finished = out.finished
+                yield out
+        finally:
+            if not finished and not self._closed:  # cancelled, or the consumer stopped early
+                self._post(lambda engine: self._abort(engine, rid))
+
+    async def call(self, fn: Callable[[Any], Any]) -> Any:
+        """Run ``fn(engine)`` on the engine's thread between two steps; returns its result or raises its error.
+        For anything else the Engine offers: weight updates, sleep / wake_up, stats."""
+        loop = asyncio.get_running_loop()
+        future = loop.create_future()
+        self._post(fn, loop, future)
+        return await future
+
+    # ---- lifetime -------------------------------------------------------------------------------------
+    def close(self) -> None:
+        """Stop the engine thread (pending coroutines get a RuntimeError) and release the engine."""
+        if self._closed:
+            return
+        self._closed = True
+        self._commands.put(_STOP)
+        self._thread.join()
+        self.engine.close()
+
+    def __enter__(self) -> "AsyncEngine":
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
+
+    # ---- the engine thread ------------------------------------------------------------------------------
+    def _post(self, fn, loop: asyncio.AbstractEventLoop | None = None, future: asyncio.Future | None = None) -> None:
+        if self._closed or self._error is not None:
+            raise RuntimeError(f"the AsyncEngine is {'closed' if self._closed else 'stopped'}") from self._error
+        self._commands.put((fn, loop, future))
+
+    def _run(self) -> None:
+        engine = self.engine
+        while True:
+            # wait for work when idle; otherwise take every command that arrived during the last step
+            idle = not engine.has_unfinished_requests()
+            try:
+                commands = [self._commands.get(block=idle)]
+            except queue.Empty:
+                commands = []
+            while True:
+                try:
+                    commands.append(self._commands.get_nowait())
+                except queue.Empty:
+                    break
+            for command in commands:
+                if command is _STOP:
+                    self._fail_all(RuntimeError("the AsyncEngine was closed"))
+                    return
+                self._execute(*command)
+            if engine.has_unfinished_requests():
+                try:
+                    outs = engine.step()
+                except BaseException as e:  # the engine's state is unknown: stop, and tell every waiter
+                    logger.exception("engine step failed; the AsyncEngine stops")
+                    self._error = e
+                    self._fail_all(e)
+                    return
+                for out in outs:
+                    target = self._streams.get(out.request_id)
+                    if target is None:
+                        continue
+                    if out.finished:
+                        del self._streams[out.request_id]
+                    loop, outputs = target
+                    loop.call_soon_threadsafe(outputs.put_nowait, out)
+
+    def _execute(self, fn, loop, future) -> None:
+        try:
+            result = fn(self.engine)
+        except Exception as e:
+            if future is None:
+                logger.warning("engine command failed: %s", e)
+            else:
+                loop.call_soon_threadsafe(_settle, future, None, e)
+            return
+        if future is not None:
+            loop.call_soon_threadsafe(_settle, future, result, None)
+
+    def _abort(self, engine, rid: str) -> None:
+        self._streams.pop(rid, None)
+        engine.abort_request(rid)
+
+    def _fail_all(self, error: BaseException) -> None:
+        for rid, (loop, outputs) in list(self._streams.items()):
+            loop.call_soon_threadsafe(outputs.put_nowait, error)
+        self._streams.clear()
+        while True:  # commands that will never run
+            try:
+                command = self._commands.get_nowait()
+            except queue.Empty:
+                return
+            if command is not _STOP and command[2] is not None:
+                command[1].call_soon_threadsafe(_settle, command[2], None, error)
+
+
+def _settle(future: asyncio.Future, result, error: BaseException | None) -> None:
+    if future.cancelled():
+        return
+    if error is None:
+        future.set_result(result)
+    else:
+        future.set_exception(error)

@@ -1,0 +1,92 @@
+"""AsyncEngine: concurrent multi-turn episodes over one engine thread give the synchronous engine's results
+(deterministic mode, so batch composition cannot change a token); streaming, bad requests, cancellation,
+commands between steps, close."""
+
+from __future__ import annotations
+
+import asyncio
+
+import pytest
+
+from rollout import AsyncEngine, Engine, EngineConfig, SamplingParams
+
+TOOL = [9, 9, 4]  # what a "tool" appends between the two turns
+
+
+@pytest.fixture(scope="module")
+def model(ckpt_factory):
+    return ckpt_factory("qwen2", seed=5)
+
+
+def config(model, **kw) -> EngineConfig:
+    return EngineConfig(model=str(model), dtype="float32", deterministic=True, max_num_seqs=8, num_kv_blocks=128, **kw)
+
+
+def episode_params(i: int) -> tuple[list[int], SamplingParams, SamplingParams]:
+    prompt = [2 + i, 3 + 2 * i, 7, 11 + i][: 2 + i % 3]
+    return (prompt, SamplingParams(max_tokens=6 + i % 4, seed=100 + i, ignore_eos=True),
+            SamplingParams(n=2, max_tokens=5, seed=200 + i, ignore_eos=True))
+
+
+def run_sync(engine: Engine, i: int):
+    prompt, first, second = episode_params(i)
+    out = engine.generate([prompt], first)[0]
+    follow = prompt + out.outputs[0].token_ids + TOOL
+    return out.outputs[0].token_ids, [c.token_ids for c in engine.generate([follow], second)[0].outputs]
+
+
+async def run_async(engine: AsyncEngine, i: int):
+    prompt, first, second = episode_params(i)
+    await asyncio.sleep(0.001 * (i % 3))  # episodes start and finish at different steps
+    out = await engine.generate(prompt, first)
+    follow = prompt + out.outputs[0].token_ids + TOOL
+    return out.outputs[0].token_ids, [c.token_ids for c in (await engine.generate(follow, second)).outputs]
+
+
+def test_concurrent_episodes_equal_the_synchronous_engine(model):
+    sync_engine = Engine(config(model))
+    expected = [run_sync(sync_engine, i) for i in range(10)]
+
+    async def main():
+        with AsyncEngine(config(model)) as engine:
+            results = await asyncio.gather(*(run_async(engine, i) for i in range(10)))
+            return results, engine.engine.scheduler.stats.num_steps
+
+    results, num_steps = asyncio.run(main())
+    assert results == expected
+    assert num_steps < sync_engine.scheduler.stats.num_steps / 3  # the episodes shared steps
+
+
+def test_stream_bad_request_cancel_and_call_between_steps(model):
+    async def main():
+        with AsyncEngine(config(model)) as engine:
+            # streaming: growing outputs, the last one finished
+            lengths = [len(o.outputs[0].token_ids) async for o in engine.stream([5, 6, 7], SamplingParams(max_tokens=8, ignore_eos=True))]
+            assert lengths == sorted(lengths) and lengths[-1] == 8
+            # a bad request fails in its own coroutine; the good ones finish
+            good = [engine.generate([4, 5], SamplingParams(max_tokens=6, seed=s, ignore_eos=True)) for s in range(3)]
+            results = await asyncio.gather(engine.generate([], SamplingParams()), *good, return_exceptions=True)
+            assert isinstance(results[0], ValueError) and "empty" in str(results[0])
+            assert all(len(r.outputs[0].token_ids) == 6 for r in results[1:])
+            # cancelling a consumer aborts its request and frees its blocks
+            seen = asyncio.Event()
+
+            async def consume():
+                async for _ in engine.stream([8, 9], SamplingParams(max_tokens=100, ignore_eos=True)):
+                    seen.set()
+
+            task = asyncio.create_task(consume())
+            await seen.wait()
+            task.cancel()
+            with pytest.raises(asyncio.CancelledError):
+                await task
+            idle = await engine.call(lambda e: (e.has_unfinished_requests(), e.kv_manager.pool.num_used_blocks, len(e._groups)))
+            assert idle == (False, 0, 0)
+            # a command's error reaches its caller; the engine thread goes on
+            with pytest.raises(ValueError, match="sleep level"):
+                await engine.call(lambda e: e.sleep(7))
+            assert (await engine.generate([3, 4], SamplingParams(max_tokens=2))).finished
+        with pytest.raises(RuntimeError, match="closed"):
+            await engine.generate([3, 4], SamplingParams(max_tokens=2))
+
+    asyncio.run(main())
