@@ -26,7 +26,7 @@ def _generate(args: argparse.Namespace) -> int:
     engine = Engine(from_mapping(EngineConfig, fields, args.config or "command line"))
     params = SamplingParams(
         n=args.n, temperature=args.temperature, top_k=args.top_k, top_p=args.top_p, min_p=args.min_p,
-        max_tokens=args.max_tokens, seed=args.seed, ignore_eos=args.ignore_eos,
+        max_tokens=args.max_tokens, seed=args.seed, ignore_eos=args.ignore_eos, stop=args.stop or [],
     )
     prompts: list = list(args.prompt or [])
     for ids in args.prompt_ids or []:
@@ -41,7 +41,7 @@ def _generate(args: argparse.Namespace) -> int:
         for c in out.outputs:
             num_tokens += len(c.token_ids)
             print(json.dumps({"request_id": out.request_id, "sample": c.index, "text": c.text,
-                              "token_ids": c.token_ids, "finish_reason": c.finish_reason,
+                              "token_ids": c.token_ids, "finish_reason": c.finish_reason, "stop_reason": c.stop_reason,
                               "sum_logprob": sum(c.logprobs or [])}))
     print(json.dumps({"num_generated_tokens": num_tokens, "seconds": round(elapsed, 3),
                       "tokens_per_s": round(num_tokens / elapsed, 1)}))
@@ -69,6 +69,7 @@ def main(argv: list[str] | None = None) -> int:
     g.add_argument("--max-tokens", type=int, default=64)
     g.add_argument("--seed", type=int, default=None)
     g.add_argument("--ignore-eos", action="store_true")
+    g.add_argument("--stop", action="append", help="a stop string (needs tokenizer.json); repeatable")
     g.add_argument("--device", default=None, help="cpu (default), cuda, cuda:N")
     g.add_argument("--dtype", default=None, help="auto (default), float32, bfloat16, float16")
     g.add_argument("--max-num-seqs", type=int, default=None)
