@@ -85,6 +85,23 @@ def store_kv(
     Slot s is row `s % block_size` of block `s // block_size`. Rows with a negative slot are skipped.
     Slots must be below `num_blocks * block_size` (not checked: that would need a device sync).
     """
+    check_store_kv(key, value, k_cache, v_cache, slot_mapping)
+    _, block_size, num_kv_heads, head_dim = k_cache.shape
+    num_tokens = key.shape[0]
+    if num_tokens == 0:
+        return
+    _store_kv_kernel[(num_tokens,)](
+        key, value, k_cache, v_cache, slot_mapping, slot_mapping.stride(0),
+        key.stride(0), key.stride(1), value.stride(0), value.stride(1),
+        k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
+        v_cache.stride(0), v_cache.stride(1), v_cache.stride(2),
+        num_kv_heads, head_dim, block_size,
+        H_PAD=triton.next_power_of_2(num_kv_heads), D_PAD=triton.next_power_of_2(head_dim),
+    )
+
+
+def check_store_kv(key, value, k_cache, v_cache, slot_mapping) -> None:
+    """ValueError unless the arguments fit `store_kv`."""
     if k_cache.dim() != 4 or v_cache.shape != k_cache.shape:
         raise ValueError(f"k_cache and v_cache must both be [num_blocks, block_size, Hkv, D]; got "
                          f"{tuple(k_cache.shape)} and {tuple(v_cache.shape)}")
@@ -100,17 +117,6 @@ def store_kv(
                          f"{k_cache.dtype}, {v_cache.dtype}")
     _check_same_device(key, value, k_cache, v_cache, slot_mapping)
     _check_last_dim_contiguous(key=key, value=value, k_cache=k_cache, v_cache=v_cache)
-    num_tokens = key.shape[0]
-    if num_tokens == 0:
-        return
-    _store_kv_kernel[(num_tokens,)](
-        key, value, k_cache, v_cache, slot_mapping, slot_mapping.stride(0),
-        key.stride(0), key.stride(1), value.stride(0), value.stride(1),
-        k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
-        v_cache.stride(0), v_cache.stride(1), v_cache.stride(2),
-        num_kv_heads, head_dim, block_size,
-        H_PAD=triton.next_power_of_2(num_kv_heads), D_PAD=triton.next_power_of_2(head_dim),
-    )
 
 
 # --------------------------------------------------------------------------------------------------

@@ -6,6 +6,9 @@ each product and the final sum are rounded to the activation dtype, so float16 /
 bitwise the reference's (the kernel is compiled without multiply-add fusion); float32 results agree to
 ~1 ulp.
 
+`rotary_store_kv` also writes the rotated key and the value into the paged KV cache in the same launch
+(the engine's decode and prefill path: one kernel per layer instead of two).
+
 Not here: partial rotary (rotary_dim < head_dim), the GPT-J interleaved layout, building the cache
 (see `rope_inv_freq` / `build_cos_sin_cache` in the reference module).
 """
@@ -44,8 +47,12 @@ def _rotary_kernel(
     q_ptr, k_ptr, q_out_ptr, k_out_ptr, pos_ptr, cache_ptr,
     stride_qt, stride_qh, stride_kt, stride_kh, stride_qot, stride_qoh, stride_kot, stride_koh, stride_cache,
     num_q_heads, num_kv_heads, half,
-    HQ_PAD: tl.constexpr, HK_PAD: tl.constexpr, HALF_PAD: tl.constexpr,
+    v_ptr, k_cache_ptr, v_cache_ptr, slot_ptr, stride_vt, stride_vh, stride_slot,
+    stride_kcb, stride_kcs, stride_kch, stride_vcb, stride_vcs, stride_vch, block_size, head_dim,
+    HQ_PAD: tl.constexpr, HK_PAD: tl.constexpr, HALF_PAD: tl.constexpr, STORE: tl.constexpr, D_PAD: tl.constexpr,
 ):
+    """Rotate one token's query and key heads. STORE: the rotated key and the value go straight to the
+    token's KV-cache slot (skipped for a negative slot) instead of to k_out (`rotary_store_kv`)."""
     token = tl.program_id(0).to(tl.int64)
     pos = tl.load(pos_ptr + token).to(tl.int64)
     offs_d = tl.arange(0, HALF_PAD)
@@ -55,24 +62,29 @@ def _rotary_kernel(
     sin = tl.load(cache_ptr + pos * stride_cache + half + offs_d, mask=d_mask, other=0.0).to(dtype).to(tl.float32)
     _rotate_heads(q_ptr, q_out_ptr, stride_qt, stride_qh, stride_qot, stride_qoh, token, num_q_heads, half, cos[None, :], sin[None, :],
                   HQ_PAD, HALF_PAD)
-    _rotate_heads(k_ptr, k_out_ptr, stride_kt, stride_kh, stride_kot, stride_koh, token, num_kv_heads, half, cos[None, :], sin[None, :],
-                  HK_PAD, HALF_PAD)
+    if STORE:
+        slot = tl.load(slot_ptr + token * stride_slot).to(tl.int64)
+        if slot >= 0:
+            block, offset = slot // block_size, slot % block_size
+            k_dst = k_cache_ptr + block * stride_kcb + offset * stride_kcs
+            _rotate_heads(k_ptr, k_dst, stride_kt, stride_kh, 0, stride_kch, token, num_kv_heads, half, cos[None, :],
+                          sin[None, :], HK_PAD, HALF_PAD)
+            offs_h = tl.arange(0, HK_PAD)
+            offs_v = tl.arange(0, D_PAD)
+            mask = (offs_h[:, None] < num_kv_heads) & (offs_v[None, :] < head_dim)  # [HK_PAD, D_PAD]
+            v = tl.load(v_ptr + token * stride_vt + offs_h[:, None] * stride_vh + offs_v[None, :], mask=mask)
+            v_dst = v_cache_ptr + block * stride_vcb + offset * stride_vcs + offs_h[:, None] * stride_vch + offs_v[None, :]
+            tl.store(v_dst, v, mask=mask)
+    else:
+        _rotate_heads(k_ptr, k_out_ptr, stride_kt, stride_kh, stride_kot, stride_koh, token, num_kv_heads, half, cos[None, :],
+                      sin[None, :], HK_PAD, HALF_PAD)
 
 
-def apply_rotary(
-    query: torch.Tensor,  # [T, Hq, D]
-    key: torch.Tensor,  # [T, Hkv, D]
-    positions: torch.Tensor,  # [T] int32/int64, each in [0, max_position) (not checked: needs a sync)
-    cos_sin_cache: torch.Tensor,  # [max_position, D] float32, cos half | sin half
-    *,
-    inplace: bool = False,
-) -> tuple[torch.Tensor, torch.Tensor]:
-    """Rotate query and key by their positions. Returns (query, key) rotated: new tensors by default;
-    with inplace=True the inputs themselves, overwritten."""
+def _check_rotary(query: torch.Tensor, key: torch.Tensor, positions: torch.Tensor, cos_sin_cache: torch.Tensor) -> None:
     if query.dim() != 3 or key.dim() != 3 or key.shape[0] != query.shape[0] or key.shape[2] != query.shape[2]:
         raise ValueError(f"query must be [T, Hq, D] and key [T, Hkv, D]; got {tuple(query.shape)} and "
                          f"{tuple(key.shape)}")
-    num_tokens, num_q_heads, head_dim = query.shape
+    num_tokens, _, head_dim = query.shape
     if head_dim % 2:
         raise ValueError(f"head_dim must be even; got {head_dim}")
     if query.dtype != key.dtype or query.dtype not in _DTYPES:
@@ -87,16 +99,61 @@ def apply_rotary(
         raise ValueError("query, key, positions and cos_sin_cache must be on one device")
     if query.stride(-1) != 1 or key.stride(-1) != 1 or cos_sin_cache.stride(-1) != 1 or positions.stride(0) != 1:
         raise ValueError("query, key, cos_sin_cache must be contiguous in their last dimension, positions contiguous")
+
+
+def _launch(query, key, q_out, k_out, positions, cos_sin_cache, store=None) -> None:
+    """The rotary kernel over every token; `store` = (value, k_cache, v_cache, slot_mapping) or None."""
+    num_tokens, num_q_heads, head_dim = query.shape
+    if not num_tokens:
+        return
+    value, k_cache, v_cache, slots = store if store is not None else (key, key, key, positions)
+    cache_strides = (*k_cache.stride()[:3], *v_cache.stride()[:3]) if store is not None else (0,) * 6
+    _rotary_kernel[(num_tokens,)](
+        query, key, q_out, k_out, positions, cos_sin_cache,
+        query.stride(0), query.stride(1), key.stride(0), key.stride(1),
+        q_out.stride(0), q_out.stride(1), k_out.stride(0), k_out.stride(1), cos_sin_cache.stride(0),
+        num_q_heads, key.shape[1], head_dim // 2,
+        value, k_cache, v_cache, slots, value.stride(0), value.stride(1), slots.stride(0), *cache_strides,
+        k_cache.shape[1] if store is not None else 1, head_dim,
+        HQ_PAD=triton.next_power_of_2(num_q_heads), HK_PAD=triton.next_power_of_2(key.shape[1]),
+        HALF_PAD=triton.next_power_of_2(head_dim // 2), STORE=store is not None, D_PAD=triton.next_power_of_2(head_dim),
+        enable_fp_fusion=False,  # a fused multiply-add would round once where the reference rounds twice
+    )
+
+
+def apply_rotary(
+    query: torch.Tensor,  # [T, Hq, D]
+    key: torch.Tensor,  # [T, Hkv, D]
+    positions: torch.Tensor,  # [T] int32/int64, each in [0, max_position) (not checked: needs a sync)
+    cos_sin_cache: torch.Tensor,  # [max_position, D] float32, cos half | sin half
+    *,
+    inplace: bool = False,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Rotate query and key by their positions. Returns (query, key) rotated: new tensors by default;
+    with inplace=True the inputs themselves, overwritten."""
+    _check_rotary(query, key, positions, cos_sin_cache)
     q_out = query if inplace else torch.empty(query.shape, dtype=query.dtype, device=query.device)
     k_out = key if inplace else torch.empty(key.shape, dtype=key.dtype, device=key.device)
-    if num_tokens:
-        _rotary_kernel[(num_tokens,)](
-            query, key, q_out, k_out, positions, cos_sin_cache,
-            query.stride(0), query.stride(1), key.stride(0), key.stride(1),
-            q_out.stride(0), q_out.stride(1), k_out.stride(0), k_out.stride(1), cos_sin_cache.stride(0),
-            num_q_heads, key.shape[1], head_dim // 2,
-            HQ_PAD=triton.next_power_of_2(num_q_heads), HK_PAD=triton.next_power_of_2(key.shape[1]),
-            HALF_PAD=triton.next_power_of_2(head_dim // 2),
-            enable_fp_fusion=False,  # a fused multiply-add would round once where the reference rounds twice
-        )
+    _launch(query, key, q_out, k_out, positions, cos_sin_cache)
     return q_out, k_out
+
+
+def rotary_store_kv(
+    query: torch.Tensor,  # [T, Hq, D], rotated in place
+    key: torch.Tensor,  # [T, Hkv, D], read only
+    value: torch.Tensor,  # [T, Hkv, D]
+    positions: torch.Tensor,  # [T] int32/int64
+    cos_sin_cache: torch.Tensor,  # [max_position, D] float32
+    k_cache: torch.Tensor,  # [num_blocks, block_size, Hkv, D]
+    v_cache: torch.Tensor,  # [num_blocks, block_size, Hkv, D]
+    slot_mapping: torch.Tensor,  # [T] int32/int64, any stride; negative = not stored
+) -> torch.Tensor:
+    """`apply_rotary` and `kernels.attention.store_kv` in one launch: the query is rotated in place and
+    returned; the rotated key and the value are written to their cache slots (bitwise what the two
+    kernels write), and `key` itself is left as it was."""
+    from kernels.attention import check_store_kv
+
+    _check_rotary(query, key, positions, cos_sin_cache)
+    check_store_kv(key, value, k_cache, v_cache, slot_mapping)
+    _launch(query, key, query, key, positions, cos_sin_cache, (value, k_cache, v_cache, slot_mapping))
+    return query

@@ -132,6 +132,14 @@ class Rotary:
                                 lambda a, b: apply_rotary_ref(a, b, positions, cache), q2, k2)
         return q2.view(*lead, *q.shape[-2:]), k2.view(*lead, *k.shape[-2:])
 
+    def apply_and_store(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor,
+                        v_cache: torch.Tensor, slot_mapping: torch.Tensor) -> torch.Tensor:
+        """Kernel path, paged [T, H, D] inputs: q rotated in place and returned; the rotated k and v go to
+        their cache slots (`kernels.rotary.rotary_store_kv`), bitwise what `apply` + the store would write."""
+        from kernels.rotary import rotary_store_kv
+
+        return rotary_store_kv(q, k, v, self.positions, self.cos_sin_cache, k_cache, v_cache, slot_mapping)
+
 
 class Attention(nn.Module):
     def __init__(self, cfg: ModelConfig, backend: AttentionBackend | None, tp: TPGroup | None = None) -> None:
@@ -166,11 +174,15 @@ class Attention(nn.Module):
         v = v.reshape(*lead, self.num_kv_heads, self.head_dim)
         if self.q_norm is not None:
             q, k = self.q_norm(q), self.k_norm(k)
-        q, k = rope.apply(q, k)
         if meta is None:
+            q, k = rope.apply(q, k)
             out = self._dense_attention(q, k, v)
         else:
-            self.backend.store(k, v, self.k_cache, self.v_cache, meta)
+            if rope.cos_sin is None:  # CUDA: one launch rotates q and writes the rotated k and v to the cache
+                q = rope.apply_and_store(q, k, v, self.k_cache, self.v_cache, meta.slot_mapping)
+            else:
+                q, k = rope.apply(q, k)
+                self.backend.store(k, v, self.k_cache, self.v_cache, meta)
             dest = None
             if self.deterministic and q.is_cuda:
                 dest = _linear_input(q.shape[0], self.q_size, q).view(q.shape)
