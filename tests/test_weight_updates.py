@@ -552,7 +552,7 @@ class FlakyTarget(FakeTarget):
         if not self.flipped and values.numel():
             values = values.clone()
             values.view(torch.int16)[0] ^= 1
-            self.flipped = True
+            self.flipped = name
         super().write_patch(name, flat_indices, values)
 
 
@@ -580,8 +580,9 @@ def test_faulty_write_fails_verification_and_rolls_back():
     adamw_like_step(master, torch.Generator().manual_seed(8), frac=0.2)
     updates = differ.encode(master).updates
     before = target.snapshot_runtime()
-    with pytest.raises(WeightUpdateError, match="verification after write failed"):
+    with pytest.raises(WeightUpdateError, match="verification after write failed") as err:
         receiver.apply(1, updates)
+    assert f"failed for [{target.flipped!r}]" in str(err.value)  # exactly the tensor whose bit flipped
     assert_bitwise_equal(target.snapshot_runtime(), before)
     assert receiver.version == 0
 

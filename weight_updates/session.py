@@ -418,18 +418,24 @@ class UpdateSession:
         p.times.append(time.perf_counter())
 
     def _verify(self) -> None:
-        """Phase 3: read back and verify; one host sync. On failure restore and raise."""
+        """Phase 3: read back and verify; one host sync (a second one only to name what failed). On failure
+        restore and raise."""
         target, p = self._receiver.target, self._prepared
         try:
             failed = torch.zeros(len(p.records), dtype=torch.bool, device=target.device)  # [R]
             if p.dense:
                 got = checksum_tensors([target.read_checkpoint_tensor(d.update.name) for d in p.dense])
                 failed[p.dense_rows] = got != p.expected[p.dense_rows]
+            mismatches = []  # per group: [n] bool, read-back bits != sent bits
             for g in p.groups:
                 int_dtype = SIGNED_VIEW[g.new.element_size()]
-                differ = torch.ne(g.gather(target).view(int_dtype), g.new.view(int_dtype)).to(torch.int64)  # [n]
-                failed[g.meta[_ROWS]] = g.member_sums(differ) > 0
-            bad = [u.name for u, f in zip(p.records, failed.tolist()) if f]
+                mismatches.append(torch.ne(g.gather(target).view(int_dtype), g.new.view(int_dtype)))
+            flags = torch.cat([failed, *(m.any()[None] for m in mismatches)]).tolist()  # [R + groups]
+            for g, m, bad_group in zip(p.groups, mismatches, flags[len(p.records):]):
+                if bad_group:  # which members: per-member sums, only when some bit did not hold
+                    failed[g.meta[_ROWS]] = g.member_sums(m.to(torch.int64)) > 0
+            flags = failed.tolist() if any(flags[len(p.records):]) else flags
+            bad = [u.name for u, f in zip(p.records, flags) if f]
         except Exception as e:
             self._rollback(p.dense, p.groups)
             raise WeightUpdateError(f"read-back failed, {self._restored_what(p.dense)}: {e}") from e
