@@ -761,16 +761,18 @@ def test_small_changes_travel_as_one_byte_bit_deltas():
     assert torch.equal(target.read_checkpoint_tensor("w"), before)
 
 
-def test_segment_sums_match_index_add_with_empty_segments_and_wraparound():
-    from weight_updates.encoding import segment_sums
+@pytest.mark.parametrize("lengths", [[3, 0, 5, 1, 0, 7], [0, 0, 4], [6], [2, 0]])
+def test_segment_sums_and_ids_match_index_add_with_empty_segments_and_wraparound(lengths):
+    from weight_updates.encoding import segment_ids, segment_sums
 
     g = torch.Generator().manual_seed(4)
-    lengths = torch.tensor([3, 0, 5, 1, 0, 7])
-    values = torch.randint(-2**62, 2**62, (int(lengths.sum()), 3), generator=g)  # sums wrap modulo 2**64
+    lengths = torch.tensor(lengths)
+    values = torch.randint(-2**62, 2**62, (3, int(lengths.sum())), generator=g)  # sums wrap modulo 2**64
     segment = torch.repeat_interleave(torch.arange(len(lengths)), lengths)
-    expected = torch.zeros(len(lengths), 3, dtype=torch.int64).index_add_(0, segment, values)
+    assert torch.equal(segment_ids(lengths, int(lengths.sum())), segment)
+    expected = torch.zeros(len(lengths), 3, dtype=torch.int64).index_add_(0, segment, values.t())
     assert torch.equal(segment_sums(values, lengths), expected)
-    assert torch.equal(segment_sums(values[:, 0], lengths), expected[:, 0])
+    assert torch.equal(segment_sums(values[0], lengths), expected[:, 0])
 
 
 # --- batched encode vs a per-parameter reference ---------------------------------------------------

@@ -33,7 +33,8 @@ import torch
 from kernels.common import SIGNED_VIEW, upload
 from weight_updates.checksum import check_dtype_supported, checksum_tensors, position_weights
 from weight_updates.encoding import (MAX_PATCH_NUMEL, Dense, Patch, Update, bit_differences, choose_gap_dtype, delta_bytes,
-                                     encode_streams, gaps_over_limits, packed_nbytes, segment_sums, stream_gaps)
+                                     encode_streams, gaps_over_limits, packed_nbytes, segment_ids, segment_sums,
+                                     stream_gaps)
 from weight_updates.target import ParamSpec
 
 Weights = torch.nn.Module | Mapping[str, torch.Tensor] | Iterable[tuple[str, torch.Tensor]]
@@ -280,15 +281,15 @@ class WeightDiffer:
         meta = upload(torch.tensor([*starts, *(layout.offsets[n] for n in names)], dtype=torch.int64), device)  # [2k + 1]
         bounds = meta[: k + 1]
         counts = torch.diff(torch.searchsorted(changed, bounds))  # [k] changed elements per name
-        segment = torch.repeat_interleave(torch.arange(k, device=device), counts, output_size=changed.numel())  # [m]
+        segment = segment_ids(counts, changed.numel())  # [m]
         local = changed - bounds[segment]  # [m] flat index within the parameter
         group.values = new.index_select(0, changed)  # [m]
         difference = bit_differences(old.index_select(0, changed), group.values)  # [m] int64
         group.deltas, group.escaped = delta_bytes(difference)
         group.gaps = stream_gaps(local, segment)
-        columns = torch.cat([gaps_over_limits(group.gaps), group.escaped[:, None]], 1).to(torch.int64)  # [m, 3]
-        terms = difference.mul_(position_weights(local))[:, None]  # [m, 1] checksum change per element
-        group.sums = torch.cat([counts[:, None], segment_sums(torch.cat([columns, terms], 1), counts)], 1)  # [k, 5]
+        rows = torch.cat([gaps_over_limits(group.gaps), group.escaped[None]]).to(torch.int64)  # [3, m]
+        terms = difference.mul_(position_weights(local))[None]  # [1, m] checksum change per element
+        group.sums = torch.cat([counts[:, None], segment_sums(torch.cat([rows, terms]), counts)], 1)  # [k, 5]
         group.positions = changed if in_place else local + meta[k + 1 :][segment]
         return group
 

@@ -92,9 +92,9 @@ def stream_gaps(indices: torch.Tensor, segment: torch.Tensor) -> torch.Tensor:
 
 
 def gaps_over_limits(gaps: torch.Tensor) -> torch.Tensor:
-    """[n, 2] bool: which gaps exceed the uint8 and the uint16 limit (per-stream sums of these feed
+    """[2, n] bool: which gaps exceed the uint8 and the uint16 limit (per-stream sums of these feed
     ``choose_gap_dtype`` and ``encode_streams``)."""
-    return torch.stack([gaps > _GAP_LIMIT[torch.uint8], gaps > _GAP_LIMIT[torch.uint16]], 1)
+    return torch.stack([gaps > _GAP_LIMIT[torch.uint8], gaps > _GAP_LIMIT[torch.uint16]])
 
 
 def encode_streams(gaps: torch.Tensor, lengths: Sequence[int], gap_dtypes: Sequence[torch.dtype | None],
@@ -151,19 +151,28 @@ class DecodedStreams:
 
 
 def segment_sums(values: torch.Tensor, lengths: torch.Tensor) -> torch.Tensor:
-    """Sums of consecutive segments: ``values`` [n] or [n, c] int64, ``lengths`` [k] int64 on the same device
-    (summing to n) -> [k] or [k, c]. One cumsum and one gather at the segment ends: an ``index_add_`` of
-    millions of elements into a few bins serializes on the device's atomics. Sums wrap modulo 2**64 as
-    ``index_add_``'s do. The columns are laid end to end and scanned as one 1-D tensor (differences within
-    a column stay exact under wraparound): CUDA scans a 1-D tensor with a device-wide scan, but an [n, c]
-    or [c, n] tensor one column or row per thread block, which took seconds for n in the millions."""
-    rows = (values[:, None] if values.dim() == 1 else values).t().contiguous()  # [c, n]
-    num_columns, n = rows.shape
+    """Sums of consecutive segments: ``values`` [n] or [c, n] (c rows of n) int64, ``lengths`` [k] int64 on
+    the same device (summing to n) -> [k] or [k, c]. One cumsum and one gather at the segment ends: an
+    ``index_add_`` of millions of elements into a few bins serializes on the device's atomics. Sums wrap
+    modulo 2**64 as ``index_add_``'s do. The rows are scanned end to end as one 1-D tensor (differences
+    within a row stay exact under wraparound): CUDA scans a 1-D tensor with a device-wide scan, but a 2-D
+    one a column or row per thread block, which took seconds for n in the millions."""
+    rows = (values[None] if values.dim() == 1 else values).contiguous()  # [c, n]
+    num_rows, n = rows.shape
     csum = torch.nn.functional.pad(torch.cumsum(rows.view(-1), 0), (1, 0))  # [c * n + 1]
     ends = torch.cumsum(lengths, 0)  # [k]
-    base = torch.arange(num_columns, device=rows.device)[:, None] * n  # [c, 1]
+    base = torch.arange(num_rows, device=rows.device)[:, None] * n  # [c, 1]
     sums = (csum[base + ends] - csum[base + ends - lengths]).t()  # [k, c]
-    return sums.reshape((lengths.shape[0],) + values.shape[1:])
+    return sums[:, 0] if values.dim() == 1 else sums
+
+
+def segment_ids(lengths: torch.Tensor, total: int) -> torch.Tensor:
+    """[total] int64: which segment each element belongs to, for segments of ``lengths`` [k] (summing to
+    ``total``) laid end to end; empty segments are skipped. A 1 added where each segment ends and one
+    cumsum: CUDA's ``repeat_interleave`` fills each segment from one thread."""
+    marks = torch.zeros(total + 1, dtype=torch.int64, device=lengths.device)
+    marks.index_add_(0, torch.cumsum(lengths, 0), torch.ones_like(lengths))
+    return torch.cumsum(marks[:total], 0)
 
 
 def decode_streams(packed: Sequence[PackedIndices], lengths: torch.Tensor, device: torch.device) -> DecodedStreams:
@@ -183,9 +192,9 @@ def decode_streams(packed: Sequence[PackedIndices], lengths: torch.Tensor, devic
     rank = (torch.cumsum(escapes, 0) - 1).clamp_(0, overflow.numel() - 1)  # [n] which overflow value
     gaps = torch.where(escapes, overflow[rank], gaps)
     small = gaps < 1
-    segment = torch.repeat_interleave(torch.arange(len(packed), device=device), lengths, output_size=total)  # [n]
-    columns = torch.stack([gaps, escapes.to(torch.int64), (small & escapes).to(torch.int64), (small & ~escapes).to(torch.int64)], 1)  # [n, 4]
-    sums = segment_sums(columns, lengths)  # [k, 4]
+    segment = segment_ids(lengths, total)  # [n]
+    rows = torch.stack([gaps, escapes.to(torch.int64), (small & escapes).to(torch.int64), (small & ~escapes).to(torch.int64)])  # [4, n]
+    sums = segment_sums(rows, lengths)  # [k, 4]
     before = torch.cumsum(sums[:, 0], 0) - sums[:, 0]  # [k] running sum of the gaps before each stream
     indices = torch.cumsum(gaps, 0).sub_(before[segment]).sub_(1)  # [n]
     return DecodedStreams(indices=indices, segment=segment, sums=sums)

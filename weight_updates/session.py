@@ -123,7 +123,7 @@ class _PatchGroup:
             target.write_patch(p.name, idx, v)
 
     def member_sums(self, values: torch.Tensor) -> torch.Tensor:
-        """[k] int64 per-member sums of ``values`` ([n] int64)."""
+        """Per-member sums of ``values``: [n] -> [k], or [c, n] -> [k, c] (int64)."""
         return segment_sums(values, self.meta[_SIZES])
 
 
@@ -489,10 +489,11 @@ class UpdateSession:
         else:
             group.new = plain
         base = receiver._table[table_rows[meta[_ROWS]]]  # [k] checksums before the patch
-        group.predicted = base + group.member_sums(delta_terms(group.old, group.new, indices))
+        member = group.member_sums(torch.stack([delta_terms(group.old, group.new, indices), escaped]))  # [k, 2]
+        group.predicted = base + member[:, 0]
         malformed = (sums[:, 1] != meta[_OVERFLOW]) | (sums[:, 2] > 0)
         group.checks = torch.stack([malformed.to(torch.int64), (sums[:, 3] > 0).to(torch.int64), sums[:, 0] - 1,
-                                    (group.member_sums(escaped) != meta[_ESCAPES]).to(torch.int64)], 1)
+                                    (member[:, 1] != meta[_ESCAPES]).to(torch.int64)], 1)
         return group
 
     def _check_all(self, records: list[Update], groups: list[_PatchGroup], predicted: torch.Tensor) -> None:
