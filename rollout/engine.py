@@ -292,6 +292,29 @@ class Engine:
         self.on_weights_updated(result.version)
         return result
 
+    def load_weights(self, path: str, version: int | None = None) -> "UpdateResult":  # noqa: F821
+        """Overwrite the weights in place with a checkpoint directory's (safetensors, the same architecture:
+        the names and shapes the engine holds; float tensors cast to the engine's dtype), as one dense
+        update: every tensor is checked before any is written. `version` defaults to policy_version + 1."""
+        from runner.loader import _IGNORED_SUFFIXES, _iter_checkpoint, safetensors_files
+        from weight_updates import Dense
+
+        specs = self.weight_specs()
+        records = []
+        for file, name, lazy in _iter_checkpoint(safetensors_files(path)):
+            if name.endswith(_IGNORED_SUFFIXES):
+                continue
+            spec = specs.get(name)
+            if spec is None:
+                raise ValueError(f"{file}: tensor {name!r} is not a weight of this engine's model")
+            tensor = lazy[:]
+            if not tensor.is_floating_point():
+                raise ValueError(f"{file}: tensor {name!r} has dtype {tensor.dtype}, not a float dtype")
+            records.append(Dense.of(name, tensor.to(spec.dtype) if tensor.dtype != spec.dtype else tensor))
+        if not records:
+            raise ValueError(f"{path}: no weights of this engine's model")
+        return self.apply_weight_update(self.policy_version + 1 if version is None else version, records)
+
     def rank_local_layouts(self) -> list[dict]:
         """Per rank, checkpoint name -> `CheckpointSlot`: which rows or columns of each checkpoint tensor
         the rank holds (`shard`, along `dim`) and their shape (`shard_shape`); what a trainer cuts its
