@@ -113,6 +113,9 @@ class RLConfig:
     max_grad_norm: float = 1.0
     eval_every: int = 25
     """Score the held-out prompts every this many steps (0: only before and after)."""
+    sleep_level: int = 0
+    """The colocated pattern: after each rollout the engine sleeps while the trainer updates (1: its KV
+    cache is freed; 2: also its weights, woken before the push), then wakes. 0 never sleeps."""
     value_coef: float = 0.5
     """PPO: weight of the value loss."""
     gamma: float = 1.0
@@ -122,6 +125,7 @@ class RLConfig:
 
     def __post_init__(self) -> None:
         _float(self, "rl", "temperature", "lr", "clip_low", "clip_high", "kl_coef", "max_grad_norm", "gamma", "gae_lambda")
+        _check(self.sleep_level in (0, 1, 2), "rl.sleep_level", self.sleep_level, "0, 1 or 2")
         for key in ("steps", "prompts_per_step", "samples_per_prompt", "max_tokens", "epochs_per_batch"):
             _check(getattr(self, key) >= 1, f"rl.{key}", getattr(self, key), ">= 1")
         _check(self.temperature > 0, "rl.temperature", self.temperature, "> 0 (RL samples)")

@@ -283,8 +283,14 @@ def run_rl(
         batch = bridge.rollout([p.prompt for p in problems], sampling)
         rewards = rewards_of(batch, problems)  # [B]
         metrics = {"reward": rewards.mean().item(), **rollout_metrics(batch)}
+        if rl.sleep_level:  # the device is the trainer's while it updates
+            bridge.engine.sleep(rl.sleep_level)
         metrics |= update(batch, rewards)
+        if rl.sleep_level:
+            bridge.engine.wake_up(["weights"])  # the push writes into the engine's weights ...
         metrics |= push_metrics(bridge.push_weights(policy))
+        if rl.sleep_level:
+            bridge.engine.wake_up(["kv_cache"])  # ... before the KV cache takes its memory back
         if rl.eval_every and step % rl.eval_every == 0 and step != rl.steps:
             metrics |= evaluate(bridge, cfg, held_out)
         logger.log(step, metrics)
