@@ -18,7 +18,9 @@ Agentic and multi-turn RL rollouts are many independent episodes, each waiting o
 The Engine is used only from its thread: requests, aborts and `call`s are commands the thread runs
 between steps, so a weight update or `sleep` never lands in the middle of a step. A bad request raises
 its ValueError in the coroutine that sent it; the others go on. A cancelled `generate` / `stream` aborts
-its request. Not here: HTTP serving, chat templates.
+its request; `abort(request_id)` ends one early and its caller gets the partial output (partial rollouts:
+stop the stragglers once enough groups are done). Not here: HTTP serving (rollout/server.py), chat
+templates.
 """
 
 from __future__ import annotations
@@ -41,7 +43,7 @@ _STOP = object()  # the command that ends the engine thread
 
 
 class AsyncEngine:
-    """One `Engine` driven by a background thread; coroutine-friendly `generate`, `stream` and `call`."""
+    """One `Engine` driven by a background thread; coroutine-friendly `generate`, `stream`, `abort` and `call`."""
 
     def __init__(self, config_or_engine: "EngineConfig | Engine") -> None:  # noqa: F821
         from rollout.engine import Engine
@@ -87,6 +89,19 @@ class AsyncEngine:
         finally:
             if not finished and not self._closed:  # cancelled, or the consumer stopped early
                 self._post(lambda engine: self._abort(engine, rid))
+
+    async def abort(self, request_id: str) -> bool:
+        """Abort a request: its `generate` returns (its `stream` ends with) the output so far, finish_reason
+        "abort" for the samples still running. False for an id that is unknown or already finished."""
+        def abort(engine) -> bool:
+            out = engine.abort_request(request_id)
+            target = self._streams.pop(request_id, None)
+            if out is not None and target is not None:
+                loop, outputs = target
+                loop.call_soon_threadsafe(outputs.put_nowait, out)
+            return out is not None
+
+        return await self.call(abort)
 
     async def call(self, fn: Callable[[Any], Any]) -> Any:
         """Run ``fn(engine)`` on the engine's thread between two steps; returns its result or raises its error.

@@ -141,11 +141,16 @@ class Engine:
             self.scheduler.add_request(req)
         return request_id
 
-    def abort_request(self, request_id: str) -> None:
-        """Stop every sample of a prompt and free its blocks; it is not reported again."""
+    def abort_request(self, request_id: str) -> RequestOutput | None:
+        """Stop every sample of a prompt and free its blocks. Returns the prompt's output so far (samples
+        still running end with finish_reason "abort" and the tokens they had), or None for an id that is
+        unknown or already reported; the prompt is not reported again. For partial rollouts: abort the
+        stragglers once enough groups have finished, and keep or resubmit what they generated."""
         group = self._groups.pop(request_id, None)
-        if group is not None:
-            self.scheduler.abort([m.req_id for m in group.members])
+        if group is None:
+            return None
+        self.scheduler.abort([m.req_id for m in group.members])
+        return self._output(group)
 
     def has_unfinished_requests(self) -> bool:
         return self.scheduler.has_unfinished() or self._inflight is not None or bool(self._drained)

@@ -5,8 +5,9 @@
 
     GET  /health                      200 {"status": "ok"}
     GET  /get_model_info              {"model_path", "policy_version", "has_tokenizer"}
-    POST /generate                    {"input_ids" | "text", "sampling_params", "return_logprob"}: one prompt or a
-                                      list; one result per sample ({"text", "output_ids", "meta_info"})
+    POST /generate                    {"input_ids" | "text", "sampling_params", "return_logprob", "rid"?}: one
+                                      prompt or a list; one result per sample ({"text", "output_ids", "meta_info"})
+    POST /abort_request               {"rid"}: that /generate call returns what it has, finish_reason "abort"
     POST /v1/completions              {"prompt", "max_tokens", "temperature", "top_p", "top_k", "n", "stop",
                                       "seed", "logprobs"}: OpenAI's text_completion object
     POST /release_memory_occupation   {"tags"?}: Engine.sleep (level 2 when the tags include "weights")
@@ -64,6 +65,16 @@ def _prompts(body: dict, text_key: str, ids_key: str | None) -> tuple[list, bool
     raise ValueError(f"{text_key!r} must be a prompt or a non-empty list of prompts")
 
 
+def _rids(rid, num_prompts: int, batched: bool) -> list[str] | None:
+    """The request ids a client chose (`rid`: one string, or one per prompt of a batch), or None."""
+    if rid is None:
+        return None
+    rids = [rid] if isinstance(rid, str) and not batched else rid
+    if not isinstance(rids, list) or len(rids) != num_prompts or not all(isinstance(r, str) for r in rids):
+        raise ValueError(f"'rid' must be a string per prompt ({num_prompts}), got {rid!r}")
+    return rids
+
+
 def sglang_result(out: RequestOutput, return_logprob: bool) -> list[dict]:
     """One SGLang result per sample of a prompt."""
     results = []
@@ -115,7 +126,8 @@ def build_app(engine: AsyncEngine, model_path: str):
             body = await body_of(request)
             prompts, batched = _prompts(body, "text", "input_ids")
             params = sglang_params(body.get("sampling_params"))
-            outs = await asyncio.gather(*(engine.generate(p, params, request_id=f"gen-{next(ids)}") for p in prompts))
+            rids = _rids(body.get("rid"), len(prompts), batched) or [f"gen-{next(ids)}" for _ in prompts]
+            outs = await asyncio.gather(*(engine.generate(p, params, request_id=r) for p, r in zip(prompts, rids)))
         except (ValueError, TypeError) as e:  # TypeError: a field of the wrong JSON type
             return refused(e)
         results = [r for out in outs for r in sglang_result(out, bool(body.get("return_logprob")))]
@@ -154,6 +166,15 @@ def build_app(engine: AsyncEngine, model_path: str):
                       "total_tokens": prompt_tokens + completion_tokens},
         })
 
+    async def abort(request):
+        try:
+            rid = (await body_of(request)).get("rid")
+            if not isinstance(rid, str):
+                raise ValueError("give 'rid', the id a /generate request was sent with")
+        except ValueError as e:
+            return refused(e)
+        return web.json_response({"success": await engine.abort(rid)})
+
     async def release(request):
         try:
             tags = (await body_of(request)).get("tags") if request.can_read_body else None
@@ -184,6 +205,7 @@ def build_app(engine: AsyncEngine, model_path: str):
     app = web.Application()
     app.add_routes([web.get("/health", health), web.get("/get_model_info", model_info),
                     web.post("/generate", generate), web.post("/v1/completions", completions),
+                    web.post("/abort_request", abort),
                     web.post("/release_memory_occupation", release), web.post("/resume_memory_occupation", resume),
                     web.post("/update_weights_from_disk", update_from_disk)])
     return app

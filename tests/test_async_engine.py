@@ -90,3 +90,31 @@ def test_stream_bad_request_cancel_and_call_between_steps(model):
             await engine.generate([3, 4], SamplingParams(max_tokens=2))
 
     asyncio.run(main())
+
+
+def test_abort_returns_the_partial_output_to_its_caller(model):
+    """Partial rollouts: Engine.abort_request hands back what a prompt has so far; through AsyncEngine.abort
+    the awaiting generate returns it, finish_reason "abort" for the samples still running."""
+    engine = Engine(config(model))
+    engine.add_request([5, 6, 7], SamplingParams(n=2, max_tokens=50, seed=1, ignore_eos=True), request_id="a")
+    for _ in range(5):
+        engine.step()
+    out = engine.abort_request("a")
+    assert [c.finish_reason for c in out.outputs] == ["abort", "abort"]
+    assert all(0 < len(c.token_ids) < 50 and len(c.logprobs) == len(c.token_ids) for c in out.outputs)
+    assert engine.abort_request("a") is None and engine.kv_manager.pool.num_used_blocks == 0
+
+    async def main():
+        with AsyncEngine(config(model)) as aengine:
+            task = asyncio.create_task(aengine.generate([5, 6, 7], SamplingParams(max_tokens=200, seed=1, ignore_eos=True),
+                                                        request_id="long"))
+            short = await aengine.generate([8, 9], SamplingParams(max_tokens=3, ignore_eos=True))
+            assert await aengine.abort("long") and not await aengine.abort("long")
+            return short, await task
+
+    short, partial = asyncio.run(main())
+    c = partial.outputs[0]
+    full = engine.generate([[5, 6, 7]], SamplingParams(max_tokens=200, seed=1, ignore_eos=True))[0].outputs[0]
+    assert short.outputs[0].finish_reason == "length"
+    assert c.finish_reason == "abort" and 1 <= len(c.token_ids) < 200
+    assert c.token_ids == full.token_ids[: len(c.token_ids)]  # seeded: the start of the unaborted sample

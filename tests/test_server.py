@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import asyncio
 import shutil
+import threading
 
 import pytest
 import torch
@@ -34,7 +35,7 @@ def run(model_dir, scenario):
     async def main():
         with AsyncEngine(config(model_dir)) as engine:
             async with TestClient(TestServer(build_app(engine, str(model_dir)))) as client:
-                return await scenario(client)
+                return await scenario(client, engine)
 
     return asyncio.run(main())
 
@@ -45,7 +46,7 @@ def test_generate_and_completions_return_the_engine_results(model_dir):
     sampled = SamplingParams(n=2, max_tokens=10, seed=3, ignore_eos=True)
     expected = local.generate([ids], sampled)[0]
 
-    async def scenario(client):
+    async def scenario(client, engine):
         r = await client.post("/generate", json={"input_ids": ids, "return_logprob": True, "sampling_params": {
             "max_new_tokens": 10, "n": 2, "sampling_seed": 3, "ignore_eos": True}})
         assert r.status == 200
@@ -86,13 +87,32 @@ def test_bad_requests_sleep_and_weights_from_disk(model_dir, tmp_path):
     greedy = SamplingParams(max_tokens=8, temperature=0, ignore_eos=True)
     expected = Engine(config(moved)).generate([PROMPT], greedy)[0].outputs[0].token_ids
 
-    async def scenario(client):
+    async def scenario(client, engine):
         for body, problem in (({"text": PROMPT, "sampling_params": {"temperature": -1}}, "temperature"),
                               ({"text": PROMPT, "sampling_params": {"beam_width": 2}}, "unknown sampling_params"),
                               ({"input_ids": [100000]}, "outside the vocabulary"),
                               ({"sampling_params": {}}, "give 'text'")):
             r = await client.post("/generate", json=body)
             assert r.status == 400 and problem in (await r.json())["error"]
+        # a /generate call aborted by its rid returns what it has: the engine thread is held inside a command
+        # while the request and its abort queue up behind it, so the abort lands before the request finishes
+        async def until(condition):
+            while not condition():
+                await asyncio.sleep(0.01)
+
+        started, gate = threading.Event(), threading.Event()
+        held = asyncio.create_task(engine.call(lambda e: started.set() or gate.wait(30)))
+        await until(started.is_set)
+        pending = asyncio.create_task(client.post("/generate", json={"text": PROMPT, "rid": "slow", "sampling_params": {
+            "max_new_tokens": 40, "ignore_eos": True}}))
+        await until(lambda: engine._commands.qsize() >= 1)
+        aborted = asyncio.create_task(client.post("/abort_request", json={"rid": "slow"}))
+        await until(lambda: engine._commands.qsize() >= 2)
+        gate.set()
+        await held
+        assert (await (await aborted).json()) == {"success": True}
+        partial = await (await pending).json()
+        assert partial["meta_info"]["finish_reason"]["type"] == "abort" and len(partial["output_ids"]) < 40
         r = await client.post("/v1/completions", json={"prompt": PROMPT, "echo": True})
         assert r.status == 400 and "echo" in (await r.json())["error"]
         assert (await client.get("/health")).status == 200
