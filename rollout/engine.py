@@ -412,7 +412,8 @@ class Engine:
 
     def _check_awake(self, what: str, part: str = "kv_cache") -> None:
         if part in self._asleep:
-            raise ValueError(f"{what} while the engine sleeps (its {part.replace('_', ' ')} is freed): call wake_up() first")
+            raise ValueError(f"{what} while the engine sleeps (its {part.replace('_', ' ')} is freed): "
+                             "call wake_up() first")
 
     # ---- lifetime ---------------------------------------------------------------------------------------
     def __enter__(self) -> "Engine":

@@ -12,11 +12,12 @@ a weight update, sleep / wake, release) is one JSON message from rank 0 over the
 then the same call on every rank, so all ranks enter their collectives in the same order. Step messages
 are plain data (the scheduler's dataclasses as JSON). Under async scheduling the message is "launch":
 every rank enqueues step t+1 and then collects step t, so each rank stages its next step while the
-device runs the current one; any other message finds the workers' step collected (rank 0 drains first). Weight updates come two ways: records from rank 0, whose payloads
-follow their JSON metadata as broadcast tensors ("apply_weight_update"), or rank-local, where the message
-carries one JSON handle per rank and each rank maps its own part's bucket, written by the trainer rank on
-its host or device ("apply_rank_local_update", weight_updates/transports/rank_local.py). Not here:
-scheduling (rollout/), the layers and the sampler (this package's other modules).
+device runs the current one; any other message finds the workers' step collected (rank 0 drains first).
+Weight updates come two ways: records from rank 0, whose payloads follow their JSON metadata as broadcast
+tensors ("apply_weight_update"), or rank-local, where the message carries one JSON handle per rank and
+each rank maps its own part's bucket, written by the trainer rank on its host or device
+("apply_rank_local_update", weight_updates/transports/rank_local.py). Not here: scheduling (rollout/),
+the layers and the sampler (this package's other modules).
 """
 
 from __future__ import annotations
