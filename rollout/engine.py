@@ -412,8 +412,8 @@ class Engine:
 
     def _check_awake(self, what: str, part: str = "kv_cache") -> None:
         if part in self._asleep:
-            raise ValueError(f"{what} while the engine sleeps (its {part.replace('_', ' ')} is freed): "
-                             "call wake_up() first")
+            freed = "KV cache is" if part == "kv_cache" else "weights are"
+            raise ValueError(f"{what} while the engine sleeps (its {freed} freed): call wake_up() first")
 
     # ---- lifetime ---------------------------------------------------------------------------------------
     def __enter__(self) -> "Engine":

@@ -103,7 +103,7 @@ def test_weight_updates_while_asleep(model_dir):
 
     deep = make_engine(model_dir)
     deep.sleep(2)
-    with pytest.raises(ValueError, match="weights is freed"):
+    with pytest.raises(ValueError, match="weights are freed"):
         deep.apply_weight_update(1, records)
     assert deep.policy_version == 0
     with pytest.raises(ValueError, match="wake 'weights' first"):
