@@ -224,3 +224,21 @@ def test_tp_async_scheduling_equals_sync(tp_model_dir, single_thread):
             assert engine.scheduler.stats.num_preemptions > 0
             results.append([[(c.token_ids, c.logprobs, c.policy_versions) for c in done[i].outputs] for i in ids])
     assert results[1] == results[0]
+
+
+def test_step_messages_round_trip_through_json():
+    """What rank 0 sends the workers each step: new requests in full (their sampling parameters, stop
+    strings included), running ones as columns; JSON text in between, as over the control channel."""
+    import json
+
+    from rollout.scheduler import CachedRequestData, NewRequestData, SchedulerOutput
+    from runner.parallel.worker import decode_sched, encode_sched
+
+    sched = SchedulerOutput(
+        new_reqs=[NewRequestData(req_id="a-0", token_ids=[1, 2, 3], num_prompt_tokens=3, block_ids=[4], num_computed_tokens=0,
+                                 params=SamplingParams(n=2, top_p=0.9, stop=["</s>"], stop_token_ids=[7], seed=3), seed=99)],
+        cached_reqs=[CachedRequestData("b-0", [], 17), CachedRequestData("c-1", [8, 9], 40)],
+        num_scheduled_tokens={"a-0": 3, "b-0": 1, "c-1": 1}, total_num_scheduled_tokens=5,
+        finished_req_ids={"d-0", "e-0"}, preempted_req_ids={"f-0"}, placeholders={"b-0": 17},
+    )
+    assert decode_sched(json.loads(json.dumps(encode_sched(sched)))) == sched

@@ -62,7 +62,9 @@ def _fields(obj) -> dict:
 def encode_sched(sched: SchedulerOutput) -> dict:
     out = _fields(sched)
     out["new_reqs"] = [{**_fields(r), "params": _fields(r.params)} for r in sched.new_reqs]
-    out["cached_reqs"] = [_fields(c) for c in sched.cached_reqs]
+    cached = sched.cached_reqs  # columns, not one object per request: a decode step carries every running one
+    out["cached_reqs"] = {"req_id": [c.req_id for c in cached], "new_block_ids": [c.new_block_ids for c in cached],
+                          "num_computed_tokens": [c.num_computed_tokens for c in cached]}
     out["finished_req_ids"] = sorted(sched.finished_req_ids)
     out["preempted_req_ids"] = sorted(sched.preempted_req_ids)
     return out
@@ -71,7 +73,9 @@ def encode_sched(sched: SchedulerOutput) -> dict:
 def decode_sched(data: dict) -> SchedulerOutput:
     data = dict(data)
     data["new_reqs"] = [NewRequestData(**{**r, "params": SamplingParams(**r["params"])}) for r in data["new_reqs"]]
-    data["cached_reqs"] = [CachedRequestData(**c) for c in data["cached_reqs"]]
+    cached = data["cached_reqs"]
+    data["cached_reqs"] = [CachedRequestData(r, b, n) for r, b, n in
+                           zip(cached["req_id"], cached["new_block_ids"], cached["num_computed_tokens"])]
     data["finished_req_ids"] = set(data["finished_req_ids"])
     data["preempted_req_ids"] = set(data["preempted_req_ids"])
     return SchedulerOutput(**data)
