@@ -87,7 +87,7 @@ class AsyncEngine:
                 finished = out.finished
                 yield out
         finally:
-            if not finished and not self._closed:  # cancelled, or the consumer stopped early
+            if not finished and not self._closed and self._error is None:  # cancelled, or the consumer stopped early
                 self._post(lambda engine: self._abort(engine, rid))
 
     async def abort(self, request_id: str) -> bool:
