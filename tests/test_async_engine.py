@@ -118,3 +118,23 @@ def test_abort_returns_the_partial_output_to_its_caller(model):
     assert short.outputs[0].finish_reason == "length"
     assert c.finish_reason == "abort" and 1 <= len(c.token_ids) < 200
     assert c.token_ids == full.token_ids[: len(c.token_ids)]  # seeded: the start of the unaborted sample
+
+
+def test_a_failing_step_reaches_every_waiter_and_stops_the_engine(model):
+    async def main():
+        aengine = AsyncEngine(config(model))
+        try:
+            def broken():
+                raise RuntimeError("device lost")
+
+            aengine.engine.step = broken
+            results = await asyncio.gather(*(aengine.generate([3, 4, 5], SamplingParams(max_tokens=4)) for _ in range(3)),
+                                           return_exceptions=True)
+            # the step's error itself, or (for a request sent after the thread stopped) one caused by it
+            assert all(isinstance(r, RuntimeError) and "device lost" in f"{r} {r.__cause__}" for r in results)
+            with pytest.raises(RuntimeError, match="stopped"):
+                await aengine.generate([3, 4], SamplingParams(max_tokens=2))
+        finally:
+            aengine.close()
+
+    asyncio.run(main())
