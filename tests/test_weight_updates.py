@@ -916,3 +916,17 @@ def test_batched_encode_matches_per_parameter_reference(config):
         assert any(u.indices.gaps.dtype == gap_dtype and (u.indices.overflow.numel() > 0) == escaped and u.indices.num_indices
                    for u in patches), (gap_dtype, escaped)
     assert any(u.is_delta and u.escapes.numel() for u in patches) == config.bit_deltas
+
+
+def test_concat_to_joins_adjacent_views_without_a_copy():
+    from weight_updates.checksum import concat_to
+
+    base = torch.arange(100, dtype=torch.int16)
+    other = torch.arange(7, dtype=torch.int16) + 1000
+    parts = [base[0:10], base[10:25], base[25:40], other, base[60:70], base[70:71], base[71:71], base[80:90].to(torch.int8)]
+    want = torch.cat([p.to(torch.int64) for p in parts])
+    assert torch.equal(concat_to(parts, torch.int64, "cpu"), want)
+    joined = concat_to(parts[:3], torch.int16, "cpu")  # three slices end to end: one view, no copy
+    assert torch.equal(joined, base[:40]) and joined.data_ptr() == base.data_ptr()
+    copied = concat_to([base[0:10], base[11:20]], torch.int16, "cpu")  # a hole between them: copied
+    assert torch.equal(copied, torch.cat([base[0:10], base[11:20]])) and copied.data_ptr() != base.data_ptr()

@@ -35,9 +35,11 @@ _tables16: dict[torch.device, torch.Tensor] = {}  # device -> [2**22] int16, the
 
 
 def concat_to(parts: Sequence[torch.Tensor], dtype: torch.dtype, device: torch.device | str) -> torch.Tensor:
-    """``torch.cat`` of ``parts`` as ``dtype`` on ``device`` in one cat and one conversion per run of parts of
-    equal dtype (not one conversion per part); host parts bound for CUDA are joined on the host and uploaded
-    in one copy instead of one per part."""
+    """``torch.cat`` of ``parts`` (1-D) as ``dtype`` on ``device`` in one cat and one conversion per run of parts
+    of equal dtype (not one conversion per part); host parts bound for CUDA are joined on the host and
+    uploaded in one copy instead of one per part. Parts that lie end to end in one storage (the records of a
+    batched encode, or of a bucket, in order) are joined as one view, without a copy: the result may then
+    share memory with them, so callers only read it."""
     device = torch.device(device)
     if not parts:
         return torch.empty(0, dtype=dtype, device=device)
@@ -51,8 +53,26 @@ def _on(t: torch.Tensor, device: torch.device) -> bool:
 
 
 def _cat_runs(parts: Sequence[torch.Tensor], dtype: torch.dtype) -> torch.Tensor:
-    runs = [torch.cat(list(run)).to(dtype) for _, run in itertools.groupby(parts, key=lambda p: p.dtype)]
+    runs = []
+    for _, run in itertools.groupby(parts, key=lambda p: p.dtype):
+        joined = _adjacent_joined(list(run))
+        runs.append((joined[0] if len(joined) == 1 else torch.cat(joined)).to(dtype))
     return runs[0] if len(runs) == 1 else torch.cat(runs)
+
+
+def _adjacent_joined(parts: list[torch.Tensor]) -> list[torch.Tensor]:
+    """``parts`` (1-D, one dtype) with each stretch of parts that follow one another in one storage merged
+    into a single view of it."""
+    out = [parts[0]]
+    for p in parts[1:]:
+        q = out[-1]
+        if (p.is_contiguous() and q.is_contiguous() and p.device == q.device
+                and p.untyped_storage().data_ptr() == q.untyped_storage().data_ptr()
+                and p.storage_offset() == q.storage_offset() + q.numel()):
+            out[-1] = q.as_strided((q.numel() + p.numel(),), (1,), q.storage_offset())
+        else:
+            out.append(p)
+    return out
 
 
 def check_dtype_supported(dtype: torch.dtype) -> None:

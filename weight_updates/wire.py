@@ -5,7 +5,8 @@ safetensors header (``{key: {"dtype", "shape", "data_offsets"}, "__metadata__": 
 the checkpoint name for a Dense tensor and ``name:gaps`` / ``name:overflow`` / ``name:values`` for a
 Patch; ``__metadata__["records"]`` is a JSON list of ``{"name", "kind", "checksum"}`` in order.
 Tensors are laid out by element size, widest first, so every tensor is naturally aligned and the
-data region has no holes (what safetensors requires). ``to_safetensors_prefix`` gives the
+data region has no holes (what safetensors requires); within a width, by kind, so the same part of
+consecutive patches lies end to end. ``to_safetensors_prefix`` gives the
 8-byte-length-prefixed header that turns ``prefix + bucket`` into a valid .safetensors file.
 
 This module never pickles and never copies on read: ``read_bucket`` returns views into the buffer.
@@ -63,9 +64,18 @@ def _record_tensors(update: Update) -> list[tuple[str, torch.Tensor]]:
     return tensors
 
 
+_KINDS = ("", ":gaps", ":overflow", ":values", ":escapes")  # dense tensors, then each part of a patch
+
+
+def _kind(key: str) -> int:
+    return next((i for i, suffix in enumerate(_KINDS) if suffix and key.endswith(suffix)), 0)
+
+
 def plan_bucket(updates: Sequence[Update]) -> BucketPlan:
+    # Widest first (every tensor aligned, no holes), then by kind, records in order: the gaps (or values,
+    # ...) of consecutive patches lie end to end, so the receiver joins them without a copy.
     entries = [kt for u in updates for kt in _record_tensors(u)]
-    entries.sort(key=lambda kt: -kt[1].element_size())  # stable: records keep their order per width
+    entries.sort(key=lambda kt: (-kt[1].element_size(), _kind(kt[0])))
     header: dict = {}
     tensors, offsets = [], []
     offset = 0
