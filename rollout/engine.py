@@ -55,6 +55,14 @@ class Engine:
         if config.max_model_len is not None and config.max_model_len > max_pos:
             raise ValueError(f"max_model_len={config.max_model_len} exceeds the model's max_position_embeddings={max_pos}")
         self.max_model_len = config.max_model_len or min(max_pos, 8192)
+        window = self.model_config.sliding_window
+        if window is not None and self.max_model_len > window:
+            # within the window sliding-window attention is full attention, which is what the kernels compute
+            if config.max_model_len is not None:
+                raise ValueError(f"max_model_len={config.max_model_len} exceeds the model's sliding_window={window}; "
+                                 "sliding-window attention is supported only up to the window")
+            logger.info("max_model_len capped at the model's sliding_window=%d", window)
+            self.max_model_len = window
         self.tokenizer = Tokenizer.find(config.tokenizer or config.model)
         if config.tensor_parallel_size > 1:
             from runner.parallel.worker import TensorParallelRunner

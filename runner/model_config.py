@@ -1,4 +1,4 @@
-"""Model hyper-parameters read from a Hugging Face `config.json` (Llama, Qwen2, Qwen3 dense families).
+"""Model hyper-parameters read from a Hugging Face `config.json` (Llama, Mistral, Qwen2, Qwen3 dense families).
 
 Reads both the transformers-5 rope format (`rope_parameters`) and the older `rope_theta` + `rope_scaling`.
 Raises ValueError for an unknown architecture or a missing field; knows nothing about weights.
@@ -14,6 +14,7 @@ import torch
 
 SUPPORTED_ARCHITECTURES = {
     "LlamaForCausalLM": "llama",
+    "MistralForCausalLM": "llama",  # Llama's layers and names; sliding-window attention only as a length cap
     "Qwen2ForCausalLM": "qwen2",
     "Qwen3ForCausalLM": "qwen3",
 }
@@ -48,6 +49,7 @@ class ModelConfig:
     qk_norm: bool  # per-head RMSNorm on q and k before rope (Qwen3)
     checkpoint_dtype: str | None
     eos_token_ids: list[int]
+    sliding_window: int | None = None  # attention window of some layers; the engine keeps sequences within it
 
     @classmethod
     def from_dir(cls, path: str | Path) -> "ModelConfig":
@@ -98,6 +100,8 @@ class ModelConfig:
         if scaling is not None and scaling.get("rope_type", scaling.get("type", "default")) == "default":
             scaling = None
         dtype = raw.get("dtype", raw.get("torch_dtype"))
+        # Mistral always slides when sliding_window is set; Qwen2 / Qwen3 only with use_sliding_window
+        window = raw.get("sliding_window") if arch == "MistralForCausalLM" or raw.get("use_sliding_window") else None
         return cls(
             architecture=arch,
             family=family,
@@ -118,6 +122,7 @@ class ModelConfig:
             qk_norm=family == "qwen3",
             checkpoint_dtype=dtype if isinstance(dtype, str) else None,
             eos_token_ids=_as_id_list(raw.get("eos_token_id")),
+            sliding_window=int(window) if window is not None else None,
         )
 
 

@@ -14,6 +14,7 @@ _FAMILIES = {
     "llama": ("LlamaConfig", "LlamaForCausalLM"),
     "qwen2": ("Qwen2Config", "Qwen2ForCausalLM"),
     "qwen3": ("Qwen3Config", "Qwen3ForCausalLM"),
+    "mistral": ("MistralConfig", "MistralForCausalLM"),
 }
 
 
@@ -35,7 +36,7 @@ def make_checkpoint(path: Path, family: str = "llama", *, seed: int = 0, dtype=t
         eos_token_id=1,
         bos_token_id=0,
     )
-    if family == "qwen3":
+    if family in ("qwen3", "mistral"):
         kwargs["head_dim"] = 16
     kwargs.update(overrides)
     config = cfg_cls(**kwargs)

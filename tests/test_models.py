@@ -19,6 +19,7 @@ VARIANTS = [
     ("qwen2", {}),
     ("qwen2", {"tie_word_embeddings": True}),
     ("qwen3", {}),
+    ("mistral", {}),
 ]
 
 
@@ -92,3 +93,19 @@ def test_bfloat16_checkpoint_loads_and_follows_transformers(ckpt_factory):
     # bf16 activations: compare the predicted tokens and a loose tolerance
     assert (ours.argmax(-1) == ref.argmax(-1)).float().mean() > 0.9
     torch.testing.assert_close(ours, ref, atol=0.1, rtol=0.05)
+
+
+def test_sliding_window_models_stay_within_the_window(ckpt_factory):
+    """Inside its window sliding-window attention is full attention: the engine caps max_model_len there
+    (and refuses an explicit larger one), and matches transformers' logits up to the window."""
+    path = ckpt_factory("mistral", sliding_window=48)
+    engine = Engine(EngineConfig(model=str(path), dtype="float32", max_num_seqs=4, num_kv_blocks=64))
+    assert engine.max_model_len == 48
+    with pytest.raises(ValueError, match="sliding_window=48"):
+        Engine(EngineConfig(model=str(path), dtype="float32", max_model_len=100, num_kv_blocks=64))
+    tokens = torch.randint(0, 128, (48,), generator=torch.Generator().manual_seed(2)).tolist()
+    with torch.no_grad():
+        ref = load_hf(path)(torch.tensor([tokens])).logits[0]
+    torch.testing.assert_close(full_sequence_logits(engine.runner, tokens), ref, atol=1e-4, rtol=1e-4)
+    qwen = ckpt_factory("qwen2", use_sliding_window=True, sliding_window=40, max_window_layers=0)
+    assert Engine(EngineConfig(model=str(qwen), dtype="float32", num_kv_blocks=64)).max_model_len == 40
