@@ -242,3 +242,25 @@ def test_step_messages_round_trip_through_json():
         finished_req_ids={"d-0", "e-0"}, preempted_req_ids={"f-0"}, placeholders={"b-0": 17},
     )
     assert decode_sched(json.loads(json.dumps(encode_sched(sched)))) == sched
+
+
+def test_tp_engine_reloads_weights_from_disk(tp_model_dir, tmp_path, single_thread):
+    """Engine.load_weights under TP: full checkpoint tensors go through rank 0's validated session, each
+    rank writes its shard; greedy output then equals a fresh single-process engine on the new checkpoint."""
+    import shutil
+
+    from safetensors.torch import load_file, save_file
+
+    moved = tmp_path / "moved"
+    shutil.copytree(tp_model_dir, moved)
+    weights = load_file(moved / "model.safetensors")
+    g = torch.Generator().manual_seed(5)
+    save_file({k: v + 0.05 * torch.randn(v.shape, generator=g) for k, v in weights.items()}, moved / "model.safetensors")
+    greedy = SamplingParams(temperature=0.0, max_tokens=8, ignore_eos=True)
+    prompts = [[3, 4, 5], [9, 10, 11, 12]]
+    with Engine(tp_config(moved)) as fresh:
+        expected = [o.outputs[0].token_ids for o in fresh.generate(prompts, greedy)]
+    with Engine(tp_config(tp_model_dir, tensor_parallel_size=2)) as engine:
+        assert [o.outputs[0].token_ids for o in engine.generate(prompts, greedy)] != expected
+        assert engine.load_weights(str(moved)).version == 1
+        assert [o.outputs[0].token_ids for o in engine.generate(prompts, greedy)] == expected
