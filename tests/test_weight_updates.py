@@ -926,7 +926,12 @@ def test_concat_to_joins_adjacent_views_without_a_copy():
     parts = [base[0:10], base[10:25], base[25:40], other, base[60:70], base[70:71], base[71:71], base[80:90].to(torch.int8)]
     want = torch.cat([p.to(torch.int64) for p in parts])
     assert torch.equal(concat_to(parts, torch.int64, "cpu"), want)
-    joined = concat_to(parts[:3], torch.int16, "cpu")  # three slices end to end: one view, no copy
+    joined = concat_to([*parts[:3], base[40:40]], torch.int16, "cpu")  # slices end to end: one view, no copy
     assert torch.equal(joined, base[:40]) and joined.data_ptr() == base.data_ptr()
-    copied = concat_to([base[0:10], base[11:20]], torch.int16, "cpu")  # a hole between them: copied
-    assert torch.equal(copied, torch.cat([base[0:10], base[11:20]])) and copied.data_ptr() != base.data_ptr()
+    for gapped in ([base[0:10], base[11:20]], [base[0:10], other]):  # a hole, another tensor: copied
+        copied = concat_to(gapped, torch.int16, "cpu")
+        assert torch.equal(copied, torch.cat(gapped)) and copied.data_ptr() != base.data_ptr()
+    # adjacent addresses in two different storages are not joined (allocations may sit back to back)
+    a, b = torch.empty(4096, dtype=torch.int16), torch.empty(4096, dtype=torch.int16)
+    if b.data_ptr() == a.data_ptr() + a.numel() * 2:
+        assert concat_to([a, b], torch.int16, "cpu").data_ptr() not in (a.data_ptr(), b.data_ptr())

@@ -55,24 +55,28 @@ def _on(t: torch.Tensor, device: torch.device) -> bool:
 def _cat_runs(parts: Sequence[torch.Tensor], dtype: torch.dtype) -> torch.Tensor:
     runs = []
     for _, run in itertools.groupby(parts, key=lambda p: p.dtype):
-        joined = _adjacent_joined(list(run))
-        runs.append((joined[0] if len(joined) == 1 else torch.cat(joined)).to(dtype))
+        run = list(run)
+        joined = _joined_view(run)
+        runs.append((torch.cat(run) if joined is None else joined).to(dtype))
     return runs[0] if len(runs) == 1 else torch.cat(runs)
 
 
-def _adjacent_joined(parts: list[torch.Tensor]) -> list[torch.Tensor]:
-    """``parts`` (1-D, one dtype) with each stretch of parts that follow one another in one storage merged
-    into a single view of it."""
-    out = [parts[0]]
-    for p in parts[1:]:
-        q = out[-1]
-        if (p.is_contiguous() and q.is_contiguous() and p.device == q.device
-                and p.untyped_storage().data_ptr() == q.untyped_storage().data_ptr()
-                and p.storage_offset() == q.storage_offset() + q.numel()):
-            out[-1] = q.as_strided((q.numel() + p.numel(),), (1,), q.storage_offset())
-        else:
-            out.append(p)
-    return out
+def _joined_view(parts: list[torch.Tensor]) -> torch.Tensor | None:
+    """One view over ``parts`` (1-D, one dtype) when they lie end to end in one storage, else None. Checked
+    by addresses alone: parts that tile the range from the first to the last, both in one storage, all lie
+    in it (live storages never overlap)."""
+    parts = [p for p in parts if p.numel()]
+    if not parts:
+        return None
+    first, last = parts[0], parts[-1]
+    end, itemsize = first.data_ptr(), first.element_size()
+    for p in parts:
+        if p.data_ptr() != end or not p.is_contiguous():
+            return None
+        end += p.numel() * itemsize
+    if first.untyped_storage().data_ptr() != last.untyped_storage().data_ptr():
+        return None
+    return first.as_strided(((end - first.data_ptr()) // itemsize,), (1,), first.storage_offset())
 
 
 def check_dtype_supported(dtype: torch.dtype) -> None:
