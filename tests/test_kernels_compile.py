@@ -1,0 +1,141 @@
+"""Every Triton kernel of the engine compiles for the H200 (sm_90) — checked on the CPU, where the kernel
+tests only interpret them. The interpreter runs Python: it cannot catch what only the compiler rejects
+(types across branches, constexpr misuse, unsupported ops). Here the public launchers run once each under
+the interpreter while their launches are recorded (argument types, constexpr values, options), and a
+process without TRITON_INTERPRET compiles each recorded specialization to a cubin, also with bfloat16 in
+place of float16 (the interpreter has no bfloat16). Skipped where Triton has no NVIDIA backend."""
+
+from __future__ import annotations
+
+import inspect
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import torch
+
+if not torch.cuda.is_available():
+    os.environ.setdefault("TRITON_INTERPRET", "1")
+
+import pytest  # noqa: E402
+
+pytestmark = pytest.mark.skipif(torch.cuda.is_available() or os.environ.get("TRITON_INTERPRET") != "1",
+                                reason="records launches under the interpreter (the GPU runs the kernels for real)")
+
+_TYPES = {torch.float32: "fp32", torch.float16: "fp16", torch.bfloat16: "bf16", torch.int64: "i64",
+          torch.int32: "i32", torch.int16: "i16", torch.int8: "i8", torch.uint8: "u8", torch.bool: "i1"}
+_OPTIONS = ("num_warps", "num_stages", "enable_fp_fusion")
+
+
+def _spec(fn, args, kwargs) -> dict:
+    """The compile spec of one launch: each parameter's type, or its value for constexprs."""
+    params = inspect.signature(fn).parameters
+    values = dict(zip(params, args)) | {k: v for k, v in kwargs.items() if k in params}
+    signature, constexprs = {}, {}
+    for name, param in params.items():
+        value = values[name]
+        if "constexpr" in str(param.annotation) or value is None:
+            signature[name] = "constexpr"
+            constexprs[name] = value
+        elif isinstance(value, torch.Tensor):
+            signature[name] = "*" + _TYPES[value.dtype]
+        elif isinstance(value, bool):
+            signature[name] = "i1"
+        elif isinstance(value, int):
+            signature[name] = "i32" if -(2**31) <= value < 2**31 else "i64"
+        else:
+            signature[name] = "fp32"
+    return {"module": fn.__module__, "kernel": fn.__name__, "signature": signature, "constexprs": constexprs,
+            "options": {k: v for k, v in kwargs.items() if k in _OPTIONS}}
+
+
+def _launch_every_kernel() -> None:
+    """Each public launcher once (twice where a constexpr flag switches code paths), at tiny shapes."""
+    from kernels.activation import silu_and_mul
+    from kernels.attention import paged_attention, store_kv
+    from kernels.checksum import checksum_many
+    from kernels.norm import fused_add_rms_norm, rms_norm
+    from kernels.rotary import apply_rotary, rotary_store_kv
+    from kernels.rotary_ref import build_cos_sin_cache, rope_inv_freq
+    from kernels.sampling import sample, sample_untruncated, token_logprobs
+    from kernels.scatter import gather_many, scatter_many
+    from runner.spec_decode.rejection_kernel import draft_sample, rejection_sample
+
+    g = torch.Generator().manual_seed(0)
+    h = torch.float16
+    T, Hq, Hkv, D, bs = 4, 4, 2, 16, 4
+    qkv = torch.randn(T, (Hq + 2 * Hkv) * D, generator=g).to(h)
+    q, k, v = (qkv[:, :Hq * D].view(T, Hq, D), qkv[:, Hq * D:(Hq + Hkv) * D].view(T, Hkv, D),
+               qkv[:, (Hq + Hkv) * D:].view(T, Hkv, D))
+    positions = torch.arange(T)
+    cache = build_cos_sin_cache(rope_inv_freq(D, 10000.0, None), 64)
+    k_cache, v_cache = torch.zeros(16, bs, Hkv, D, dtype=h), torch.zeros(16, bs, Hkv, D, dtype=h)
+    slots = torch.tensor([0, 1, 2, -1])
+    apply_rotary(q, k, positions, cache)
+    rotary_store_kv(q.clone(), k, v, positions, cache, k_cache, v_cache, slots)
+    store_kv(k.contiguous(), v.contiguous(), k_cache, v_cache, slots)
+    block_tables = torch.arange(16, dtype=torch.int32).view(2, 8)
+    for q_lens, deterministic, split in (([1, 1], False, None), ([3, 1], False, None), ([1, 1], False, 16),
+                                         ([1, 3], True, None)):  # decode, prefill, split KV (+ combine), fixed order
+        query = torch.randn(sum(q_lens), Hq, D, generator=g).to(h)
+        qsl = torch.tensor([0, q_lens[0], sum(q_lens)], dtype=torch.int32)
+        paged_attention(query, k_cache, v_cache, qsl, torch.tensor([20, 30], dtype=torch.int32), block_tables,
+                        0.25, max(q_lens), 30, deterministic=deterministic, kv_split_size=split)
+    x, r, w = torch.randn(T, 32, generator=g).to(h), torch.randn(T, 32, generator=g).to(h), torch.ones(32, dtype=h)
+    rms_norm(x, w, 1e-6)
+    fused_add_rms_norm(x, r, w, 1e-6)
+    silu_and_mul(torch.randn(T, 64, generator=g).to(h))
+    logits = torch.randn(3, 50, generator=g).to(h)
+    temp = torch.tensor([0.0, 1.0, 0.7])
+    seeds, pos = torch.tensor([1, 2, 3]), torch.tensor([0, 5, 9])
+    sample(logits, temp, torch.tensor([0, 5, 0]), torch.tensor([1.0, 0.9, 1.0]), torch.tensor([0.0, 0.0, 0.1]),
+           seeds, pos)
+    sample_untruncated(logits, temp, seeds, pos)
+    token_logprobs(logits, torch.tensor([1, 2, 3]), temp)
+    checksum_many([x, r])
+    checksum_many([torch.zeros(10, dtype=torch.int8)])
+    parts = [torch.randn(20, generator=g).to(h), torch.randn(30, generator=g).to(h)]
+    idx, seg = torch.tensor([1, 5, 0, 29]), torch.tensor([0, 0, 1, 1])
+    scatter_many(parts, idx, seg, gather_many(parts, idx, seg))
+    R, K, V = 2, 2, 40
+    target = torch.randn(R, K + 1, V, generator=g).to(h)
+    draft_probs = torch.softmax(torch.randn(R, K, V, generator=g), -1)
+    tokens = torch.zeros(R, dtype=torch.int64)
+    draft_sample(target[:, 0], temp[:R], seeds[:R], pos[:R], 1, tokens, torch.zeros(R, V), 7, chunk=16)
+    rejection_sample(target, torch.randint(0, V, (R, K), generator=g), draft_probs, torch.tensor([2, 1]), temp[:R],
+                     seeds[:R], pos[:R], 11, 13, chunk=16)
+
+
+def test_every_kernel_compiles_for_sm90(monkeypatch):
+    triton = pytest.importorskip("triton")
+    from triton.runtime.interpreter import InterpretedFunction
+
+    try:
+        from triton.backends.nvidia.compiler import CUDABackend  # noqa: F401
+    except ImportError:
+        pytest.skip(f"triton {triton.__version__} has no NVIDIA backend here")
+    specs: dict[str, dict] = {}
+    run = InterpretedFunction.run
+
+    def recording_run(self, *args, grid, warmup, **kwargs):
+        spec = _spec(self.fn, args, kwargs)
+        specs[json.dumps(spec, sort_keys=True)] = spec
+        if any(t == "*fp16" for t in spec["signature"].values()):  # the GPU's bfloat16 variant of the same launch
+            bf16 = {**spec, "signature": {n: "*bf16" if t == "*fp16" else t for n, t in spec["signature"].items()}}
+            specs[json.dumps(bf16, sort_keys=True)] = bf16
+        return run(self, *args, grid=grid, warmup=warmup, **kwargs)
+
+    monkeypatch.setattr(InterpretedFunction, "run", recording_run)
+    _launch_every_kernel()
+    kernels = {s["kernel"] for s in specs.values()}
+    assert len(kernels) >= 17, sorted(kernels)  # every launcher reached its kernels
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    root = Path(__file__).resolve().parent.parent
+    env["PYTHONPATH"] = os.pathsep.join(p for p in (str(root), env.get("PYTHONPATH")) if p)
+    done = subprocess.run([sys.executable, str(Path(__file__).with_name("gpu_compile_check.py"))],
+                          input=json.dumps(list(specs.values())), capture_output=True, text=True, env=env, timeout=900)
+    assert done.returncode == 0, done.stderr[-3000:]
+    failures = json.loads(done.stdout)
+    assert failures == [], json.dumps(failures, indent=1)[:4000]
