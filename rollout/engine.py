@@ -406,13 +406,24 @@ class Engine:
         if unknown:
             raise ValueError(f"unknown wake_up tags {sorted(unknown)}; use 'weights' and/or 'kv_cache'")
         if "weights" in wanted and "weights" in self._asleep:
-            self.runner.wake_weights()
-            self._asleep.discard("weights")
+            self._wake("weights", self.runner.wake_weights)
         if "kv_cache" in wanted and "kv_cache" in self._asleep:
             if "weights" in self._asleep:
                 raise ValueError("wake_up(['kv_cache']) needs the weights on the device: wake 'weights' first")
-            self.runner.wake_kv_cache()
-            self._asleep.discard("kv_cache")
+            self._wake("kv_cache", self.runner.wake_kv_cache)
+
+    def _wake(self, part: str, wake) -> None:
+        """Run one part's wake; out of device memory, the part stays asleep (nothing half-allocated is kept
+        and the parameters already moved stay valid) and a ValueError says so: free memory, then retry."""
+        import torch
+
+        try:
+            wake()
+        except torch.OutOfMemoryError as e:
+            what = "KV cache" if part == "kv_cache" else "weights"
+            raise ValueError(f"wake_up: not enough device memory for the {what} ({e}); the engine still sleeps: "
+                             "free memory (the trainer's) and call wake_up again") from None
+        self._asleep.discard(part)
 
     @property
     def is_sleeping(self) -> bool:

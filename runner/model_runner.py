@@ -398,10 +398,20 @@ class ModelRunner:
             torch.cuda.synchronize(self.device)
 
     def wake_kv_cache(self) -> None:
-        """Allocate the KV cache again (same number of blocks, zeroed) and capture the graphs it had."""
-        self.allocate_kv_cache(self.num_kv_blocks, quiet=True)
-        if self._recapture:
-            self.capture_graphs()
+        """Allocate the KV cache again (same number of blocks, zeroed) and capture the graphs it had. On any
+        failure (out of memory) the cache and graphs are dropped again, as asleep, and the error raised."""
+        try:
+            self.allocate_kv_cache(self.num_kv_blocks, quiet=True)
+            if self._recapture:
+                self.capture_graphs()
+        except BaseException:
+            if self.graphs is not None:
+                self.graphs.release()
+                self.graphs = None
+            self._drop_kv_cache()
+            if self.spec is not None:
+                self.spec.free_kv_cache()
+            raise
 
     def _parameters(self) -> list[torch.nn.Parameter]:
         params = list(self.model.parameters())

@@ -131,3 +131,25 @@ def test_tensor_parallel_engine_sleeps_on_every_rank(tp_model_dir, single_thread
         engine.sleep(2)
         engine.wake_up()
         assert tokens(engine.generate(PROMPTS, SAMPLED)) == tokens(before)
+
+
+def test_wake_up_out_of_memory_leaves_the_engine_asleep_and_retry_works(model_dir, monkeypatch):
+    from runner.model_runner import ModelRunner
+
+    engine = make_engine(model_dir)
+    before = tokens(engine.generate(PROMPTS, SAMPLED))
+    engine.sleep(2)
+    allocate = ModelRunner.allocate_kv_cache
+
+    def no_memory(self, *args, **kwargs):
+        raise torch.OutOfMemoryError("CUDA out of memory. Tried to allocate 2.00 GiB")
+
+    monkeypatch.setattr(ModelRunner, "allocate_kv_cache", no_memory)
+    with pytest.raises(ValueError, match="not enough device memory for the KV cache"):
+        engine.wake_up()
+    assert engine.is_sleeping and engine.runner.kv_caches == []  # the weights woke; the cache did not
+    with pytest.raises(ValueError, match="while the engine sleeps"):
+        engine.generate(PROMPTS, SAMPLED)
+    monkeypatch.setattr(ModelRunner, "allocate_kv_cache", allocate)
+    engine.wake_up()
+    assert tokens(engine.generate(PROMPTS, SAMPLED)) == before
