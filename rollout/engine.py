@@ -219,8 +219,14 @@ class Engine:
         params: SamplingParams | Sequence[SamplingParams] | None = None,
         *,
         use_tqdm: bool = False,
+        min_finished_prompts: int | None = None,
     ) -> list[RequestOutput]:
-        """Generate completions for every prompt; returns one RequestOutput per prompt, in order."""
+        """Generate completions for every prompt; returns one RequestOutput per prompt, in order.
+
+        `min_finished_prompts`: stop as soon as that many prompts have all their samples finished; the
+        others are aborted and come back with what they generated (finish_reason "abort" for their
+        unfinished samples). For over-sampling: send more prompts than a batch needs (dynamic sampling)
+        and cut the long tail."""
         self._check_awake("generate")
         if isinstance(prompts, str) or (isinstance(prompts, Sequence) and prompts and isinstance(prompts[0], int)):
             prompts = [prompts]
@@ -229,6 +235,8 @@ class Engine:
             params = [params or SamplingParams()] * len(prompts)
         if len(params) != len(prompts):
             raise ValueError(f"got {len(params)} SamplingParams for {len(prompts)} prompts")
+        if min_finished_prompts is not None and not 1 <= min_finished_prompts <= len(prompts):
+            raise ValueError(f"min_finished_prompts must be in [1, {len(prompts)}], got {min_finished_prompts}")
         # tokenize and validate every prompt before queueing any, so a bad one leaves nothing half-added
         tokenized = [self._tokenize(prompt) for prompt in prompts]
         for (_, token_ids), p in zip(tokenized, params):
@@ -244,7 +252,8 @@ class Engine:
 
             bar = tqdm(total=sum(p.n for p in params), desc="generate", unit="seq")
         start, num_tokens = time.perf_counter(), 0
-        while pending:
+        enough = len(groups) if min_finished_prompts is None else min_finished_prompts
+        while pending and len(groups) - len(pending) < enough:
             for req in self._step():  # outputs are built once, at the end, not every step
                 if req.status.finished:
                     num_tokens += req.num_output_tokens
@@ -255,9 +264,10 @@ class Engine:
                         pending.discard(id(req.group))
         if bar is not None:
             bar.close()
+        aborted = {id(g): self.abort_request(g.request_id) for g in groups if id(g) in pending}
         if not self.scheduler.has_unfinished():
-            self._drain()  # a last step in flight can only hold tokens of finished requests
-        return [self._output(self._groups.pop(g.request_id)) for g in groups]
+            self._drain()  # a last step in flight can only hold tokens of finished or aborted requests
+        return [aborted[id(g)] if id(g) in aborted else self._output(self._groups.pop(g.request_id)) for g in groups]
 
     def close(self) -> None:
         """Release device memory (graphs, KV cache, weights); the engine cannot be used afterwards."""

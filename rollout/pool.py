@@ -217,8 +217,12 @@ class RolloutPool:
 
     def generate(
         self, prompts, params: SamplingParams | Sequence[SamplingParams] | None = None, *, use_tqdm: bool = False,
+        min_finished_prompts: int | None = None,
     ) -> list[RequestOutput]:
-        """Like Engine.generate; `use_tqdm` is accepted for interface parity and ignored."""
+        """Like Engine.generate; `use_tqdm` is accepted for interface parity and ignored. Early stopping
+        (`min_finished_prompts`) is not offered across workers."""
+        if min_finished_prompts is not None:
+            raise ValueError("min_finished_prompts is not supported by RolloutPool; use a local Engine")
         return self.collect(self.submit(prompts, params))
 
     def submit(self, prompts, params: SamplingParams | Sequence[SamplingParams] | None = None) -> PendingRollout:

@@ -235,3 +235,17 @@ def test_adopting_the_engines_weights_makes_the_first_push_a_patch(model_dir):
     result = bridge.push_weights(model)
     assert result.num_dense == 0 and result.num_patch >= 1 and result.nbytes < 1024
     _assert_engine_holds(engine, {n: t.to(torch.bfloat16) for n, t in model.checkpoint_state().items()})
+
+
+def test_rollout_with_min_finished_prompts_returns_cut_samples_marked_abort(model_dir):
+    bridge = TrainerBridge(make_engine(model_dir))
+    prompts = ["12+34=", "5+6=", "70+8=", "9+9="]
+    batch = bridge.rollout(prompts, SamplingParams(n=2, max_tokens=30, seed=3, ignore_eos=True, min_tokens=30),
+                           min_finished_prompts=4)
+    assert {s.finish_reason for s in batch.samples} == {"length"}
+    ragged = SamplingParams(n=2, max_tokens=30, seed=3, ignore_eos=True, stop=["5"])  # samples end at random steps
+    cut = bridge.rollout(prompts, ragged, min_finished_prompts=1)
+    reasons = [s.finish_reason for s in cut.samples]
+    assert reasons.count("abort") >= 2 and len(reasons) - reasons.count("abort") >= 2, reasons
+    for s in cut.samples:  # a cut sample stays aligned: one logprob and one mask bit per token
+        assert len(s.token_ids) == len(s.loss_mask) == len(s.logprobs)

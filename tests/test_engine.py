@@ -254,3 +254,22 @@ def test_top_logprobs_in_outputs(engine):
     for token, lp, top in zip(greedy.token_ids, greedy.logprobs, greedy.top_logprobs):
         assert len(top) == 3 and [v for _, v in top] == sorted((v for _, v in top), reverse=True)
         assert top[0][0] == token and abs(top[0][1] - lp) < 1e-6  # greedy: the sampled token is the top one
+
+
+@pytest.mark.parametrize("async_scheduling", [False, True])
+def test_generate_stops_once_enough_prompts_finish(model_dir, async_scheduling):
+    """Over-sampling: with min_finished_prompts=2 the two short prompts finish, the long ones come back cut
+    short (finish_reason "abort", a prefix of what they would have generated), and nothing is left running."""
+    engine = Engine(EngineConfig(model=str(model_dir), dtype="float32", max_num_seqs=8, async_scheduling=async_scheduling))
+    prompts = [[5, 6, 7], [8, 9], [10, 11, 12], [13]]
+    params = [SamplingParams(max_tokens=m, n=2, seed=s, ignore_eos=True) for s, m in enumerate((40, 3, 40, 4))]
+    full = engine.generate(prompts, params)
+    outs = engine.generate(prompts, params, min_finished_prompts=2)
+    assert [o.finished for o in outs] == [True] * 4
+    assert [o.outputs[0].finish_reason for o in outs] == ["abort", "length", "abort", "length"]
+    for cut, whole in zip(outs, full):
+        for c, w in zip(cut.outputs, whole.outputs):
+            assert c.token_ids == w.token_ids[: len(c.token_ids)] and len(c.logprobs) == len(c.token_ids)
+    assert not engine.has_unfinished_requests() and engine.kv_manager.pool.num_used_blocks == 0
+    with pytest.raises(ValueError, match="min_finished_prompts"):
+        engine.generate(prompts, params, min_finished_prompts=5)

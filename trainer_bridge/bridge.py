@@ -215,11 +215,15 @@ class TrainerBridge:
     def policy_version(self) -> int:
         return self.engine.policy_version
 
-    def rollout(self, prompts: Sequence[str | Sequence[int]], sampling: SamplingParams, *, use_tqdm: bool = False) -> RolloutBatch:
+    def rollout(self, prompts: Sequence[str | Sequence[int]], sampling: SamplingParams, *, use_tqdm: bool = False,
+                min_finished_prompts: int | None = None) -> RolloutBatch:
         """`sampling.n` completions of every prompt, as TokenSamples in prompt order.
 
         With `sampling.seed` set, prompt i is sampled with seed `sampling.seed + i` (so prompts do not share
         noise) and the batch is reproducible on any engine, local or pool. `sampling.logprobs` is forced on.
+        `min_finished_prompts` (a local engine): stop once that many prompts are done; the other samples come
+        back cut short, `finish_reason == "abort"` (over-sampling: keep the finished groups, drop or resume
+        the rest).
         """
         if not isinstance(sampling, SamplingParams):
             raise ValueError(f"sampling must be SamplingParams, got {type(sampling).__name__}")
@@ -231,7 +235,8 @@ class TrainerBridge:
             for i in range(len(prompts))
         ]
         start = time.perf_counter()
-        outputs = self.engine.generate(prompts, params, use_tqdm=use_tqdm)
+        extra = {} if min_finished_prompts is None else {"min_finished_prompts": min_finished_prompts}
+        outputs = self.engine.generate(prompts, params, use_tqdm=use_tqdm, **extra)
         seconds = time.perf_counter() - start
         samples = []
         for i, out in enumerate(outputs):
