@@ -5,8 +5,9 @@
 
     GET  /health                      200 {"status": "ok"}
     GET  /get_model_info              {"model_path", "policy_version", "has_tokenizer"}
-    POST /generate                    {"input_ids" | "text", "sampling_params", "return_logprob", "rid"?}: one
-                                      prompt or a list; one result per sample ({"text", "output_ids", "meta_info"})
+    POST /generate                    {"input_ids" | "text", "sampling_params", "return_logprob", "rid"?,
+                                      "stream"?}: one prompt or a list; one result per sample ({"text",
+                                      "output_ids", "meta_info"}); "stream": server-sent events of one prompt
     POST /abort_request               {"rid"}: that /generate call returns what it has, finish_reason "abort"
     POST /v1/completions              {"prompt", "max_tokens", "temperature", "top_p", "top_k", "n", "stop",
                                       "seed", "logprobs"}: OpenAI's text_completion object
@@ -16,13 +17,14 @@
 
 A request the engine refuses (bad sampling parameters, a prompt too long, the engine asleep) gets a 400
 with {"error": message}; the server and the other requests go on. Every result carries the policy
-version of each token (`meta_info["policy_versions"]`). Not here: streaming responses, chat templates,
-authentication, weight pushes of tensor data (use the weight_updates transports).
+version of each token (`meta_info["policy_versions"]`). Not here: streaming of /v1/completions, chat
+templates, authentication, weight pushes of tensor data (use the weight_updates transports).
 """
 
 from __future__ import annotations
 
 import itertools
+import json
 import logging
 import time
 
@@ -127,11 +129,34 @@ def build_app(engine: AsyncEngine, model_path: str):
             prompts, batched = _prompts(body, "text", "input_ids")
             params = sglang_params(body.get("sampling_params"))
             rids = _rids(body.get("rid"), len(prompts), batched) or [f"gen-{next(ids)}" for _ in prompts]
+            if body.get("stream"):
+                if batched:
+                    raise ValueError("stream takes one prompt")
+                return await stream(request, engine.stream(prompts[0], params, request_id=rids[0]),
+                                    bool(body.get("return_logprob")))
             outs = await asyncio.gather(*(engine.generate(p, params, request_id=r) for p, r in zip(prompts, rids)))
         except (ValueError, TypeError) as e:  # TypeError: a field of the wrong JSON type
             return refused(e)
         results = [r for out in outs for r in sglang_result(out, bool(body.get("return_logprob")))]
         return web.json_response(results if batched or len(results) > 1 else results[0])
+
+    async def stream(request, outputs, return_logprob: bool):
+        """Server-sent events: the result so far after every step that gave tokens, then [DONE]. The first
+        output is awaited before the response starts, so a refused request still gets its 400."""
+        try:
+            out = await outputs.__anext__()
+            response = web.StreamResponse(headers={"Content-Type": "text/event-stream", "Cache-Control": "no-cache"})
+            await response.prepare(request)
+            while True:
+                results = sglang_result(out, return_logprob)
+                await response.write(f"data: {json.dumps(results if len(results) > 1 else results[0])}\n\n".encode())
+                if out.finished:
+                    break
+                out = await outputs.__anext__()
+            await response.write(b"data: [DONE]\n\n")
+            return response
+        finally:
+            await outputs.aclose()  # a client gone mid-stream aborts its request
 
     async def completions(request):
         try:

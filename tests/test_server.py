@@ -5,6 +5,7 @@ and weight reloads from disk through their endpoints."""
 from __future__ import annotations
 
 import asyncio
+import json
 import shutil
 import threading
 
@@ -64,6 +65,19 @@ def test_generate_and_completions_return_the_engine_results(model_dir):
         assert [x["text"] for x in batch] == [o.outputs[0].text for o in greedy]
         matched = [x["meta_info"]["finish_reason"].get("matched") for x in batch]
         assert matched == [o.outputs[0].stop_reason for o in greedy] and "0" in matched
+        # streamed: the result so far after each step, the last one equal to the whole answer, then [DONE]
+        r = await client.post("/generate", json={"input_ids": ids, "stream": True, "sampling_params": {
+            "max_new_tokens": 10, "sampling_seed": 3, "ignore_eos": True}})
+        events = [e.removeprefix("data: ") for e in (await r.text()).split("\n\n") if e]
+        assert r.status == 200 and events[-1] == "[DONE]" and len(events) >= 3
+        chunks = [json.loads(e) for e in events[:-1]]
+        lengths = [len(c["output_ids"]) for c in chunks]
+        assert lengths == sorted(lengths) and chunks[-1]["output_ids"] == local.generate(
+            [ids], SamplingParams(max_tokens=10, seed=3, ignore_eos=True))[0].outputs[0].token_ids
+        r = await client.post("/generate", json={"text": [PROMPT, PROMPT], "stream": True})
+        assert r.status == 400 and "one prompt" in (await r.json())["error"]
+        r = await client.post("/generate", json={"input_ids": [100000], "stream": True})  # refused before streaming
+        assert r.status == 400 and "outside the vocabulary" in (await r.json())["error"]
         # OpenAI completions
         r = await client.post("/v1/completions", json={"prompt": PROMPT, "max_tokens": 10, "n": 2, "seed": 3,
                                                        "ignore_eos": True, "logprobs": 1})
