@@ -11,6 +11,7 @@
     POST /abort_request               {"rid"}: that /generate call returns what it has, finish_reason "abort"
     POST /v1/completions              {"prompt", "max_tokens", "temperature", "top_p", "top_k", "n", "stop",
                                       "seed", "logprobs"}: OpenAI's text_completion object
+    GET|POST /flush_cache             empty the prefix cache (blocks in use stay in use)
     POST /release_memory_occupation   {"tags"?}: Engine.sleep (level 2 when the tags include "weights")
     POST /resume_memory_occupation    {"tags"?}: Engine.wake_up(tags)
     POST /update_weights_from_disk    {"model_path", "version"?}: Engine.load_weights, validated before writing
@@ -200,6 +201,10 @@ def build_app(engine: AsyncEngine, model_path: str):
             return refused(e)
         return web.json_response({"success": await engine.abort(rid)})
 
+    async def flush_cache(request):
+        await engine.call(lambda e: e.kv_manager.reset_prefix_cache())
+        return web.json_response({"success": True})
+
     async def release(request):
         try:
             tags = (await body_of(request)).get("tags") if request.can_read_body else None
@@ -230,7 +235,7 @@ def build_app(engine: AsyncEngine, model_path: str):
     app = web.Application()
     app.add_routes([web.get("/health", health), web.get("/get_model_info", model_info),
                     web.post("/generate", generate), web.post("/v1/completions", completions),
-                    web.post("/abort_request", abort),
+                    web.post("/abort_request", abort), web.route("*", "/flush_cache", flush_cache),
                     web.post("/release_memory_occupation", release), web.post("/resume_memory_occupation", resume),
                     web.post("/update_weights_from_disk", update_from_disk)])
     return app

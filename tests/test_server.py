@@ -145,6 +145,12 @@ def test_bad_requests_sleep_and_weights_from_disk(model_dir, tmp_path):
         result = await r.json()
         assert result["output_ids"] == expected and result["meta_info"]["policy_versions"] == [1] * 8
         assert (await (await client.get("/get_model_info")).json())["policy_version"] == 1
+        r = await client.post("/generate", json={"text": PROMPT * 4, "sampling_params": {"max_new_tokens": 2}})
+        cached = await client.post("/generate", json={"text": PROMPT * 4, "sampling_params": {"max_new_tokens": 2}})
+        assert (await cached.json())["meta_info"]["cached_tokens"] > 0  # the prompt's full blocks were reused
+        assert (await (await client.get("/flush_cache")).json()) == {"success": True}
+        fresh = await client.post("/generate", json={"text": PROMPT * 4, "sampling_params": {"max_new_tokens": 2}})
+        assert (await fresh.json())["meta_info"]["cached_tokens"] == 0
 
     run(model_dir, scenario)
 
