@@ -319,14 +319,12 @@ class Engine:
         """Overwrite the weights in place with a checkpoint directory's (safetensors, the same architecture:
         the names and shapes the engine holds; float tensors cast to the engine's dtype), as one dense
         update: every tensor is checked before any is written. `version` defaults to policy_version + 1."""
-        from runner.loader import _IGNORED_SUFFIXES, _iter_checkpoint, safetensors_files
+        from runner.loader import checkpoint_tensors
         from weight_updates import Dense
 
         specs = self.weight_specs()
         records = []
-        for file, name, lazy in _iter_checkpoint(safetensors_files(path)):
-            if name.endswith(_IGNORED_SUFFIXES):
-                continue
+        for file, name, lazy in checkpoint_tensors(path, self.model_config.tie_word_embeddings):
             spec = specs.get(name)
             if spec is None:
                 raise ValueError(f"{file}: tensor {name!r} is not a weight of this engine's model")

@@ -62,6 +62,15 @@ def _iter_checkpoint(files: list[Path]):
                 raise ValueError(f"cannot read tensor {name!r} from {file}: {e}") from None
 
 
+def checkpoint_tensors(model_dir: str | Path, tie_word_embeddings: bool):
+    """(file, name, lazy slice) of a checkpoint directory's weight tensors: without the buffers Hugging Face
+    saves next to them (rotary inverse frequencies) and without lm_head.weight when it is tied."""
+    for file, name, lazy in _iter_checkpoint(safetensors_files(model_dir)):
+        if name.endswith(_IGNORED_SUFFIXES) or (tie_word_embeddings and name == "lm_head.weight"):
+            continue
+        yield file, name, lazy
+
+
 def _read_shard(file: Path, name: str, lazy, slot: CheckpointSlot) -> torch.Tensor:
     """The rank's part of a checkpoint tensor (all of it without tensor parallelism)."""
     start, end = slot.shard
@@ -87,11 +96,7 @@ def load_model(
     weights = CheckpointWeights(model)
     loaded: set[str] = set()
     with torch.no_grad():
-        for file, name, lazy in _iter_checkpoint(safetensors_files(model_dir)):
-            if name.endswith(_IGNORED_SUFFIXES):
-                continue
-            if name == "lm_head.weight" and cfg.tie_word_embeddings:
-                continue
+        for file, name, lazy in checkpoint_tensors(model_dir, cfg.tie_word_embeddings):
             if name not in weights.layout:
                 logger.warning("ignoring checkpoint tensor %s (%s): not part of the model", name, file.name)
                 continue
