@@ -373,12 +373,7 @@ class ModelRunner:
         move every parameter (target and drafter) to host memory, pinned on CUDA. The modules keep their
         Parameter objects, only `.data` moves, so checkpoint views and weight receivers stay valid."""
         self._recapture = self.graphs is not None
-        if self.graphs is not None:
-            self.graphs.release()
-            self.graphs = None
-        self._drop_kv_cache()
-        if self.spec is not None:
-            self.spec.free_kv_cache()
+        self._free_cache_and_graphs()
         if offload_weights:
             pin = self.device.type == "cuda"
             for p in self._parameters():
@@ -405,13 +400,16 @@ class ModelRunner:
             if self._recapture:
                 self.capture_graphs()
         except BaseException:
-            if self.graphs is not None:
-                self.graphs.release()
-                self.graphs = None
-            self._drop_kv_cache()
-            if self.spec is not None:
-                self.spec.free_kv_cache()
+            self._free_cache_and_graphs()
             raise
+
+    def _free_cache_and_graphs(self) -> None:
+        if self.graphs is not None:
+            self.graphs.release()
+            self.graphs = None
+        self._drop_kv_cache()
+        if self.spec is not None:
+            self.spec.free_kv_cache()
 
     def _parameters(self) -> list[torch.nn.Parameter]:
         params = list(self.model.parameters())

@@ -141,3 +141,16 @@ def sampler_peaks(engines: dict, prompts, params) -> tuple[dict, dict]:
         finally:
             peaks[name], rank0.sampler = rank0.sampler.peak_bytes, plain
     return peaks, tokens
+
+
+def perturbed_checkpoint(src: Path, dst: Path, seed: int) -> Path:
+    """A copy of the checkpoint directory `src` at `dst` with every tensor moved by 0.05 * N(0, 1)."""
+    import shutil
+
+    from safetensors.torch import load_file, save_file
+
+    shutil.copytree(src, dst)
+    weights = load_file(dst / "model.safetensors")
+    g = torch.Generator().manual_seed(seed)
+    save_file({k: v + 0.05 * torch.randn(v.shape, generator=g) for k, v in weights.items()}, dst / "model.safetensors")
+    return dst

@@ -16,6 +16,8 @@ pytest.importorskip("aiohttp")
 from aiohttp.test_utils import TestClient, TestServer  # noqa: E402
 from safetensors.torch import load_file, save_file  # noqa: E402
 
+from conftest import perturbed_checkpoint  # noqa: E402
+
 from rollout import AsyncEngine, Engine, EngineConfig, SamplingParams  # noqa: E402
 from rollout.server import build_app  # noqa: E402
 from trainer_bridge import toy_task  # noqa: E402
@@ -93,11 +95,7 @@ def test_generate_and_completions_return_the_engine_results(model_dir):
 
 def test_bad_requests_sleep_and_weights_from_disk(model_dir, tmp_path):
     # a checkpoint with every weight moved: the reload must reproduce a fresh engine on it
-    moved = tmp_path / "moved"
-    shutil.copytree(model_dir, moved)
-    weights = load_file(moved / "model.safetensors")
-    g = torch.Generator().manual_seed(1)
-    save_file({k: v + 0.05 * torch.randn(v.shape, generator=g) for k, v in weights.items()}, moved / "model.safetensors")
+    moved = perturbed_checkpoint(model_dir, tmp_path / "moved", seed=1)
     greedy = SamplingParams(max_tokens=8, temperature=0, ignore_eos=True)
     expected = Engine(config(moved)).generate([PROMPT], greedy)[0].outputs[0].token_ids
 

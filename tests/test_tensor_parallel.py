@@ -247,15 +247,9 @@ def test_step_messages_round_trip_through_json():
 def test_tp_engine_reloads_weights_from_disk(tp_model_dir, tmp_path, single_thread):
     """Engine.load_weights under TP: full checkpoint tensors go through rank 0's validated session, each
     rank writes its shard; greedy output then equals a fresh single-process engine on the new checkpoint."""
-    import shutil
+    from conftest import perturbed_checkpoint
 
-    from safetensors.torch import load_file, save_file
-
-    moved = tmp_path / "moved"
-    shutil.copytree(tp_model_dir, moved)
-    weights = load_file(moved / "model.safetensors")
-    g = torch.Generator().manual_seed(5)
-    save_file({k: v + 0.05 * torch.randn(v.shape, generator=g) for k, v in weights.items()}, moved / "model.safetensors")
+    moved = perturbed_checkpoint(tp_model_dir, tmp_path / "moved", seed=5)
     greedy = SamplingParams(temperature=0.0, max_tokens=8, ignore_eos=True)
     prompts = [[3, 4, 5], [9, 10, 11, 12]]
     with Engine(tp_config(moved)) as fresh:
