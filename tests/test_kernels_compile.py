@@ -1,9 +1,10 @@
-"""Every Triton kernel of the engine compiles for the H200 (sm_90) — checked on the CPU, where the kernel
-tests only interpret them. The interpreter runs Python: it cannot catch what only the compiler rejects
-(types across branches, constexpr misuse, unsupported ops). Here the public launchers run once each under
-the interpreter while their launches are recorded (argument types, constexpr values, options), and a
-process without TRITON_INTERPRET compiles each recorded specialization to a cubin, also with bfloat16 in
-place of float16 (the interpreter has no bfloat16). Skipped where Triton has no NVIDIA backend."""
+"""Every Triton kernel of the engine compiles for the H200 (sm_90) and the A100 (sm_80) — checked on the
+CPU, where the kernel tests only interpret them. The interpreter runs Python: it cannot catch what only the
+compiler rejects (types across branches, constexpr misuse, unsupported ops). Here the public launchers run
+once each under the interpreter while their launches are recorded (argument types, constexpr values,
+options), and a process without TRITON_INTERPRET compiles each recorded specialization to a cubin, also
+with bfloat16 in place of float16 (the interpreter has no bfloat16). Skipped where Triton has no NVIDIA
+backend."""
 
 from __future__ import annotations
 
@@ -108,7 +109,7 @@ def _launch_every_kernel() -> None:
                      seeds[:R], pos[:R], 11, 13, chunk=16)
 
 
-def test_every_kernel_compiles_for_sm90(monkeypatch):
+def test_every_kernel_compiles_for_sm90_and_sm80(monkeypatch):
     triton = pytest.importorskip("triton")
     from triton.runtime.interpreter import InterpretedFunction
 
@@ -134,7 +135,7 @@ def test_every_kernel_compiles_for_sm90(monkeypatch):
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
     root = Path(__file__).resolve().parent.parent
     env["PYTHONPATH"] = os.pathsep.join(p for p in (str(root), env.get("PYTHONPATH")) if p)
-    done = subprocess.run([sys.executable, str(Path(__file__).with_name("gpu_compile_check.py"))],
+    done = subprocess.run([sys.executable, str(Path(__file__).with_name("gpu_compile_check.py")), "90", "80"],
                           input=json.dumps(list(specs.values())), capture_output=True, text=True, env=env, timeout=900)
     assert done.returncode == 0, done.stderr[-3000:]
     failures = json.loads(done.stdout)
