@@ -7,7 +7,10 @@ from __future__ import annotations
 import asyncio
 import json
 import shutil
+import subprocess
+import sys
 import threading
+from pathlib import Path
 
 import pytest
 import torch
@@ -166,3 +169,34 @@ def test_load_weights_refuses_a_foreign_checkpoint_and_changes_nothing(model_dir
             engine.load_weights(str(foreign))
     assert engine.policy_version == 0
     assert all(torch.equal(engine.runner.weights.view(n), w) for n, w in before.items())
+
+
+def test_serve_command_answers_over_a_socket(model_dir):
+    """`python -m rollout serve` end to end: a subprocess on a free port answers /health and /generate."""
+    import socket
+    import time
+    import urllib.request
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    root = Path(__file__).resolve().parent.parent
+    proc = subprocess.Popen([sys.executable, "-m", "rollout", "serve", "--model", str(model_dir), "--port", str(port)],
+                            cwd=root, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
+    try:
+        for _ in range(300):  # the engine loads, then the socket opens
+            try:
+                with urllib.request.urlopen(f"http://127.0.0.1:{port}/health", timeout=1) as r:
+                    assert json.load(r) == {"status": "ok"}
+                break
+            except OSError:
+                assert proc.poll() is None, proc.stderr.read()
+                time.sleep(0.1)
+        else:
+            raise AssertionError("the server did not come up in 30 s")
+        body = json.dumps({"text": PROMPT, "sampling_params": {"max_new_tokens": 5, "ignore_eos": True}}).encode()
+        with urllib.request.urlopen(urllib.request.Request(f"http://127.0.0.1:{port}/generate", data=body)) as r:
+            assert len(json.load(r)["output_ids"]) == 5
+    finally:
+        proc.terminate()
+        proc.wait(timeout=30)
