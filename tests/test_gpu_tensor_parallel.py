@@ -234,6 +234,22 @@ def test_tp_greedy_decode_with_graphs_matches_prefill(engine_tp):
     assert replays >= 20  # 23 pure-decode steps of 5 rows, all graph replays on rank 0
 
 
+def test_tp_sleep_frees_rank_memory_and_wakes_with_graphs(engine_tp):
+    """Level 2 on both ranks: rank 0's allocated memory drops by at least its KV cache and weights; after
+    wake_up the graphs (holding the NCCL collectives) are captured again and seeded sampling is unchanged."""
+    before = _tokens(engine_tp.generate(PROMPTS, PARAMS))
+    runner = engine_tp.runner.runner  # rank 0's ModelRunner
+    kv_bytes = sum(2 * k.numel() * k.element_size() for k, _ in runner.kv_caches)
+    weight_bytes = sum(p.numel() * p.element_size() for p in runner._parameters())
+    torch.cuda.synchronize(runner.device)
+    allocated = torch.cuda.memory_allocated(runner.device)
+    engine_tp.sleep(2)
+    assert allocated - torch.cuda.memory_allocated(runner.device) >= kv_bytes + weight_bytes
+    engine_tp.wake_up()
+    assert runner.graphs is not None
+    assert _tokens(engine_tp.generate(PROMPTS, PARAMS)) == before
+
+
 # ---- sampling: batch-sharded vs all-gather --------------------------------------------------------------
 def test_tp_seeded_tokens_equal_between_sharded_and_allgather(engine_tp, engine_ag):
     """Both sample the same logits with the same counter-based noise, row by row: exactly the same tokens."""
