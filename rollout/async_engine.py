@@ -135,11 +135,7 @@ class AsyncEngine:
 
     def _run(self) -> None:
         engine = self.engine
-        device = engine.runner.device
-        if device.type == "cuda":  # a new thread starts on device 0; kernels launch on the current device
-            import torch
-
-            torch.cuda.set_device(device)
+        engine.runner.use_in_this_thread()
         while True:
             # wait for work when idle; otherwise take every command that arrived during the last step
             idle = not engine.has_unfinished_requests()

@@ -403,6 +403,12 @@ class ModelRunner:
             self._free_cache_and_graphs()
             raise
 
+    def use_in_this_thread(self) -> None:
+        """Make this runner's device the calling thread's current one (a new thread starts on device 0, and
+        kernels launch on the current device)."""
+        if self.device.type == "cuda":
+            torch.cuda.set_device(self.device)
+
     def _free_cache_and_graphs(self) -> None:
         if self.graphs is not None:
             self.graphs.release()
