@@ -116,6 +116,21 @@ def build_app(engine: AsyncEngine, model_path: str):
             raise ValueError("the request body must be a JSON object")
         return body
 
+    async def generate_all(prompts, params, rids):
+        """Every prompt's finished output, in order; when one is refused, the others are cancelled (which
+        aborts them) and its error raised."""
+        tasks = [asyncio.ensure_future(engine.generate(p, params, request_id=r)) for p, r in zip(prompts, rids)]
+        try:
+            return await asyncio.gather(*tasks)
+        except BaseException:
+            for t in tasks:
+                t.cancel()
+            await asyncio.gather(*tasks, return_exceptions=True)
+            raise
+
+    async def tags_of(request) -> list | None:
+        return (await body_of(request)).get("tags") if request.can_read_body else None
+
     async def health(request):
         return web.json_response({"status": "ok"})
 
@@ -135,7 +150,7 @@ def build_app(engine: AsyncEngine, model_path: str):
                     raise ValueError("stream takes one prompt")
                 return await stream(request, engine.stream(prompts[0], params, request_id=rids[0]),
                                     bool(body.get("return_logprob")))
-            outs = await asyncio.gather(*(engine.generate(p, params, request_id=r) for p, r in zip(prompts, rids)))
+            outs = await generate_all(prompts, params, rids)
         except (ValueError, TypeError) as e:  # TypeError: a field of the wrong JSON type
             return refused(e)
         results = [r for out in outs for r in sglang_result(out, bool(body.get("return_logprob")))]
@@ -169,7 +184,7 @@ def build_app(engine: AsyncEngine, model_path: str):
             fields = {k: body[k] for k in _OPENAI_PARAMS - {"logprobs", "model"} if body.get(k) is not None}
             fields.setdefault("max_tokens", 16)  # OpenAI's default
             params = SamplingParams(**fields)
-            outs = await asyncio.gather(*(engine.generate(p, params, request_id=f"cmpl-{next(ids)}") for p in prompts))
+            outs = await generate_all(prompts, params, [f"cmpl-{next(ids)}" for _ in prompts])
         except (ValueError, TypeError) as e:  # TypeError: a field of the wrong JSON type
             return refused(e)
         tokenizer = engine.engine.tokenizer
@@ -207,7 +222,7 @@ def build_app(engine: AsyncEngine, model_path: str):
 
     async def release(request):
         try:
-            tags = (await body_of(request)).get("tags") if request.can_read_body else None
+            tags = await tags_of(request)
             await engine.call(lambda e: e.sleep(2 if tags is None or "weights" in tags else 1))
         except (ValueError, TypeError) as e:  # TypeError: a field of the wrong JSON type
             return refused(e)
@@ -215,7 +230,7 @@ def build_app(engine: AsyncEngine, model_path: str):
 
     async def resume(request):
         try:
-            tags = (await body_of(request)).get("tags") if request.can_read_body else None
+            tags = await tags_of(request)
             await engine.call(lambda e: e.wake_up(tags))
         except (ValueError, TypeError) as e:  # TypeError: a field of the wrong JSON type
             return refused(e)

@@ -128,6 +128,11 @@ def test_bad_requests_sleep_and_weights_from_disk(model_dir, tmp_path):
         assert (await (await aborted).json()) == {"success": True}
         partial = await (await pending).json()
         assert partial["meta_info"]["finish_reason"]["type"] == "abort" and len(partial["output_ids"]) < 40
+        # one refused prompt of a batch refuses the batch and leaves none of its prompts running
+        r = await client.post("/generate", json={"input_ids": [[3, 4], [100000]], "sampling_params": {
+            "max_new_tokens": 400, "ignore_eos": True}})
+        assert r.status == 400 and "outside the vocabulary" in (await r.json())["error"]
+        assert not await engine.call(lambda e: e.has_unfinished_requests())
         r = await client.post("/v1/completions", json={"prompt": PROMPT, "echo": True})
         assert r.status == 400 and "echo" in (await r.json())["error"]
         assert (await client.get("/health")).status == 200
