@@ -106,6 +106,7 @@ def _launch(query, key, q_out, k_out, positions, cos_sin_cache, store=None) -> N
     num_tokens, num_q_heads, head_dim = query.shape
     if not num_tokens:
         return
+    # without a store, any tensors fill the store's pointer arguments: STORE=False compiles their uses out
     value, k_cache, v_cache, slots = store if store is not None else (key, key, key, positions)
     cache_strides = (*k_cache.stride()[:3], *v_cache.stride()[:3]) if store is not None else (0,) * 6
     _rotary_kernel[(num_tokens,)](
