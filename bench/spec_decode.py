@@ -81,6 +81,7 @@ def main() -> None:
     ap.add_argument("--repeats", type=int, default=3, help="timed runs per row; the median is reported")
     ap.add_argument("--enforce-eager", action="store_true", help="no CUDA graphs (they are used by default on CUDA)")
     ap.add_argument("--target-layers", type=int, default=12, help="decoder layers of the full run's target")
+    ap.add_argument("--drafter-steps", type=int, default=None, help="online drafter training steps (default 80 quick, 1000)")
     ap.add_argument("--target-seconds", type=float, default=None, help="target training time (default 12 quick, 180)")
     args = ap.parse_args()
     if args.device == "cpu":
@@ -107,7 +108,7 @@ def main() -> None:
         gen = torch.Generator().manual_seed(0)
         rollouts = [r[:3].tolist() for r in counting_corpus(64, 3, vocab, gen)]
         engine.generate(rollouts, SamplingParams(temperature=1.0, max_tokens=new_tokens, ignore_eos=True, seed=1))
-        train = train_drafter(engine, num_steps=80 if quick else 400, batch_size=16, lr=5e-3)
+        train = train_drafter(engine, num_steps=args.drafter_steps or (80 if quick else 1000), batch_size=16, lr=5e-3)
         emit(stage="train_drafter", method=method, **{k: round(v, 4) for k, v in train.items()})
         graphs = engine.runner.spec.graphs
         if graphs is not None:  # every shape the timed runs can meet, so no capture is timed

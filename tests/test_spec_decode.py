@@ -337,16 +337,30 @@ def test_eagle3_aux_layers(model64):
 def test_auto_off_controller():
     ctl = SpecController(4, probe_steps=2, reprobe_interval=100)
     assert ctl.lookahead(64) == 4  # no measurements yet: speculate
-    for _ in range(2):
+    for _ in range(2):  # probing alternates: spec, plain, spec, plain
+        assert ctl.lookahead(64) == 4
         ctl.record(64, True, num_tokens=64 * 2, seconds=1.0)  # 128 tok/s with speculation
-    assert ctl.lookahead(64) == 0  # now measure without
-    for _ in range(2):
+        assert ctl.lookahead(64) == 0
         ctl.record(64, False, num_tokens=64, seconds=0.25)  # 256 tok/s without
     assert ctl.lookahead(64) == 0 and ctl.lookahead(100) == 0  # same bucket [64, 128)
     assert ctl.stats()[64]["speculating"] is False
     assert ctl.lookahead(1) == 4  # other buckets unaffected
     ctl.auto_off = False
     assert ctl.lookahead(64) == 4
+
+
+def test_auto_off_one_slow_step_does_not_decide():
+    """A mode's rate is mean tokens per step over the median step time of its last probe_steps steps: a
+    single 50x pause (a collector run) in the speculating window leaves speculation the winner."""
+    ctl = SpecController(4, probe_steps=5)
+    for i in range(5):
+        ctl.record(1, True, num_tokens=3, seconds=0.05 if i == 2 else 0.001)  # ~3000 tok/s, one 50 ms step
+        ctl.record(1, False, num_tokens=1, seconds=0.0007)  # ~1430 tok/s
+    stats = ctl.stats()[1]
+    assert stats["tokens_per_s_spec"] == 3000.0 and stats["speculating"] is True
+    for _ in range(5):  # the window slides: five slow speculating steps turn it off
+        ctl.record(1, True, num_tokens=3, seconds=0.01)
+    assert ctl.lookahead(1) == 0
 
 
 def test_engine_auto_off_turns_speculation_off_when_it_loses(model64):

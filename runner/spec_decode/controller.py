@@ -2,30 +2,42 @@
 
 The engine asks `lookahead(batch_size)` before each step and reports the step with `record(...)`. A bucket
 (running requests rounded down to a power of two) first measures `probe_steps` decode steps with
-speculation and `probe_steps` without, then uses the faster mode; every `reprobe_interval` steps it
-measures the other mode again, since acceptance drifts with the policy. Only pure decode steps are
-measured (prefill chunks would distort the rates). Pure Python, no tensors.
+speculation and `probe_steps` without, alternating the two so that a drift of the machine (clocks ramping
+up, a warm-up) lands on both; then it uses the faster mode. Every `reprobe_interval` steps it measures the
+losing mode again, since acceptance drifts with the policy. A mode's rate is the mean tokens per step over
+its last `probe_steps` steps divided by their median step time, so one slow step (a collector pause, a
+page fault) does not decide. Only pure decode steps are measured (prefill chunks would distort the rates).
+Pure Python, no tensors.
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+import statistics
+from collections import deque
+from dataclasses import dataclass, field
 
 
 @dataclass(slots=True)
 class _Rate:
-    num_tokens: float = 0.0
-    seconds: float = 0.0
+    window: int
+    tokens: deque = field(init=False)  # tokens produced by each of the last `window` steps
+    seconds: deque = field(init=False)  # wall time of each of those steps
     num_steps: int = 0
 
-    def add(self, num_tokens: int, seconds: float, decay: float) -> None:
-        self.num_tokens = self.num_tokens * decay + num_tokens
-        self.seconds = self.seconds * decay + seconds
+    def __post_init__(self) -> None:
+        self.tokens, self.seconds = deque(maxlen=self.window), deque(maxlen=self.window)
+
+    def add(self, num_tokens: int, seconds: float) -> None:
+        self.tokens.append(num_tokens)
+        self.seconds.append(seconds)
         self.num_steps += 1
 
     @property
     def tokens_per_s(self) -> float:
-        return self.num_tokens / self.seconds if self.seconds > 0 else 0.0
+        if not self.seconds:
+            return 0.0
+        step = statistics.median(self.seconds)
+        return statistics.fmean(self.tokens) / step if step > 0 else 0.0
 
 
 @dataclass(slots=True)
@@ -37,13 +49,12 @@ class _Bucket:
 
 class SpecController:
     def __init__(self, num_speculative_tokens: int, *, auto_off: bool = True, probe_steps: int = 8,
-                 reprobe_interval: int = 512, decay: float = 0.9) -> None:
+                 reprobe_interval: int = 512) -> None:
         self.k = num_speculative_tokens
         self.auto_off = auto_off
         """False: always speculate."""
         self.probe_steps = probe_steps
         self.reprobe_interval = reprobe_interval
-        self.decay = decay
         self.buckets: dict[int, _Bucket] = {}
 
     @staticmethod
@@ -55,10 +66,10 @@ class SpecController:
         if not self.auto_off:
             return True
         b = self.buckets.get(self.bucket_of(batch_size))
-        if b is None or b.spec.num_steps < self.probe_steps:
+        if b is None:
             return True
-        if b.plain.num_steps < self.probe_steps:
-            return False
+        if min(b.spec.num_steps, b.plain.num_steps) < self.probe_steps:  # probing: alternate, spec first
+            return b.spec.num_steps <= b.plain.num_steps
         better_spec = b.spec.tokens_per_s >= b.plain.tokens_per_s
         # re-measure the losing mode for probe_steps steps every reprobe_interval steps
         if b.num_steps % self.reprobe_interval < self.probe_steps:
@@ -70,9 +81,9 @@ class SpecController:
 
     def record(self, batch_size: int, speculated: bool, num_tokens: int, seconds: float) -> None:
         """One pure decode step: tokens produced and wall time."""
-        b = self.buckets.setdefault(self.bucket_of(batch_size), _Bucket(_Rate(), _Rate()))
+        b = self.buckets.setdefault(self.bucket_of(batch_size), _Bucket(_Rate(self.probe_steps), _Rate(self.probe_steps)))
         b.num_steps += 1
-        (b.spec if speculated else b.plain).add(num_tokens, seconds, self.decay)
+        (b.spec if speculated else b.plain).add(num_tokens, seconds)
 
     def stats(self) -> dict:
         """Per bucket: measured tokens/s with and without speculation and whether it speculates now."""
