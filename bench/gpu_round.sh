@@ -54,9 +54,9 @@ case "${1:-tests}" in
     ;;
   tp)
     export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1
-    timeout 400 python3 -m pytest -q -s -p no:cacheprovider tests/test_gpu_tensor_parallel.py > "$OUT/tp_tests.log" 2>&1
+    timeout 320 python3 -m pytest -q -s -p no:cacheprovider tests/test_gpu_tensor_parallel.py > "$OUT/tp_tests.log" 2>&1
     grep '^{' "$OUT/tp_tests.log"; tail -5 "$OUT/tp_tests.log"
-    timeout 240 python3 bench/tp_decode.py --device cuda --shape qwen2.5-0.5b --batch 256 --profile > "$OUT/tp.log" 2>&1 \
+    timeout 230 python3 bench/tp_decode.py --device cuda --shape qwen2.5-0.5b --batch 256 --profile > "$OUT/tp.log" 2>&1 \
       || timeout 120 python3 bench/tp_decode.py --device cuda --shape qwen2.5-0.5b --batch 256 --enforce-eager \
       > "$OUT/tp_eager.log" 2>&1
     grep -h "^{" "$OUT"/tp.log "$OUT"/tp_eager.log 2>/dev/null; tail -n 5 "$OUT"/tp.log

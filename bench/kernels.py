@@ -5,6 +5,7 @@ read and write at least (KV cache and queries for attention, logits for the samp
 bound on the memory traffic. Not here: end-to-end engine throughput (see the engine benchmarks).
 
     python bench/kernels.py
+    python bench/kernels.py --sweep-attention     # fast-mode launch choices at the decode benchmarks' shapes
 """
 
 from __future__ import annotations
@@ -31,7 +32,7 @@ def _emit(name: str, ms: float, nbytes: int, **extra) -> None:
     print(json.dumps({"kernel": name, "ms": round(ms, 4), "gbps": round(nbytes / ms / 1e6, 1), **extra}), flush=True)
 
 
-def bench_attention(num_reqs: int, q_len: int, seq_len: int, deterministic: bool) -> None:
+def bench_attention(num_reqs: int, q_len: int, seq_len: int, deterministic: bool, **tuning) -> None:
     blocks_per_req = triton.cdiv(seq_len, BLOCK_SIZE)
     num_blocks = num_reqs * blocks_per_req
     cache_shape = (num_blocks, BLOCK_SIZE, NUM_KV_HEADS, HEAD_DIM)
@@ -44,10 +45,24 @@ def bench_attention(num_reqs: int, q_len: int, seq_len: int, deterministic: bool
     out = torch.empty_like(query)
     ms = triton.testing.do_bench(lambda: paged_attention(
         query, k_cache, v_cache, qsl, seq_lens, block_tables, HEAD_DIM**-0.5, q_len, seq_len, out=out,
-        deterministic=deterministic))
+        deterministic=deterministic, **tuning))
     nbytes = 2 * k_cache.numel() * k_cache.element_size() + 2 * query.numel() * query.element_size()
     _emit("paged_attention", ms, nbytes, num_reqs=num_reqs, q_len=q_len, seq_len=seq_len,
-          deterministic=deterministic)
+          deterministic=deterministic, **tuning)
+
+
+def sweep_attention() -> None:
+    """Fast-mode launch choices at the decode shapes of the batch-1 and batch-256 benchmarks (context
+    up to 384 tokens): KV tile, warps, pipeline stages and a forced KV split."""
+    for num_reqs, seq_len in ((256, 256), (256, 384), (1, 384)):
+        bench_attention(num_reqs, 1, seq_len, False)
+        for block_n in (32, 64, 128):
+            for num_warps in (2, 4, 8):
+                for num_stages in (1, 2, 3):
+                    bench_attention(num_reqs, 1, seq_len, False, block_n=block_n, num_warps=num_warps,
+                                    num_stages=num_stages)
+        for split in (64, 128):
+            bench_attention(num_reqs, 1, seq_len, False, kv_split_size=split)
 
 
 def bench_sampler(num_rows: int, top_k: int, top_p: float) -> None:
@@ -81,6 +96,9 @@ def bench_norm_and_rotary(num_tokens: int) -> None:
 def main() -> None:
     if not torch.cuda.is_available():
         raise SystemExit("bench/kernels.py needs a CUDA device")
+    if "--sweep-attention" in sys.argv[1:]:
+        sweep_attention()
+        return
     for deterministic in (False, True):
         bench_attention(256, 1, 2048, deterministic)
         bench_attention(4, 1, 16384, deterministic)

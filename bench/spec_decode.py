@@ -41,10 +41,12 @@ def emit(**row) -> None:
 def measure(engine, batch: int, new_tokens: int, vocab: int, mode: str, seed: int, repeats: int) -> dict:
     """Decode `batch` prompts `repeats` times after a warm-up; the median run's tokens/s, and the acceptance
     and step counts of all timed runs. mode: "spec" (always speculate), "plain" (look-ahead 0) or "auto"
-    (the engine's auto-off controller, which measures both modes per batch-size bucket during the warm-up
-    and keeps the faster)."""
+    (the engine's auto-off controller, which starts the row without measurements, probes both modes per
+    batch-size bucket during the warm-up and keeps the faster; the row reports its bucket's rates)."""
     ctl = engine.spec_controller
     ctl.auto_off = mode == "auto"
+    if ctl.auto_off:
+        ctl.buckets.clear()  # decide from this row's own probing, as a fresh engine would
     ctl.k = 0 if mode == "plain" else engine.config.speculative.num_speculative_tokens
     gen = torch.Generator().manual_seed(seed)
     params = SamplingParams(temperature=1.0, max_tokens=new_tokens, ignore_eos=True, seed=seed)
@@ -62,12 +64,14 @@ def measure(engine, batch: int, new_tokens: int, vocab: int, mode: str, seed: in
         stats += [o.outputs[0].spec_decode_stats for o in outs]
     steps = sum(s["num_spec_steps"] for s in stats)
     accepted = sum(s["num_accepted_tokens"] for s in stats)
+    bucket = ctl.stats().get(ctl.bucket_of(batch)) if mode == "auto" else None
     return dict(tokens_per_s=round(batch * new_tokens / statistics.median(seconds), 1),
                 tokens_per_s_runs=[round(batch * new_tokens / t, 1) for t in seconds],
                 mean_acceptance_length=round(1 + accepted / steps, 3) if steps else None,
                 cuda_graphs=graphs is not None,
                 graph_steps=(sum(graphs.num_steps.values()) if graphs else 0) - graph_steps,
-                steps=engine.scheduler.stats.num_steps - engine_steps)
+                steps=engine.scheduler.stats.num_steps - engine_steps,
+                **({"auto_off": bucket} if bucket else {}))
 
 
 def main() -> None:

@@ -295,6 +295,9 @@ def paged_attention(
     out: torch.Tensor | None = None,  # [T, Hq, D] in query's dtype; written in place when given
     deterministic: bool = False,
     kv_split_size: int | None = None,
+    block_n: int | None = None,
+    num_warps: int = 4,
+    num_stages: int | None = None,
 ) -> torch.Tensor:
     """Causal attention of each request's query tokens over its paged context. Returns out [T, Hq, D].
 
@@ -310,6 +313,9 @@ def paged_attention(
         256) from position 0, in order, with fixed tiles, so each query token's output is bitwise
         independent of batch size, batch position, chunking and prefill vs decode. Use the same
         kv_split_size everywhere the results are compared.
+    block_n, num_warps, num_stages: launch tuning of the fast mode (KV tile of 16, 32, 64 or 128 tokens;
+      default 64, 32 for head_dim > 128; Triton's default pipelining); deterministic mode refuses them
+      (its tiles are fixed by the model shape).
     """
     if query.dim() != 3:
         raise ValueError(f"query must be [T, Hq, D]; got {tuple(query.shape)}")
@@ -344,6 +350,10 @@ def paged_attention(
                          f"{max_seq_len}")
     if kv_split_size is not None and (kv_split_size <= 0 or kv_split_size % 16 != 0):
         raise ValueError(f"kv_split_size must be a positive multiple of 16; got {kv_split_size}")
+    if block_n is not None and block_n not in (16, 32, 64, 128):
+        raise ValueError(f"block_n must be 16, 32, 64 or 128; got {block_n}")
+    if deterministic and (block_n is not None or num_warps != 4 or num_stages is not None):
+        raise ValueError("block_n / num_warps / num_stages tune the fast mode; deterministic mode fixes them")
     _check_same_device(query, k_cache, v_cache, query_start_loc, seq_lens, block_tables)
     _check_last_dim_contiguous(query=query, k_cache=k_cache, v_cache=v_cache)
     if out is None:
@@ -369,7 +379,7 @@ def paged_attention(
     else:
         block_q = min(max(triton.next_power_of_2(max_query_len), triton.cdiv(16, group_pad)),
                       max(1, 64 // group_pad))
-        block_n = 64 if d_pad <= 128 else 32
+        block_n = block_n or (64 if d_pad <= 128 else 32)
         if kv_split_size is not None:
             block_n = min(block_n, next(n for n in (64, 32, 16) if kv_split_size % n == 0))
             split_size = kv_split_size
@@ -398,7 +408,7 @@ def paged_attention(
         GROUP=group, GROUP_PAD=group_pad, BLOCK_Q=block_q, BLOCK_N=block_n, D_PAD=d_pad,
         NUM_SPLITS=num_splits, DETERMINISTIC=deterministic, DET_SPLIT=split_size if deterministic else 0,
         IEEE_DOT=query.dtype == torch.float32,
-        num_warps=4,
+        num_warps=num_warps, **({} if num_stages is None else {"num_stages": num_stages}),
     )
     if num_splits > 1:
         _combine_splits_kernel[(num_tokens, num_heads)](

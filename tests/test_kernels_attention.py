@@ -185,6 +185,15 @@ def test_deterministic_mode_is_bitwise_batch_and_chunk_invariant(dtype):
     assert torch.equal(early, paged_attention(*short.args(), **det)[0])
 
 
+@pytest.mark.parametrize("block_n,num_warps,num_stages", [(16, 2, 1), (128, 8, 2), (32, 4, 3)])
+def test_launch_tuning_keeps_the_result(block_n, num_warps, num_stages):
+    """Other KV tiles, warp counts and pipeline depths compute the same attention (decode and a prefill
+    chunk over a cached prefix, one request's context longer than a 128-token tile)."""
+    batch = Batch([1, 3, 1], [150, 40, 7], group=3, seed=4)
+    _assert_matches_ref(batch, paged_attention(*batch.args(), block_n=block_n, num_warps=num_warps,
+                                               num_stages=num_stages))
+
+
 def test_paged_attention_rejects_misuse():
     batch = Batch([2, 1], [5, 9])
     q, kc, vc, qsl, sl, bt, scale, mq, ms = batch.args()
@@ -202,6 +211,10 @@ def test_paged_attention_rejects_misuse():
         paged_attention(q, kc, vc, qsl.float(), sl, bt, scale, mq, ms)
     with pytest.raises(ValueError, match="out must be"):
         paged_attention(q, kc, vc, qsl, sl, bt, scale, mq, ms, out=torch.empty_like(q[:1]))
+    with pytest.raises(ValueError, match="block_n must be"):
+        paged_attention(q, kc, vc, qsl, sl, bt, scale, mq, ms, block_n=48)
+    with pytest.raises(ValueError, match="deterministic mode fixes them"):
+        paged_attention(q, kc, vc, qsl, sl, bt, scale, mq, ms, deterministic=True, num_warps=8)
 
 
 # ---------------------------------------------------------------------------------------------- CUDA, real shapes
