@@ -352,15 +352,40 @@ def test_auto_off_controller():
 def test_auto_off_one_slow_step_does_not_decide():
     """A mode's rate is mean tokens per step over the median step time of its last probe_steps steps: a
     single 50x pause (a collector run) in the speculating window leaves speculation the winner."""
-    ctl = SpecController(4, probe_steps=5)
+    ctl = SpecController(4, probe_steps=5, reprobe_interval=20)
     for i in range(5):
         ctl.record(1, True, num_tokens=3, seconds=0.05 if i == 2 else 0.001)  # ~3000 tok/s, one 50 ms step
         ctl.record(1, False, num_tokens=1, seconds=0.0007)  # ~1430 tok/s
     stats = ctl.stats()[1]
     assert stats["tokens_per_s_spec"] == 3000.0 and stats["speculating"] is True
-    for _ in range(5):  # the window slides: five slow speculating steps turn it off
-        ctl.record(1, True, num_tokens=3, seconds=0.01)
+
+
+def test_auto_off_decides_only_from_side_by_side_probes():
+    """Slow speculating steps after the choice (the host got busy) do not turn speculation off against the
+    other mode's older measurements; the next probe phase, which sees both modes under the same
+    conditions, decides again."""
+    ctl = SpecController(4, probe_steps=2, reprobe_interval=10)
+    for _ in range(2):
+        ctl.record(1, True, num_tokens=4, seconds=0.001)
+        ctl.record(1, False, num_tokens=1, seconds=0.0007)
+    for _ in range(6):  # steps 4..9: the host is 10x slower
+        assert ctl.lookahead(1) == 4
+        ctl.record(1, True, num_tokens=4, seconds=0.01)
+    assert ctl.lookahead(1) == 4  # step 10: a probe phase opens, spec first
+    ctl.record(1, True, num_tokens=4, seconds=0.01)
     assert ctl.lookahead(1) == 0
+    ctl.record(1, False, num_tokens=1, seconds=0.007)  # the slow host slows plain steps too
+    ctl.record(1, True, num_tokens=4, seconds=0.01)
+    ctl.record(1, False, num_tokens=1, seconds=0.007)
+    assert ctl.lookahead(1) == 4  # 400 vs 143 tok/s side by side: speculation stays on
+    for _ in range(6):
+        ctl.record(1, True, num_tokens=1, seconds=0.01)  # acceptance collapses (policy drift)
+    for _ in range(2):  # the next probe phase sees it
+        ctl.record(1, True, num_tokens=1, seconds=0.01)
+        ctl.record(1, False, num_tokens=1, seconds=0.007)
+    assert ctl.lookahead(1) == 0 and ctl.stats()[1]["speculating"] is False
+    with pytest.raises(ValueError, match="reprobe_interval"):
+        SpecController(4, probe_steps=4, reprobe_interval=8)
 
 
 def test_engine_auto_off_turns_speculation_off_when_it_loses(model64):

@@ -1,10 +1,12 @@
 """Auto-off: per batch-size bucket, speculate only where it measurably raises tokens per second.
 
 The engine asks `lookahead(batch_size)` before each step and reports the step with `record(...)`. A bucket
-(running requests rounded down to a power of two) first measures `probe_steps` decode steps with
-speculation and `probe_steps` without, alternating the two so that a drift of the machine (clocks ramping
-up, a warm-up) lands on both; then it uses the faster mode. Every `reprobe_interval` steps it measures the
-losing mode again, since acceptance drifts with the policy. A mode's rate is the mean tokens per step over
+(running requests rounded down to a power of two) opens with a probe phase: `probe_steps` decode steps
+with speculation and `probe_steps` without, alternating, so that whatever the machine is doing at the time
+(clocks ramping, a busy host, a warm-up) lands on both modes alike. At the end of the phase the faster mode
+is chosen, and it is kept until the next probe phase, every `reprobe_interval` steps (acceptance drifts
+with the policy). Decisions come only from such side-by-side measurements: steps of the chosen mode in
+between are not compared with the other mode's older ones. A mode's rate is the mean tokens per step over
 its last `probe_steps` steps divided by their median step time, so one slow step (a collector pause, a
 page fault) does not decide. Only pure decode steps are measured (prefill chunks would distort the rates).
 Pure Python, no tensors.
@@ -45,6 +47,7 @@ class _Bucket:
     spec: _Rate
     plain: _Rate
     num_steps: int = 0
+    speculate: bool = True  # the choice of the last probe phase
 
 
 class SpecController:
@@ -53,6 +56,8 @@ class SpecController:
         self.k = num_speculative_tokens
         self.auto_off = auto_off
         """False: always speculate."""
+        if probe_steps < 1 or reprobe_interval <= 2 * probe_steps:
+            raise ValueError(f"need probe_steps >= 1 and reprobe_interval > 2 * probe_steps; got {probe_steps}, {reprobe_interval}")
         self.probe_steps = probe_steps
         self.reprobe_interval = reprobe_interval
         self.buckets: dict[int, _Bucket] = {}
@@ -68,13 +73,10 @@ class SpecController:
         b = self.buckets.get(self.bucket_of(batch_size))
         if b is None:
             return True
-        if min(b.spec.num_steps, b.plain.num_steps) < self.probe_steps:  # probing: alternate, spec first
-            return b.spec.num_steps <= b.plain.num_steps
-        better_spec = b.spec.tokens_per_s >= b.plain.tokens_per_s
-        # re-measure the losing mode for probe_steps steps every reprobe_interval steps
-        if b.num_steps % self.reprobe_interval < self.probe_steps:
-            return not better_spec
-        return better_spec
+        phase = b.num_steps % self.reprobe_interval
+        if phase < 2 * self.probe_steps:  # probing: spec, plain, spec, ...
+            return phase % 2 == 0
+        return b.speculate
 
     def lookahead(self, batch_size: int) -> int:
         return self.k if self.speculating(batch_size) else 0
@@ -82,8 +84,10 @@ class SpecController:
     def record(self, batch_size: int, speculated: bool, num_tokens: int, seconds: float) -> None:
         """One pure decode step: tokens produced and wall time."""
         b = self.buckets.setdefault(self.bucket_of(batch_size), _Bucket(_Rate(self.probe_steps), _Rate(self.probe_steps)))
-        b.num_steps += 1
         (b.spec if speculated else b.plain).add(num_tokens, seconds)
+        b.num_steps += 1
+        if b.num_steps % self.reprobe_interval == 2 * self.probe_steps:  # a probe phase ended: choose
+            b.speculate = b.spec.tokens_per_s >= b.plain.tokens_per_s
 
     def stats(self) -> dict:
         """Per bucket: measured tokens/s with and without speculation and whether it speculates now."""
