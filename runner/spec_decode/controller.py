@@ -48,6 +48,7 @@ class _Bucket:
     plain: _Rate
     num_steps: int = 0
     speculate: bool = True  # the choice of the last probe phase
+    chosen_from: tuple[float, float] = (0.0, 0.0)  # tokens/s with and without speculation it was made from
 
 
 class SpecController:
@@ -87,15 +88,17 @@ class SpecController:
         (b.spec if speculated else b.plain).add(num_tokens, seconds)
         b.num_steps += 1
         if b.num_steps % self.reprobe_interval == 2 * self.probe_steps:  # a probe phase ended: choose
-            b.speculate = b.spec.tokens_per_s >= b.plain.tokens_per_s
+            b.chosen_from = (b.spec.tokens_per_s, b.plain.tokens_per_s)
+            b.speculate = b.chosen_from[0] >= b.chosen_from[1]
 
     def stats(self) -> dict:
-        """Per bucket: measured tokens/s with and without speculation and whether it speculates now."""
+        """Per bucket: whether it speculates now, and the tokens/s with and without speculation measured side
+        by side in the last completed probe phase (0 before the first one ends)."""
         return {
             bucket: {
                 "speculating": self.speculating(bucket),
-                "tokens_per_s_spec": round(b.spec.tokens_per_s, 2),
-                "tokens_per_s_plain": round(b.plain.tokens_per_s, 2),
+                "tokens_per_s_spec": round(b.chosen_from[0], 2),
+                "tokens_per_s_plain": round(b.chosen_from[1], 2),
                 "num_steps": b.num_steps,
             }
             for bucket, b in sorted(self.buckets.items())
