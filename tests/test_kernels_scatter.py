@@ -12,7 +12,7 @@ if not torch.cuda.is_available():
 
 import pytest  # noqa: E402
 
-from kernels.scatter import gather_many, scatter_many  # noqa: E402
+from kernels.scatter import TensorTable, gather_many, scatter_many  # noqa: E402
 
 DEVICE = torch.device("cuda" if torch.cuda.is_available() else "cpu")
 
@@ -42,6 +42,19 @@ def test_gather_and_scatter_match_per_tensor_indexing(dtype):
         assert torch.equal(got, w)
 
 
+def test_a_table_serves_many_calls():
+    """A TensorTable built once reads and writes the live tensors: a scatter through it is seen by the next
+    gather through it and by the tensors themselves."""
+    tensors, picks, indices, segment = _patch([(6, 5), (700,)], torch.float32, seed=3)
+    table = TensorTable.of(tensors)
+    old = gather_many(table, indices, segment)
+    scatter_many(table, indices, segment, old + 1)
+    assert torch.equal(gather_many(table, indices, segment), old + 1)
+    assert torch.equal(tensors[1].view(-1)[picks[1].to(DEVICE)], old[picks[0].numel():] + 1)
+    with pytest.raises(ValueError, match="values must be"):
+        scatter_many(table, indices, segment, old.half())
+
+
 def test_bad_input_is_refused():
     tensors, _, indices, segment = _patch([(4, 4)], torch.float32, seed=2)
     with pytest.raises(ValueError, match="contiguous"):
@@ -52,3 +65,5 @@ def test_bad_input_is_refused():
         scatter_many(tensors, indices, segment, torch.zeros(indices.numel(), dtype=torch.float16, device=DEVICE))
     with pytest.raises(ValueError, match="at least one"):
         gather_many([], indices, segment)
+    with pytest.raises(ValueError, match="contiguous float32 on"):
+        TensorTable.of([tensors[0], tensors[0].double()])

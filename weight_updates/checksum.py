@@ -26,7 +26,7 @@ from collections.abc import Sequence
 
 import torch
 
-from kernels.common import SIGNED_VIEW, upload
+from kernels.common import SIGNED_VIEW, device_index, upload
 
 _CHUNK_BITS = 22
 _CHUNK = 1 << _CHUNK_BITS
@@ -43,13 +43,10 @@ def concat_to(parts: Sequence[torch.Tensor], dtype: torch.dtype, device: torch.d
     device = torch.device(device)
     if not parts:
         return torch.empty(0, dtype=dtype, device=device)
-    if device.type == "cuda" and all(p.device.type == "cpu" for p in parts):
+    here, where = device_index(device), [p.get_device() for p in parts]
+    if here >= 0 and all(w == -1 for w in where):
         return upload(_cat_runs(parts, dtype), device)
-    return _cat_runs([p if _on(p, device) else p.to(device, non_blocking=True) for p in parts], dtype)
-
-
-def _on(t: torch.Tensor, device: torch.device) -> bool:
-    return t.device.type == device.type and (device.index is None or t.device.index == device.index)
+    return _cat_runs([p if w == here else p.to(device, non_blocking=True) for p, w in zip(parts, where)], dtype)
 
 
 def _cat_runs(parts: Sequence[torch.Tensor], dtype: torch.dtype) -> torch.Tensor:

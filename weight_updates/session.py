@@ -49,15 +49,19 @@ import dataclasses
 import time
 from collections.abc import Collection, Iterable
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 import torch
 
-from kernels.common import SIGNED_VIEW, upload
+from kernels.common import SIGNED_VIEW, device_index, upload
 from weight_updates.checksum import checksum_tensors, concat_to, delta_terms
 from weight_updates.encoding import (GAP_DTYPES, Dense, Patch, Update, apply_bit_deltas, check_stream_dtypes, decode_streams,
                                      segment_sums)
 from weight_updates.errors import WeightUpdateError
 from weight_updates.target import ParamSpec, WeightTarget
+
+if TYPE_CHECKING:
+    from kernels.scatter import TensorTable
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)
@@ -91,33 +95,34 @@ _SIZES, _OVERFLOW, _NUMEL, _ESCAPES, _ROWS = range(5)
 @dataclass(kw_only=True, slots=True)
 class _PatchGroup:
     """The session's patches of one engine dtype, validated, read and written together: a fixed number of
-    kernels whatever the number of members. Gather / scatter is one launch (`kernels/scatter.py`) on CUDA
-    when the target lends its live tensors, else one indexing op per member."""
+    kernels whatever the number of members. Gather / scatter is one launch (`kernels/scatter.py`, through a
+    pointer table built once per session) on CUDA when the target lends its live tensors, else one
+    indexing op per member."""
 
     members: list[Patch]  # bit-delta patches first, then by gap dtype: few runs of equal dtypes to concatenate
     sizes: list[int]  # [k] changed elements per member
     meta: torch.Tensor  # [5, k] int64 on the device: sizes, overflow counts, numels, escape counts, record rows
     indices: torch.Tensor  # [n] int64: the members' flat indices, concatenated (clamped into bounds)
     segment: torch.Tensor  # [n] int64: which member each element belongs to
-    views: list[torch.Tensor] | None  # the members' live contiguous tensors, or None
+    table: "TensorTable | None"  # the members' live contiguous tensors (kernels.scatter), or None
     checks: torch.Tensor | None = None  # [k, 4] int64: malformed, negative gap, last index, escape mismatch
     predicted: torch.Tensor | None = None  # [k] int64 checksums after the patch, predicted before writing
     old: torch.Tensor | None = None  # [n] values before the write
     new: torch.Tensor | None = None  # [n] values to write
 
     def gather(self, target: WeightTarget) -> torch.Tensor:
-        if self.views is not None:
+        if self.table is not None:
             from kernels.scatter import gather_many
 
-            return gather_many(self.views, self.indices, self.segment)
+            return gather_many(self.table, self.indices, self.segment)
         return torch.cat([target.read_checkpoint_tensor(p.name).reshape(-1).index_select(0, idx)
                           for p, idx in zip(self.members, self.indices.split(self.sizes))])
 
     def scatter(self, target: WeightTarget, values: torch.Tensor) -> None:
-        if self.views is not None:
+        if self.table is not None:
             from kernels.scatter import scatter_many
 
-            scatter_many(self.views, self.indices, self.segment, values)
+            scatter_many(self.table, self.indices, self.segment, values)
             return
         for p, idx, v in zip(self.members, self.indices.split(self.sizes), values.split(self.sizes)):
             target.write_patch(p.name, idx, v)
@@ -370,7 +375,8 @@ class UpdateSession:
             raise WeightUpdateError(f"stream cut short: {len(missing)} announced parameters never arrived, e.g. {missing[:5]}")
         t0 = time.perf_counter()
         records = list(self._updates.values())
-        dense = [_DenseRecord(update=u, row=i, payload=u.tensor if u.tensor.device == device else u.tensor.to(device, non_blocking=True))
+        here = device_index(device)
+        dense = [_DenseRecord(update=u, row=i, payload=u.tensor if u.tensor.get_device() == here else u.tensor.to(device, non_blocking=True))
                  for i, u in enumerate(records) if isinstance(u, Dense)]
         table_rows = [receiver._row[u.name] for u in records]
         meta = upload(torch.tensor([*(u.checksum for u in records), *table_rows, *(d.row for d in dense)], dtype=torch.int64), device)
@@ -474,8 +480,13 @@ class UpdateSession:
         # are known; where the checks pass, clamping changed nothing.
         limit = (meta[_NUMEL] - 1)[decoded.segment]  # [n]
         indices = torch.minimum(decoded.indices.clamp_(min=0), limit)
-        group = _PatchGroup(members=patches, sizes=sizes, meta=meta, indices=indices, segment=decoded.segment,
-                            views=None if lend is None else lend([p.name for p in patches]))
+        views = None if lend is None else lend([p.name for p in patches])
+        table = None
+        if views is not None:
+            from kernels.scatter import TensorTable
+
+            table = TensorTable.of(views)
+        group = _PatchGroup(members=patches, sizes=sizes, meta=meta, indices=indices, segment=decoded.segment, table=table)
         group.old = group.gather(receiver.target)  # [n]
         num_delta = sum(sizes[j] for j, p in enumerate(patches) if p.is_delta)  # delta members come first
         deltas = concat_to([p.values for p in patches if p.is_delta], torch.int8, device)  # [num delta]
