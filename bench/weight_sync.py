@@ -23,7 +23,7 @@ on the data (``nonzero``, also inside boolean indexing; ``masked_select``). ``--
 multi-tensor gather / scatter kernels on the CPU too (run it with TRITON_INTERPRET=1), so that the CPU
 counts show the CUDA path's structure.
 
-Usage: python bench/weight_sync.py [--model 0.5b|1.5b] [--device cpu|cuda] [--quick] [--profile [--batched-scatter]]
+Usage: python bench/weight_sync.py [--model 0.5b|1.5b|records] [--device cpu|cuda] [--quick] [--profile [--batched-scatter]]
 """
 
 import argparse
@@ -47,6 +47,7 @@ MODELS = {
     "0.5b": (896, 24, 14, 2, 64, 4864, 151936),
     "1.5b": (1536, 28, 12, 2, 128, 8960, 151936),
     "quick": (64, 2, 4, 2, 16, 128, 1000),
+    "records": (64, 24, 4, 2, 16, 512, 4000),  # the 0.5B model's 290 records, tiny: a session's host overhead
 }
 
 
@@ -297,7 +298,8 @@ def count_round(specs, w0, w1, device: torch.device, batched_scatter: bool | Non
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--model", choices=["0.5b", "1.5b"], default="0.5b")
+    parser.add_argument("--model", choices=["0.5b", "1.5b", "records"], default="0.5b",
+                        help="records: the 0.5B layout's 290 parameters with tiny tensors (per-record host overhead)")
     parser.add_argument("--device", choices=["cpu", "cuda"], default="cpu")
     parser.add_argument("--quick", action="store_true", help="tiny shapes, a smoke test")
     parser.add_argument("--profile", action="store_true",
