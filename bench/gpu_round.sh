@@ -7,7 +7,8 @@
 #   bash bench/gpu_round.sh spec      speculative decoding: target + online drafters, with/without speculation
 #   bash bench/gpu_round.sh tp        tensor parallelism on 2 GPUs (the nvidia-h200-x2 kind): tests + decode bench
 #   bash bench/gpu_round.sh weights   weight-sync benchmark on the GPU, with an operator profile of one round
-#   bash bench/gpu_round.sh first     a session's first call (< 10 min): GPU tests, weight sync, speculative decoding
+#   bash bench/gpu_round.sh first     a session's first call (< 10 min): GPU tests, weight sync (0.5B and 1.5B
+#                                     shapes), decode-step profile
 # Logs and JSON lines go under $OUT (default ./gpu_out).
 set -uo pipefail
 OUT=${OUT:-gpu_out}
@@ -43,10 +44,12 @@ case "${1:-tests}" in
     timeout 300 python3 -m pytest -q -p no:cacheprovider tests/test_gpu_engine.py tests/test_gpu_deterministic.py \
       tests/test_gpu_spec_decode.py tests/test_kernels_*.py tests/test_weight_updates.py \
       tests/test_weight_updates_ipc.py > "$OUT/tests.log" 2>&1; tail -15 "$OUT/tests.log"
-    timeout 60 python3 bench/weight_sync.py --device cuda > "$OUT/weight_sync.jsonl" 2> "$OUT/weight_sync.err"
-    grep -E '"push"|summary' "$OUT/weight_sync.jsonl"
-    timeout 200 python3 bench/spec_decode.py --device cuda --target-seconds 60 > "$OUT/spec.log" 2>&1
-    grep '^{' "$OUT/spec.log"; grep -v '^{' "$OUT/spec.log" | grep -i -A3 "error\|traceback" | tail -20
+    for model in 0.5b 1.5b; do
+      timeout 100 python3 bench/weight_sync.py --device cuda --model $model > "$OUT/weight_sync_$model.jsonl" 2> "$OUT/weight_sync_$model.err"
+      grep -E '"push"|summary' "$OUT/weight_sync_$model.jsonl"; tail -3 "$OUT/weight_sync_$model.err"
+    done
+    timeout 120 python3 bench/profile_decode.py --batch 1 --batch 256 > "$OUT/profile.jsonl" 2> "$OUT/profile.err"
+    cat "$OUT/profile.jsonl"; tail -5 "$OUT/profile.err"
     ;;
   weights)
     timeout 300 python3 bench/weight_sync.py --device cuda --profile > "$OUT/weight_sync.jsonl" 2> "$OUT/weight_sync.err"
