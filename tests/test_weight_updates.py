@@ -761,7 +761,7 @@ def test_small_changes_travel_as_one_byte_bit_deltas():
     assert torch.equal(target.read_checkpoint_tensor("w"), before)
 
 
-@pytest.mark.parametrize("lengths", [[3, 0, 5, 1, 0, 7], [0, 0, 4], [6], [2, 0]])
+@pytest.mark.parametrize("lengths", [[3, 0, 5, 1, 0, 7], [0, 0, 4], [6], [2, 0], [0, 0]])
 def test_segment_sums_and_ids_match_index_add_with_empty_segments_and_wraparound(lengths):
     from weight_updates.encoding import segment_ids, segment_sums
 

@@ -150,19 +150,33 @@ class DecodedStreams:
     sums: torch.Tensor  # [k, 4] int64 per stream: sum of its gaps (= last index + 1), escapes, escaped gaps < 1, other gaps < 1
 
 
+def segment_totals(csum: torch.Tensor, lengths: torch.Tensor, base: torch.Tensor | int = 0) -> torch.Tensor:
+    """Per-segment sums read off an inclusive scan: ``csum`` [m] int64 (``torch.cumsum`` of the values),
+    ``lengths`` [k] of segments laid end to end from flat position ``base`` (an int, or a tensor that
+    broadcasts against [k]) -> sums of shape ``(base + lengths).shape``. Two gathers, no copy of the scan."""
+    ends = base + torch.cumsum(lengths, 0)
+    starts = ends - lengths
+
+    def before(i: torch.Tensor) -> torch.Tensor:  # sum of the flat elements [0, i)
+        return torch.where(i > 0, csum[(i - 1).clamp_(min=0)], 0)
+
+    return before(ends) - before(starts)
+
+
 def segment_sums(values: torch.Tensor, lengths: torch.Tensor) -> torch.Tensor:
     """Sums of consecutive segments: ``values`` [n] or [c, n] (c rows of n) int64, ``lengths`` [k] int64 on
-    the same device (summing to n) -> [k] or [k, c]. One cumsum and one gather at the segment ends: an
+    the same device (summing to n) -> [k] or [k, c]. One cumsum and two gathers at the segment bounds: an
     ``index_add_`` of millions of elements into a few bins serializes on the device's atomics. Sums wrap
     modulo 2**64 as ``index_add_``'s do. The rows are scanned end to end as one 1-D tensor (differences
     within a row stay exact under wraparound): CUDA scans a 1-D tensor with a device-wide scan, but a 2-D
     one a column or row per thread block, which took seconds for n in the millions."""
     rows = (values[None] if values.dim() == 1 else values).contiguous()  # [c, n]
     num_rows, n = rows.shape
-    csum = torch.nn.functional.pad(torch.cumsum(rows.view(-1), 0), (1, 0))  # [c * n + 1]
-    ends = torch.cumsum(lengths, 0)  # [k]
-    base = torch.arange(num_rows, device=rows.device)[:, None] * n  # [c, 1]
-    sums = (csum[base + ends] - csum[base + ends - lengths]).t()  # [k, c]
+    if rows.numel() == 0:
+        sums = torch.zeros(lengths.shape[0], num_rows, dtype=torch.int64, device=rows.device)
+    else:
+        base = torch.arange(num_rows, device=rows.device)[:, None] * n  # [c, 1]
+        sums = segment_totals(torch.cumsum(rows.view(-1), 0), lengths, base).t()  # [k, c]
     return sums[:, 0] if values.dim() == 1 else sums
 
 
@@ -180,23 +194,30 @@ def decode_streams(packed: Sequence[PackedIndices], lengths: torch.Tensor, devic
 
     ``lengths``: [k] int64 on ``device``, each stream's ``num_indices``. The gap streams are joined with one
     cat and one widening per run of equal gap dtypes (order streams by gap dtype to keep runs few), escapes
-    take their overflow values by rank in one gather, one cumsum gives every index, and ``segment_sums``
-    gives the per-stream sums. A stream is well formed when its escape count equals its overflow count and
-    no gap is < 1; then its indices are strictly increasing and >= 0 (upper bounds are the caller's).
+    take their overflow values by rank in one gather, and three 1-D scans (escapes, gaps, malformed gaps)
+    give every index and, read at the stream bounds (``segment_totals``), the per-stream sums. A stream is
+    well formed when its escape count equals its overflow count and no gap is < 1; then its indices are
+    strictly increasing and >= 0 (upper bounds are the caller's).
     """
     total = sum(p.num_indices for p in packed)
+    if total == 0:
+        empty = torch.zeros(0, dtype=torch.int64, device=device)
+        return DecodedStreams(indices=empty, segment=empty, sums=torch.zeros(len(packed), 4, dtype=torch.int64, device=device))
     gaps = concat_to([p.gaps for p in packed], torch.int64, device)  # [n]
     # One spare value keeps the gather in range when a malformed stream has more escapes than values.
     overflow = torch.nn.functional.pad(concat_to([p.overflow for p in packed], torch.int64, device), (0, 1), value=1)  # [escapes + 1]
     escapes = gaps == 0  # [n]
-    rank = (torch.cumsum(escapes, 0) - 1).clamp_(0, overflow.numel() - 1)  # [n] which overflow value
-    gaps = torch.where(escapes, overflow[rank], gaps)
-    small = gaps < 1
+    escape_scan = torch.cumsum(escapes, 0)  # [n] escapes up to and including each element
+    gaps = torch.where(escapes, overflow[(escape_scan - 1).clamp_(0, overflow.numel() - 1)], gaps)
+    # malformed gaps (< 1), counted per stream in one scan: escaped ones in the high 32 bits, others in the low
+    bad_scan = torch.cumsum(torch.where(gaps < 1, torch.where(escapes, 1 << 32, 1), 0), 0)  # [n]
     segment = segment_ids(lengths, total)  # [n]
-    rows = torch.stack([gaps, escapes.to(torch.int64), (small & escapes).to(torch.int64), (small & ~escapes).to(torch.int64)])  # [4, n]
-    sums = segment_sums(rows, lengths)  # [k, 4]
-    before = torch.cumsum(sums[:, 0], 0) - sums[:, 0]  # [k] running sum of the gaps before each stream
-    indices = torch.cumsum(gaps, 0).sub_(before[segment]).sub_(1)  # [n]
+    gap_scan = torch.cumsum(gaps, 0)  # [n]
+    gap_sums = segment_totals(gap_scan, lengths)  # [k] = each stream's last index + 1
+    bad = segment_totals(bad_scan, lengths)  # [k]
+    sums = torch.stack([gap_sums, segment_totals(escape_scan, lengths), bad >> 32, bad & 0xFFFFFFFF], 1)  # [k, 4]
+    before = torch.cumsum(gap_sums, 0) - gap_sums  # [k] running sum of the gaps before each stream
+    indices = gap_scan.sub_(before[segment]).sub_(1)  # [n]
     return DecodedStreams(indices=indices, segment=segment, sums=sums)
 
 
@@ -260,15 +281,17 @@ def delta_bytes(difference: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     return difference.masked_fill(escaped, 0).to(torch.int8), escaped
 
 
-def apply_bit_deltas(old: torch.Tensor, delta: torch.Tensor, escapes: torch.Tensor) -> torch.Tensor:
+def apply_bit_deltas(old: torch.Tensor, delta: torch.Tensor, escapes: torch.Tensor,
+                     escape_scan: torch.Tensor | None = None) -> torch.Tensor:
     """New values [n] (old's dtype) from old values [n], int8 deltas [n] and escapes, without a host sync.
     The caller checks that the number of escape bytes is the number of escapes (otherwise the values are
     wrong, never out of range). Concatenated patches decode together: escapes are consumed in order, by
-    rank, in one gather."""
+    rank, in one gather. ``escape_scan``: ``torch.cumsum(delta == 0, 0)`` when the caller has it."""
     int_dtype = SIGNED_VIEW[old.element_size()]
-    escaped = delta == 0  # [n]
     new = (old.view(int_dtype).to(torch.int64) + delta.to(torch.int64)).to(int_dtype)  # [n]
     if escapes.numel():
-        rank = (torch.cumsum(escaped, 0) - 1).clamp_(0, escapes.numel() - 1)  # [n] which escape value
-        new = torch.where(escaped, escapes.to(old.dtype).view(int_dtype)[rank], new)
+        if escape_scan is None:
+            escape_scan = torch.cumsum(delta == 0, 0)
+        rank = (escape_scan - 1).clamp_(0, escapes.numel() - 1)  # [n] which escape value
+        new = torch.where(delta == 0, escapes.to(old.dtype).view(int_dtype)[rank], new)
     return new.view(old.dtype)

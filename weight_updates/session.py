@@ -56,7 +56,7 @@ import torch
 from kernels.common import SIGNED_VIEW, device_index, upload
 from weight_updates.checksum import checksum_tensors, concat_to, delta_terms
 from weight_updates.encoding import (GAP_DTYPES, Dense, Patch, Update, apply_bit_deltas, check_stream_dtypes, decode_streams,
-                                     segment_sums)
+                                     segment_sums, segment_totals)
 from weight_updates.errors import WeightUpdateError
 from weight_updates.target import ParamSpec, WeightTarget
 
@@ -488,23 +488,24 @@ class UpdateSession:
             table = TensorTable.of(views)
         group = _PatchGroup(members=patches, sizes=sizes, meta=meta, indices=indices, segment=decoded.segment, table=table)
         group.old = group.gather(receiver.target)  # [n]
-        num_delta = sum(sizes[j] for j, p in enumerate(patches) if p.is_delta)  # delta members come first
+        delta_members = sum(p.is_delta for p in patches)  # they come first
+        num_delta = sum(sizes[:delta_members])
         deltas = concat_to([p.values for p in patches if p.is_delta], torch.int8, device)  # [num delta]
         plain = concat_to([p.values for p in patches if not p.is_delta], dtype, device)  # [n - num delta]
-        escaped = torch.zeros(total, dtype=torch.int64, device=device)  # [n] 1 where a delta byte escapes
+        escape_counts = torch.zeros(len(patches), dtype=torch.int64, device=device)  # [k] escaped delta bytes
         if num_delta:
             escapes = concat_to([p.escapes for p in patches if p.is_delta], dtype, device)  # [num escapes]
-            decoded_deltas = apply_bit_deltas(group.old[:num_delta], deltas, escapes)
+            escape_scan = torch.cumsum(deltas == 0, 0)  # [num delta]
+            decoded_deltas = apply_bit_deltas(group.old[:num_delta], deltas, escapes, escape_scan)
             group.new = decoded_deltas if num_delta == total else torch.cat([decoded_deltas, plain])
-            escaped[:num_delta] = deltas == 0
+            escape_counts[:delta_members] = segment_totals(escape_scan, meta[_SIZES][:delta_members])
         else:
             group.new = plain
         base = receiver._table[table_rows[meta[_ROWS]]]  # [k] checksums before the patch
-        member = group.member_sums(torch.stack([delta_terms(group.old, group.new, indices), escaped]))  # [k, 2]
-        group.predicted = base + member[:, 0]
+        group.predicted = base + group.member_sums(delta_terms(group.old, group.new, indices))
         malformed = (sums[:, 1] != meta[_OVERFLOW]) | (sums[:, 2] > 0)
         group.checks = torch.stack([malformed.to(torch.int64), (sums[:, 3] > 0).to(torch.int64), sums[:, 0] - 1,
-                                    (member[:, 1] != meta[_ESCAPES]).to(torch.int64)], 1)
+                                    (escape_counts != meta[_ESCAPES]).to(torch.int64)], 1)
         return group
 
     def _check_all(self, records: list[Update], groups: list[_PatchGroup], predicted: torch.Tensor) -> None:
