@@ -150,17 +150,22 @@ class DecodedStreams:
     sums: torch.Tensor  # [k, 4] int64 per stream: sum of its gaps (= last index + 1), escapes, escaped gaps < 1, other gaps < 1
 
 
-def segment_totals(csum: torch.Tensor, lengths: torch.Tensor, base: torch.Tensor | int = 0) -> torch.Tensor:
-    """Per-segment sums read off an inclusive scan: ``csum`` [m] int64 (``torch.cumsum`` of the values),
-    ``lengths`` [k] of segments laid end to end from flat position ``base`` (an int, or a tensor that
-    broadcasts against [k]) -> sums of shape ``(base + lengths).shape``. Two gathers, no copy of the scan."""
-    ends = base + torch.cumsum(lengths, 0)
-    starts = ends - lengths
+class SegmentBounds:
+    """Where segments of ``lengths`` [k] (laid end to end from flat position ``base``: an int, or a [c, 1]
+    tensor of row offsets) start and end, prepared once to read per-segment sums off any number of
+    inclusive scans (``torch.cumsum`` of the values): two gathers per scan, no copy of it."""
 
-    def before(i: torch.Tensor) -> torch.Tensor:  # sum of the flat elements [0, i)
-        return torch.where(i > 0, csum[(i - 1).clamp_(min=0)], 0)
+    def __init__(self, lengths: torch.Tensor, base: torch.Tensor | int = 0) -> None:
+        ends = base + torch.cumsum(lengths, 0)  # [k] or [c, k]
+        bounds = torch.cat([ends, ends - lengths], -1)  # [..., 2k]: each segment's end, then its start
+        self.index = (bounds - 1).clamp_(min=0)  # [..., 2k] the scan element holding the sum before the bound
+        self.inside = bounds > 0  # [..., 2k] False where that sum is empty (a bound at position 0)
+        self.k = lengths.shape[0]
 
-    return before(ends) - before(starts)
+    def totals(self, scan: torch.Tensor) -> torch.Tensor:
+        """Per-segment sums [k] (or [c, k]) of the values whose inclusive scan is ``scan`` [m]."""
+        before = torch.where(self.inside, scan[self.index], 0)
+        return before[..., : self.k] - before[..., self.k :]
 
 
 def segment_sums(values: torch.Tensor, lengths: torch.Tensor) -> torch.Tensor:
@@ -176,7 +181,7 @@ def segment_sums(values: torch.Tensor, lengths: torch.Tensor) -> torch.Tensor:
         sums = torch.zeros(lengths.shape[0], num_rows, dtype=torch.int64, device=rows.device)
     else:
         base = torch.arange(num_rows, device=rows.device)[:, None] * n  # [c, 1]
-        sums = segment_totals(torch.cumsum(rows.view(-1), 0), lengths, base).t()  # [k, c]
+        sums = SegmentBounds(lengths, base).totals(torch.cumsum(rows.view(-1), 0)).t()  # [k, c]
     return sums[:, 0] if values.dim() == 1 else sums
 
 
@@ -195,7 +200,7 @@ def decode_streams(packed: Sequence[PackedIndices], lengths: torch.Tensor, devic
     ``lengths``: [k] int64 on ``device``, each stream's ``num_indices``. The gap streams are joined with one
     cat and one widening per run of equal gap dtypes (order streams by gap dtype to keep runs few), escapes
     take their overflow values by rank in one gather, and three 1-D scans (escapes, gaps, malformed gaps)
-    give every index and, read at the stream bounds (``segment_totals``), the per-stream sums. A stream is
+    give every index and, read at the stream bounds (``SegmentBounds``), the per-stream sums. A stream is
     well formed when its escape count equals its overflow count and no gap is < 1; then its indices are
     strictly increasing and >= 0 (upper bounds are the caller's).
     """
@@ -213,9 +218,10 @@ def decode_streams(packed: Sequence[PackedIndices], lengths: torch.Tensor, devic
     bad_scan = torch.cumsum(torch.where(gaps < 1, torch.where(escapes, 1 << 32, 1), 0), 0)  # [n]
     segment = segment_ids(lengths, total)  # [n]
     gap_scan = torch.cumsum(gaps, 0)  # [n]
-    gap_sums = segment_totals(gap_scan, lengths)  # [k] = each stream's last index + 1
-    bad = segment_totals(bad_scan, lengths)  # [k]
-    sums = torch.stack([gap_sums, segment_totals(escape_scan, lengths), bad >> 32, bad & 0xFFFFFFFF], 1)  # [k, 4]
+    streams = SegmentBounds(lengths)
+    gap_sums = streams.totals(gap_scan)  # [k] = each stream's last index + 1
+    bad = streams.totals(bad_scan)  # [k]
+    sums = torch.stack([gap_sums, streams.totals(escape_scan), bad >> 32, bad & 0xFFFFFFFF], 1)  # [k, 4]
     before = torch.cumsum(gap_sums, 0) - gap_sums  # [k] running sum of the gaps before each stream
     indices = gap_scan.sub_(before[segment]).sub_(1)  # [n]
     return DecodedStreams(indices=indices, segment=segment, sums=sums)

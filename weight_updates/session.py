@@ -56,7 +56,7 @@ import torch
 from kernels.common import SIGNED_VIEW, device_index, upload
 from weight_updates.checksum import checksum_tensors, concat_to, delta_terms
 from weight_updates.encoding import (GAP_DTYPES, Dense, Patch, Update, apply_bit_deltas, check_stream_dtypes, decode_streams,
-                                     segment_sums, segment_totals)
+                                     SegmentBounds, segment_sums)
 from weight_updates.errors import WeightUpdateError
 from weight_updates.target import ParamSpec, WeightTarget
 
@@ -498,7 +498,7 @@ class UpdateSession:
             escape_scan = torch.cumsum(deltas == 0, 0)  # [num delta]
             decoded_deltas = apply_bit_deltas(group.old[:num_delta], deltas, escapes, escape_scan)
             group.new = decoded_deltas if num_delta == total else torch.cat([decoded_deltas, plain])
-            escape_counts[:delta_members] = segment_totals(escape_scan, meta[_SIZES][:delta_members])
+            escape_counts[:delta_members] = SegmentBounds(meta[_SIZES][:delta_members]).totals(escape_scan)
         else:
             group.new = plain
         base = receiver._table[table_rows[meta[_ROWS]]]  # [k] checksums before the patch
