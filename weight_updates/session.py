@@ -388,7 +388,7 @@ class UpdateSession:
             predicted[dense_rows] = checksum_tensors([d.payload for d in dense])
         for g in groups:
             predicted[g.meta[_ROWS]] = g.predicted
-        self._check_all(records, groups, predicted)
+        self._check_all(records, groups, predicted, expected)
         return _Prepared(records=records, dense=dense, groups=groups, expected=expected, table_rows=table_rows_d,
                          dense_rows=dense_rows, times=[t0, time.perf_counter()])
 
@@ -468,13 +468,24 @@ class UpdateSession:
         """``members``: (record row, patch) in ``_patch_order``; ``table_rows``: [R] the records' rows of the
         receiver's checksum table; ``lend``: the target's ``writable_views`` or None."""
         receiver = self._receiver
-        patches = [p for _, p in members]
-        sizes = [p.indices.num_indices for p in patches]
+        patches, streams, sizes, columns = [], [], [], []  # columns: the rows of ``meta``, one member at a time
+        delta_values, plain_values, escape_values = [], [], []
+        for row, p in members:  # one pass over the members
+            indices, is_delta = p.indices, p.is_delta
+            num = indices.num_indices
+            patches.append(p)
+            streams.append(indices)
+            sizes.append(num)
+            columns.append((num, indices.overflow.numel(), receiver.specs[p.name].numel,
+                            p.escapes.numel() if is_delta else 0, row))
+            if is_delta:
+                delta_values.append(p.values)
+                escape_values.append(p.escapes)
+            else:
+                plain_values.append(p.values)
         total = sum(sizes)
-        meta = upload(torch.tensor([sizes, [p.indices.overflow.numel() for p in patches], [receiver.specs[p.name].numel for p in patches],
-                                    [p.escapes.numel() if p.is_delta else 0 for p in patches], [row for row, _ in members]],
-                                   dtype=torch.int64), device)  # [5, k]
-        decoded = decode_streams([p.indices for p in patches], meta[_SIZES], device)
+        meta = upload(torch.tensor(columns, dtype=torch.int64).t().contiguous(), device)  # [5, k]
+        decoded = decode_streams(streams, meta[_SIZES], device)
         sums = decoded.sums  # [k, 4]
         # Clamped into each member's bounds, the indices are safe to read through even before the checks
         # are known; where the checks pass, clamping changed nothing.
@@ -488,13 +499,13 @@ class UpdateSession:
             table = TensorTable.of(views)
         group = _PatchGroup(members=patches, sizes=sizes, meta=meta, indices=indices, segment=decoded.segment, table=table)
         group.old = group.gather(receiver.target)  # [n]
-        delta_members = sum(p.is_delta for p in patches)  # they come first
+        delta_members = len(delta_values)  # they come first
         num_delta = sum(sizes[:delta_members])
-        deltas = concat_to([p.values for p in patches if p.is_delta], torch.int8, device)  # [num delta]
-        plain = concat_to([p.values for p in patches if not p.is_delta], dtype, device)  # [n - num delta]
+        deltas = concat_to(delta_values, torch.int8, device)  # [num delta]
+        plain = concat_to(plain_values, dtype, device)  # [n - num delta]
         escape_counts = torch.zeros(len(patches), dtype=torch.int64, device=device)  # [k] escaped delta bytes
         if num_delta:
-            escapes = concat_to([p.escapes for p in patches if p.is_delta], dtype, device)  # [num escapes]
+            escapes = concat_to(escape_values, dtype, device)  # [num escapes]
             escape_scan = torch.cumsum(deltas == 0, 0)  # [num delta]
             decoded_deltas = apply_bit_deltas(group.old[:num_delta], deltas, escapes, escape_scan)
             group.new = decoded_deltas if num_delta == total else torch.cat([decoded_deltas, plain])
@@ -508,9 +519,13 @@ class UpdateSession:
                                     (escape_counts != meta[_ESCAPES]).to(torch.int64)], 1)
         return group
 
-    def _check_all(self, records: list[Update], groups: list[_PatchGroup], predicted: torch.Tensor) -> None:
+    def _check_all(self, records: list[Update], groups: list[_PatchGroup], predicted: torch.Tensor, expected: torch.Tensor) -> None:
         """Raise for the first bad index stream (in the order sent), else for checksums that do not match
-        their prediction. One host sync for every check of the session."""
+        their prediction. One host sync reads one flag for every check of the session; only when it is set
+        are the per-record values read to name what failed."""
+        flags = [(g.checks[:, [0, 1, 3]] != 0).any(1) | (g.checks[:, 2] >= g.meta[_NUMEL]) for g in groups]  # [k] each
+        if not torch.cat([*flags, predicted != expected]).any().item():
+            return
         values = torch.cat([*(g.checks.reshape(-1) for g in groups), predicted]).tolist()
         streams, at = {}, 0
         for g in groups:
