@@ -8,7 +8,7 @@
 #   bash bench/gpu_round.sh tp        tensor parallelism on 2 GPUs (the nvidia-h200-x2 kind): tests + decode bench
 #   bash bench/gpu_round.sh weights   weight-sync benchmark on the GPU, with an operator profile of one round
 #   bash bench/gpu_round.sh first     a session's first call (< 10 min): GPU tests, weight sync (0.5B and 1.5B
-#                                     shapes), decode-step profile
+#                                     shapes), decode-step profile (batch 256 also with cuBLASLt)
 # Logs and JSON lines go under $OUT (default ./gpu_out).
 set -uo pipefail
 OUT=${OUT:-gpu_out}
@@ -49,6 +49,7 @@ case "${1:-tests}" in
       grep -E '"push"|summary' "$OUT/weight_sync_$model.jsonl"; tail -3 "$OUT/weight_sync_$model.err"
     done
     timeout 120 python3 bench/profile_decode.py --batch 1 --batch 256 > "$OUT/profile.jsonl" 2> "$OUT/profile.err"
+    timeout 90 python3 bench/profile_decode.py --batch 256 --blas cublaslt >> "$OUT/profile.jsonl" 2>> "$OUT/profile.err"
     cat "$OUT/profile.jsonl"; tail -5 "$OUT/profile.err"
     ;;
   weights)

@@ -2,6 +2,7 @@
 device time of one captured decode graph, on a random model of a real shape. Prints JSON lines.
 
     python bench/profile_decode.py --device cuda --batch 1 --batch 64
+    python bench/profile_decode.py --batch 256 --blas cublaslt   # the GEMMs through another BLAS backend
 """
 
 from __future__ import annotations
@@ -83,14 +84,18 @@ def main() -> None:
     ap.add_argument("--steps", type=int, default=64)
     ap.add_argument("--eager", action="store_true")
     ap.add_argument("--deterministic", action="store_true", help="profile the engine in deterministic mode")
+    ap.add_argument("--blas", choices=["cublas", "cublaslt"], default=None,
+                    help="torch.backends.cuda.preferred_blas_library for the run (default: torch's choice)")
     args = ap.parse_args()
+    if args.blas:
+        torch.backends.cuda.preferred_blas_library(args.blas)
     spec = dict(SHAPES[args.shape])
     family = spec.pop("family")
     with tempfile.TemporaryDirectory() as d:
         write_random_checkpoint(d, family=family, dtype=args.dtype, std=0.02, **spec)
         for b in args.batch or [1, 64]:
-            print(json.dumps(profile(d, args.device, args.dtype, b, args.prompt_len, args.steps, args.eager,
-                                             args.deterministic)), flush=True)
+            row = profile(d, args.device, args.dtype, b, args.prompt_len, args.steps, args.eager, args.deterministic)
+            print(json.dumps({**row, "blas": args.blas or "default"}), flush=True)
 
 
 if __name__ == "__main__":
