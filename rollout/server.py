@@ -220,21 +220,19 @@ def build_app(engine: AsyncEngine, model_path: str):
         await engine.call(lambda e: e.kv_manager.reset_prefix_cache())
         return web.json_response({"success": True})
 
-    async def release(request):
-        try:
-            tags = await tags_of(request)
-            await engine.call(lambda e: e.sleep(2 if tags is None or "weights" in tags else 1))
-        except (ValueError, TypeError) as e:  # TypeError: a field of the wrong JSON type
-            return refused(e)
-        return web.json_response({"success": True})
+    def memory_endpoint(act):
+        """A handler that reads the request's tags and runs act(engine, tags) between engine steps."""
+        async def handler(request):
+            try:
+                tags = await tags_of(request)
+                await engine.call(lambda e: act(e, tags))
+            except (ValueError, TypeError) as e:  # TypeError: a field of the wrong JSON type
+                return refused(e)
+            return web.json_response({"success": True})
+        return handler
 
-    async def resume(request):
-        try:
-            tags = await tags_of(request)
-            await engine.call(lambda e: e.wake_up(tags))
-        except (ValueError, TypeError) as e:  # TypeError: a field of the wrong JSON type
-            return refused(e)
-        return web.json_response({"success": True})
+    release = memory_endpoint(lambda e, tags: e.sleep(2 if tags is None or "weights" in tags else 1))
+    resume = memory_endpoint(lambda e, tags: e.wake_up(tags))
 
     async def update_from_disk(request):
         try:
