@@ -398,7 +398,7 @@ class Engine:
         freeing = {"kv_cache"} | ({"weights"} if level == 2 else set())
         if freeing <= self._asleep:
             return
-        if "kv_cache" in self._asleep:  # asleep at level 1 already; free the weights too
+        if "kv_cache" in self._asleep:  # asleep at level 1: deepening the sleep in place is not offered
             raise ValueError("already asleep at level 1; wake_up() before sleeping at level 2")
         self.runner.sleep(offload_weights=level == 2)
         self.kv_manager.reset_prefix_cache()

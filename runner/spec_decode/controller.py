@@ -24,7 +24,6 @@ class _Rate:
     window: int
     tokens: deque = field(init=False)  # tokens produced by each of the last `window` steps
     seconds: deque = field(init=False)  # wall time of each of those steps
-    num_steps: int = 0
 
     def __post_init__(self) -> None:
         self.tokens, self.seconds = deque(maxlen=self.window), deque(maxlen=self.window)
@@ -32,7 +31,6 @@ class _Rate:
     def add(self, num_tokens: int, seconds: float) -> None:
         self.tokens.append(num_tokens)
         self.seconds.append(seconds)
-        self.num_steps += 1
 
     @property
     def tokens_per_s(self) -> float:
