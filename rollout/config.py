@@ -93,6 +93,11 @@ class EngineConfig:
     next step while the current one runs); the tokens are the same either way."""
     log_stats: bool = False
     """Log throughput and cache figures while generating."""
+    gc_freeze: bool = True
+    """After start-up, move every object then alive out of the garbage collector's reach (`gc.freeze()`):
+    a decode step allocates enough to trigger collections, and a full one would otherwise scan the whole
+    heap (torch, the model, ...) for tens of milliseconds, stalling the device. Cycles among frozen
+    objects are never collected; `close()` unfreezes them."""
 
     def __post_init__(self) -> None:
         if not self.model:

@@ -21,6 +21,7 @@ plain data. Call `close()` (or use the engine as a context manager) to stop them
 
 from __future__ import annotations
 
+import gc
 import itertools
 import logging
 import random
@@ -98,6 +99,9 @@ class Engine:
             self._spec_totals = new_spec_stats(config.speculative.num_speculative_tokens)
         self.recent_sequences: deque[list[int]] = deque(maxlen=1024)
         """Token ids (prompt + completion) of recently finished samples, for online drafter training."""
+        if config.gc_freeze:
+            gc.collect()
+            gc.freeze()
 
     # ---- properties ---------------------------------------------------------------------------------
     @property
@@ -273,6 +277,8 @@ class Engine:
         """Release device memory (graphs, KV cache, weights); the engine cannot be used afterwards."""
         self.runner.release()
         self.runner = None
+        if self.config.gc_freeze:
+            gc.unfreeze()
 
     # ---- weights ----------------------------------------------------------------------------------------
     @property

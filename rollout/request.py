@@ -55,6 +55,7 @@ class Request:
     token_ids: list[int] = field(default_factory=list)  # prompt + output
     num_prompt_tokens: int = 0
     num_computed_tokens: int = 0
+    token_limit: int = 0  # token count (prompt + output) that ends it by length; set by the scheduler
     num_placeholders: int = 0  # trailing -1 tokens standing for tokens of steps still in flight (async)
     status: RequestStatus = RequestStatus.WAITING
     block_ids: list[int] = field(default_factory=list)

@@ -114,6 +114,7 @@ class Scheduler:
     # ---- requests in and out -------------------------------------------------------------------
     def add_request(self, req: Request) -> None:
         assert req.req_id not in self.requests, req.req_id
+        req.token_limit = min(req.num_prompt_tokens + req.max_tokens, self.max_model_len)
         self.requests[req.req_id] = req
         self.waiting.append(req)
 
@@ -149,19 +150,23 @@ class Scheduler:
 
         # 1. running requests, oldest first
         kv, block_size = self.kv, self.kv.block_size
+        running, free_queue, in_runner = self.running, kv.pool.free_queue, self._in_runner
+        lookahead = self.num_lookahead_tokens
         i = 0
-        while i < len(self.running) and budget > 0:
-            req = self.running[i]
-            if req.num_placeholders and self._complete(req):  # its last token is already in flight
+        while i < len(running) and budget > 0:
+            req = running[i]
+            num_tokens = len(req.token_ids)
+            if req.num_placeholders and num_tokens >= req.token_limit:  # its last token is already in flight
                 i += 1
                 continue
-            num_new = len(req.token_ids) - req.num_computed_tokens
-            if self.num_lookahead_tokens:
+            num_new = num_tokens - req.num_computed_tokens
+            if lookahead:
                 num_new += self._lookahead(req)
-            num_new = min(num_new, budget)
-            assert num_new > 0, (req.req_id, req.num_tokens, req.num_computed_tokens)
+            if num_new > budget:
+                num_new = budget
+            assert num_new > 0, (req.req_id, num_tokens, req.num_computed_tokens)
             need = -(-(req.num_computed_tokens + num_new) // block_size) - len(req.block_ids)
-            while need > 0 and need > len(kv.pool.free_queue):
+            while need > 0 and need > len(free_queue):
                 victim = self.running.pop()
                 self._preempt(victim)
                 preempted_now = True
@@ -175,7 +180,7 @@ class Scheduler:
                     new_blocks = []
                 num_scheduled[req.req_id] = num_new
                 budget -= num_new
-                if req.req_id in self._in_runner:
+                if req.req_id in in_runner:
                     cached_reqs.append(CachedRequestData(req.req_id, new_blocks, req.num_computed_tokens))
                 else:
                     new_reqs.append(self._new_data(req))
@@ -227,27 +232,31 @@ class Scheduler:
         """Async scheduling: account for `sched` before it has run. Computed counts advance now, and each
         request that samples in it gets a placeholder token (-1), so the next step can be scheduled while
         this one runs on the device. `update(sched, out, advanced=True)` puts the real tokens in."""
-        self._advance_computed(sched)
-        for req_id in sched.num_scheduled_tokens:
-            req = self.requests.get(req_id)
-            if req is not None and req.status is RequestStatus.RUNNING and req.num_computed_tokens >= req.num_tokens:
-                sched.placeholders[req_id] = req.num_tokens
-                req.token_ids.append(-1)
-                req.num_placeholders += 1
+        self._advance_computed(sched, sched.placeholders)
 
-    def _advance_computed(self, sched: SchedulerOutput) -> None:
-        requests, block_size, stats = self.requests, self.kv.block_size, self.stats
+    def _advance_computed(self, sched: SchedulerOutput, placeholders: dict[str, int] | None = None) -> None:
+        """Computed counts advance by the step's tokens; with `placeholders`, each request that now samples
+        gets its placeholder (recorded there: req_id -> its index)."""
+        requests, block_size, stats, kv = self.requests, self.kv.block_size, self.stats, self.kv
+        running = RequestStatus.RUNNING
         for req_id, n in sched.num_scheduled_tokens.items():
             req = requests.get(req_id)
-            if req is None or req.status is not RequestStatus.RUNNING:  # aborted meanwhile
+            if req is None or req.status is not running:  # aborted meanwhile
                 continue
-            if req.num_computed_tokens < req.num_prompt_tokens:
-                stats.num_prompt_tokens_computed += min(n, req.num_prompt_tokens - req.num_computed_tokens)
-            req.num_computed_tokens += n
-            if req.num_computed_tokens // block_size > req.num_cached_blocks:
-                self.kv.register_computed(req)
-            if not req.group.prompt_blocks_ready and req.num_computed_tokens >= len(req.group.prompt_token_ids):
-                req.group.prompt_blocks_ready = True
+            computed = req.num_computed_tokens
+            if computed < req.num_prompt_tokens:
+                stats.num_prompt_tokens_computed += min(n, req.num_prompt_tokens - computed)
+            computed += n
+            req.num_computed_tokens = computed
+            if computed // block_size > req.num_cached_blocks:
+                kv.register_computed(req)
+            group = req.group
+            if not group.prompt_blocks_ready and computed >= len(group.prompt_token_ids):
+                group.prompt_blocks_ready = True
+            if placeholders is not None and computed >= len(req.token_ids):
+                placeholders[req_id] = len(req.token_ids)
+                req.token_ids.append(-1)
+                req.num_placeholders += 1
 
     def update(self, sched: SchedulerOutput, out: RunnerOutput, advanced: bool = False) -> list[Request]:
         """Advance computed counts (unless `advance` did), append sampled tokens (or fill their
@@ -257,10 +266,12 @@ class Scheduler:
             self._advance_computed(sched)
         changed: list[Request] = []
         finished: list[tuple[Request, RequestStatus]] = []
-        version = self.policy_version
+        version, running = self.policy_version, RequestStatus.RUNNING
+        logprobs, top_logprobs, placeholders = out.logprobs, out.top_logprobs, sched.placeholders
+        num_tokens = 0
         for idx, req_id in enumerate(out.req_ids):
             req = requests.get(req_id)
-            if req is None or req.status is not RequestStatus.RUNNING:
+            if req is None or req.status is not running:
                 continue
             tokens = out.sampled_token_ids[idx]
             if out.num_draft_tokens is not None:
@@ -269,7 +280,7 @@ class Scheduler:
                 if out.num_draft_tokens[idx] > 0 and req.spec_stats is not None:
                     record_spec_step(req.spec_stats, out.num_draft_tokens[idx], len(tokens) - 1)
             if advanced:  # one token per step: it fills the placeholder `advance` made
-                where = sched.placeholders[req_id]
+                where = placeholders[req_id]
                 req.token_ids[where] = tokens[0]
                 req.num_placeholders -= 1
                 end = where + 1
@@ -278,11 +289,14 @@ class Scheduler:
                     req.token_ids.append(token)
                     end = len(req.token_ids)
                 req.policy_versions.append(version)
-                if out.logprobs is not None:
-                    req.logprobs.append(out.logprobs[idx][pos])
-                if out.top_logprobs is not None:
-                    req.top_logprobs.append(out.top_logprobs[idx][pos])
-                stats.num_generated_tokens += 1
+                if logprobs is not None:
+                    req.logprobs.append(logprobs[idx][pos])
+                if top_logprobs is not None:
+                    req.top_logprobs.append(top_logprobs[idx][pos])
+                num_tokens += 1
+                # most tokens end nothing: only a stop token, stop strings or the length limit need the check
+                if end < req.token_limit and token not in req.stop_ids and req.stop_strings is None:
+                    continue
                 status = self._check_stop(req, token, end)
                 if status is not None:
                     del req.token_ids[end:]  # tokens of later steps in flight are dropped
@@ -292,6 +306,7 @@ class Scheduler:
             if advanced and req.num_computed_tokens // block_size > req.num_cached_blocks:
                 self.kv.register_computed(req)  # blocks that the filled placeholder completed
             changed.append(req)
+        stats.num_generated_tokens += num_tokens
         if finished:
             done = {id(req) for req, _ in finished}
             self.running = [r for r in self.running if id(r) not in done]
@@ -307,10 +322,6 @@ class Scheduler:
         if self.num_lookahead_tokens == 0 or not req.params.speculative or req.num_tokens - req.num_computed_tokens != 1:
             return 0
         return max(0, min(self.num_lookahead_tokens, self.max_model_len - req.num_tokens - 1))
-
-    def _complete(self, req: Request) -> bool:
-        """Whether the request's tokens, in flight included, already reach max_tokens or max_model_len."""
-        return req.num_tokens - req.num_prompt_tokens >= req.max_tokens or req.num_tokens >= self.max_model_len
 
     def _check_stop(self, req: Request, token: int, num_tokens: int) -> RequestStatus | None:
         """The request's status once `token`, its `num_tokens`-th token, is appended."""

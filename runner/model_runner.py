@@ -280,7 +280,8 @@ class ModelRunner:
         self.buffers.upload(num_block_rows)
         if pending.size:
             b = self.buffers
-            b.input_ids[b.pending_index[: pending.size]] = self.last_sampled[b.pending_slots[: pending.size]]
+            b.input_ids.index_copy_(0, b.pending_index[: pending.size],
+                                    self.last_sampled.index_select(0, b.pending_slots[: pending.size]))
         if self.device.type == "cuda":
             self._upload_done = torch.cuda.Event()
             self._upload_done.record()
@@ -292,7 +293,7 @@ class ModelRunner:
         rows = inputs.sample_rows
         slots = inputs.slots[rows]
         R = rows.shape[0]
-        self.last_sampled[self.buffers.sample_slots[:R]] = tokens
+        self.last_sampled.index_copy_(0, self.buffers.sample_slots[:R], tokens)
         out_tokens, out_logprobs = self._out_buffers[self._out_flip]
         self._out_flip ^= 1
         out_tokens[:R].copy_(tokens, non_blocking=True)
