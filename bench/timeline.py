@@ -5,8 +5,9 @@ time split by kernel family, for one batch of the generation benchmark's workloa
     python bench/timeline.py --batch 1 --batch 256 --sync-scheduling
 
 Rows: `host` (two unprofiled runs: the host's time per step by phase, `launch` including the graph
-`replay` call, `wait` the host blocked on the device in `collect`, and the garbage collector's time), `prefill` (a `generate` with max_tokens=1: the prompts' forward and one sample), `generate` (the
-full workload) with `busy_ms` (union of kernel intervals), `idle_ms` (wall - busy: the device waiting on the
+`replay` call, `wait` the host blocked on the device in `collect`, and the garbage collector's time),
+`prefill` (a `generate` with max_tokens=1: the prompts' forward and one sample), `generate` (the full
+workload) with `busy_ms` (union of kernel intervals), `idle_ms` (wall - busy: the device waiting on the
 host) and `by_family_ms` (summed kernel time; families overlap nothing, streams are not concurrent here).
 The profiler adds host overhead of its own, so compare rows of one run, not with bench/generate.py.
 """
