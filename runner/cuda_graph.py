@@ -1,8 +1,9 @@
 """CUDA-graph capture and replay of pure-decode steps.
 
 A pure-decode batch (every request computes one token and samples it) of B requests is padded up to the
-next captured size P and replayed: the graph reads the runner's persistent step buffers, runs the model,
-the LM head and the sampler, and writes tokens and logprobs into static output tensors. Padded rows have
+next captured size P and replayed: the graph reads the runner's persistent step buffers (input tokens
+still in flight, staged as -1, it reads from the runner's `last_sampled`), runs the model, the LM head and
+the sampler, keeps the tokens in `last_sampled`, and writes tokens and logprobs into static output tensors. Padded rows have
 seq_len 0 and KV slot -1, so they read nothing, write nothing and their outputs are ignored. The graph's
 attention grid is sized for `max_model_len`, so one graph serves every context length.
 
@@ -86,6 +87,9 @@ class DecodeGraphs:
 
     def replay(self, size: int, truncation: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
         if (size, truncation) not in self.graphs:
+            # the capture's warm-up runs overwrite `last_sampled`: the step's in-flight input tokens are
+            # read from it first, so that the warm-ups and the replay all compute this step
+            self.runner.resolve_placeholders(size)
             self._capture_one(size, truncation)
         self.graphs[(size, truncation)].replay()
         return self.outputs[(size, truncation)]

@@ -90,7 +90,8 @@ class ModelRunner:
         self.graphs = None  # DecodeGraphs once captured (CUDA, enforce_eager=False)
         self._recapture = False  # asleep: capture the graphs again on wake
         S = config.max_num_seqs
-        self.last_sampled = torch.zeros(S, dtype=torch.int64, device=self.device)  # [max_num_seqs] by slot
+        # [2 * max_num_seqs]: the last token sampled per slot; row S + r is graph padding row r's scratch
+        self.last_sampled = torch.zeros(2 * S, dtype=torch.int64, device=self.device)
         pin = self.device.type == "cuda"
         self._out_buffers = [  # two pinned result buffers: a step in flight and the one being collected
             (torch.zeros(S, dtype=torch.int64, pin_memory=pin), torch.zeros(S, dtype=torch.float32, pin_memory=pin))
@@ -250,9 +251,9 @@ class ModelRunner:
             size = self.graphs.padded_size(num_reqs)
             self._stage(inputs)
             self.fill_padding_rows(num_reqs, size)
-            self._upload(inputs, size)
+            self._upload(inputs, size, in_graph=True)
             tokens, logprobs = self.graphs.replay(size, truncation)
-            return self._handle(inputs, tokens[:num_reqs], logprobs[:num_reqs])
+            return self._handle(inputs, tokens[:num_reqs], logprobs[:num_reqs], in_graph=True)
         self._stage(inputs)
         self._upload(inputs, num_reqs)
         meta = self._metadata(inputs)
@@ -267,11 +268,12 @@ class ModelRunner:
         )
         return self._handle(inputs, tokens, logprobs, top)
 
-    def _upload(self, inputs: StepInputs, num_block_rows: int) -> None:
+    def _upload(self, inputs: StepInputs, num_block_rows: int, in_graph: bool = False) -> None:
         """Copy the staged inputs to the device (three copies from pinned memory, no host wait) and fill
-        placeholder input tokens from `last_sampled`."""
+        placeholder input tokens from `last_sampled` (`in_graph`: the decode graph fills them itself)."""
         h = self.buffers.host
-        pending = np.flatnonzero(inputs.input_ids < 0)  # tokens sampled by a step still in flight
+        # tokens sampled by a step still in flight
+        pending = np.empty(0, dtype=np.int64) if in_graph else np.flatnonzero(inputs.input_ids < 0)
         if pending.size:
             rows = np.searchsorted(inputs.query_start_loc[1:], pending, side="right")
             StepBuffers.put(h.pending_index, pending)
@@ -283,17 +285,21 @@ class ModelRunner:
             b.input_ids.index_copy_(0, b.pending_index[: pending.size],
                                     self.last_sampled.index_select(0, b.pending_slots[: pending.size]))
         if self.device.type == "cuda":
-            self._upload_done = torch.cuda.Event()
+            if self._upload_done is None:
+                self._upload_done = torch.cuda.Event()
             self._upload_done.record()
 
-    def _handle(self, inputs: StepInputs, tokens: torch.Tensor, logprobs: torch.Tensor, top=None) -> "StepHandle":
+    def _handle(self, inputs: StepInputs, tokens: torch.Tensor, logprobs: torch.Tensor, top=None,
+                in_graph: bool = False) -> "StepHandle":
         """Start the copy of this step's results to the host and put placeholders in the sampling slots.
 
-        `top` (ids [R, N], logprobs [R, N] on the device), when asked for, is copied out at `collect`."""
+        `top` (ids [R, N], logprobs [R, N] on the device), when asked for, is copied out at `collect`.
+        `in_graph`: the decode graph has already kept the tokens in `last_sampled`."""
         rows = inputs.sample_rows
         slots = inputs.slots[rows]
         R = rows.shape[0]
-        self.last_sampled.index_copy_(0, self.buffers.sample_slots[:R], tokens)
+        if not in_graph:
+            self.last_sampled.index_copy_(0, self.buffers.sample_slots[:R], tokens)
         out_tokens, out_logprobs = self._out_buffers[self._out_flip]
         self._out_flip ^= 1
         out_tokens[:R].copy_(tokens, non_blocking=True)
@@ -348,13 +354,25 @@ class ModelRunner:
             max_seq_len=self.max_model_len,
             deterministic=self.config.deterministic,
         )
-        hidden = self.model(b.input_ids[:size], b.positions[:size], meta)
+        slots = b.sample_slots[:size]  # every row samples; padding rows point at scratch rows of last_sampled
+        input_ids = b.input_ids[:size]
+        # placeholders (-1) stand for tokens of the step before, still in flight when this one was staged
+        input_ids = torch.where(input_ids < 0, self.last_sampled.index_select(0, slots), input_ids)
+        hidden = self.model(input_ids, b.positions[:size], meta)
         logits = self.model.compute_logits(hidden)
         tokens, logprobs, _ = self.sampler(
             logits, b.temperature[:size], b.top_k[:size], b.top_p[:size], b.min_p[:size], b.seeds[:size],
             b.sample_positions[:size], truncation=truncation,
         )
+        self.last_sampled.index_copy_(0, slots, tokens)
         return tokens, logprobs
+
+    def resolve_placeholders(self, size: int) -> None:
+        """Replace the placeholder input tokens (-1) of the first `size` decode rows on the device by the
+        tokens `last_sampled` holds for their slots, as the decode graph does when it runs."""
+        b = self.buffers
+        input_ids = b.input_ids[:size]
+        input_ids.copy_(torch.where(input_ids < 0, self.last_sampled.index_select(0, b.sample_slots[:size]), input_ids))
 
     def fill_padding_rows(self, start: int, end: int) -> None:
         """Make rows [start, end) inert padding in the host staging: one query token, no context, no KV write."""
@@ -366,6 +384,7 @@ class ModelRunner:
         h.slot_mapping[start:end] = -1
         h.input_ids[start:end] = 0
         h.positions[start:end] = 0
+        h.sample_slots[start:end] = np.arange(start, end) + self.config.max_num_seqs  # scratch rows
         self.buffers.pad_sampling(start, end)
 
     # ---- sleep / wake: device memory for a trainer sharing the device between rollout batches ------------

@@ -40,7 +40,9 @@ def test_graph_replay_is_bitwise_equal_to_eager_step(bf16_model, top_p):
     assert (runner.graphs.padded_size(5), truncation) in runner.graphs.graphs
     # the buffers now hold a real decode step: replay the captured graph and run the same step eagerly
     size = runner.graphs.padded_size(5)
+    in_flight = runner.last_sampled.clone()  # the step's placeholder inputs; both runs overwrite it
     g_tokens, g_logprobs = (t.clone() for t in runner.graphs.replay(size, truncation))
+    runner.last_sampled.copy_(in_flight)
     e_tokens, e_logprobs = runner.decode_forward(size, truncation)
     torch.cuda.synchronize()
     assert torch.equal(g_tokens[:5], e_tokens[:5])
@@ -102,8 +104,11 @@ def test_async_scheduling_matches_sync_on_the_gpu(bf16_model, deterministic):
     kw = dict(model=str(bf16_model), device="cuda", dtype="bfloat16", max_num_seqs=16, max_model_len=256,
               num_kv_blocks=128, deterministic=deterministic)
     prompts = _prompts(12, seed=7)
-    params = [SamplingParams(n=2, max_tokens=40, seed=i, stop_token_ids=[3, 5, 7]) for i in range(12)]
-    a = Engine(EngineConfig(**kw)).generate(prompts, params)
+    # top-p on some prompts: once they decode, the truncating graph variant is captured in the middle of
+    # the run, with tokens of the step before still in flight
+    params = [SamplingParams(n=2, max_tokens=40, seed=i, stop_token_ids=[3, 5, 7], top_p=0.9 if i % 3 == 2 else 1.0)
+              for i in range(12)]
+    a = Engine(EngineConfig(async_scheduling=False, **kw)).generate(prompts, params)
     b = Engine(EngineConfig(async_scheduling=True, **kw)).generate(prompts, params)
     pairs = [(x, y) for oa, ob in zip(a, b) for x, y in zip(oa.outputs, ob.outputs)]
     same = sum(x.token_ids == y.token_ids for x, y in pairs)
