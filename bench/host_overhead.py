@@ -3,8 +3,9 @@ with the model and sampler replaced by a stub that returns random tokens. Prints
 
     python bench/host_overhead.py --batch 256 --batch 1024
 
-On a GPU this time is spent while the device waits (steps are not overlapped yet), so it bounds the
-decode throughput at large batches: tokens/s <= batch / (host time + device time).
+On a GPU with async scheduling (the default there) this work overlaps the device's step, so it bounds
+the decode throughput once it is the longer of the two: tokens/s <= batch / max(host time, device time)
+(`bench/timeline.py` measures both on the GPU).
 """
 
 from __future__ import annotations
