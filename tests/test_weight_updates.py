@@ -500,6 +500,72 @@ def test_corrupt_index_in_the_middle_of_a_multi_parameter_batch_names_it_and_wri
     assert_bitwise_equal(target.checkpoint_state(), {n: t.to(torch.bfloat16) for n, t in master.items()})
 
 
+def _three_dtype_push(gen):
+    """A receiver over bf16, fp32 and fp16 parameters holding w0, a differ committed to w0, and a push to w1
+    where every parameter changes a few bits: delta patches with escapes, and plain patches where no change
+    fits in a byte (fp16, and one bf16 parameter)."""
+    shapes = {f"p{i}.{d}": ((16 + 8 * i, 24), dtype) for i in range(5) for d, dtype in
+              (("bf16", torch.bfloat16), ("fp32", torch.float32), ("fp16", torch.float16))}
+    specs = {n: ParamSpec(shape=s, dtype=d) for n, (s, d) in shapes.items()}
+    w0 = {n: (torch.randn(s, generator=gen) * 0.02).to(d) for n, (s, d) in shapes.items()}
+    w1 = {}
+    for n, t in w0.items():
+        idx = torch.randperm(t.numel(), generator=gen)[:40]
+        by = torch.randint(1, 4, (40,), generator=gen)
+        by[: 40 if n.endswith("fp16") or n == "p3.bf16" else 2] = 1 << 12 if t.element_size() == 4 else 300  # escapes
+        w1[n] = _bump(t, idx, by)
+    receiver = WeightReceiver(TensorDictTarget({n: t.clone() for n, t in w0.items()}))
+    differ = WeightDiffer(specs)
+    differ.commit(differ.encode(w0))
+    for n in specs:
+        receiver.current_checksum(n)
+    return receiver, differ.encode(w1), w1
+
+
+@pytest.mark.parametrize("batched", [False, pytest.param(True, marks=TRITON_CPU)], ids=["per_patch", "batched"])
+@pytest.mark.parametrize("corrupt", [_out_of_bounds, _missing_overflow, _decreasing, _escape_count], ids=lambda f: f.__name__[1:])
+def test_corrupt_index_in_one_of_several_dtype_groups_names_it_and_writes_nothing(corrupt, batched):
+    receiver, push, w1 = _three_dtype_push(torch.Generator().manual_seed(9))
+    receiver.batched_scatter = batched
+    assert {u.values.dtype for u in push.updates} == {torch.int8, torch.float16, torch.bfloat16}  # delta and plain patches
+    victim_at = next(i for i, u in enumerate(push.updates) if u.name == "p2.fp32")
+    victim = push.updates[victim_at]
+    assert victim.is_delta and victim.escapes.numel()
+    bad, match = corrupt(victim, receiver.specs[victim.name].numel)
+    target = receiver.target
+    before = {n: t.clone() for n, t in target.tensors.items()}
+    for _ in range(2):  # the session's per-record state starts afresh: the same push is refused twice
+        with pytest.raises(WeightUpdateError, match=match) as err:
+            receiver.apply(receiver.version + 1, [*push.updates[:victim_at], bad, *push.updates[victim_at + 1 :]])
+        assert str(err.value).startswith(victim.name)
+        assert_bitwise_equal(target.tensors, before)
+    receiver.apply(receiver.version + 1, push.updates)
+    assert_bitwise_equal(target.tensors, w1)
+
+
+def test_index_stream_dtypes_are_checked_at_add():
+    target, receiver, differ, master = make_pair(torch.bfloat16)
+    packed = PackedIndices.encode(torch.tensor([1, 5]))
+    update = Patch(name="model.norm.weight", indices=PackedIndices(gaps=packed.gaps.to(torch.int64), overflow=packed.overflow),
+                   values=torch.zeros(2, dtype=torch.bfloat16), checksum=0)
+    session = receiver.session()
+    session.start(1)
+    with pytest.raises(WeightUpdateError, match="gaps must be"):
+        session.add([update])
+    assert session.state == "failed"
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+def test_delta_terms_with_a_known_bound_match_the_general_weights(dtype):
+    from weight_updates.checksum import delta_terms
+
+    g = torch.Generator().manual_seed(3)
+    for positions, bound in ((torch.tensor([0, 1, 77, 12345, (1 << 22) - 1]), 1 << 22),
+                             (torch.tensor([5, 1 << 22, (1 << 22) + 3, 5 << 22]), 6 << 22)):
+        old, new = (torch.randn(len(positions), generator=g).to(dtype) for _ in range(2))
+        assert torch.equal(delta_terms(old, new, positions, bound=bound), delta_terms(old, new, positions))
+
+
 def test_more_indices_than_elements_is_refused_at_add():
     target, receiver, differ, master = make_pair(torch.bfloat16)
     norm = receiver.specs["model.norm.weight"]
@@ -761,6 +827,23 @@ def test_small_changes_travel_as_one_byte_bit_deltas():
     assert torch.equal(target.read_checkpoint_tensor("w"), before)
 
 
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+def test_bit_deltas_add_modulo_the_dtype_width_and_take_escapes_in_order(dtype):
+    from weight_updates.encoding import apply_bit_deltas
+
+    ints = INT_VIEW[dtype]
+    info = torch.iinfo(ints)
+    old = torch.tensor([info.max, info.min, 0, -1, 5, info.max - 3, 8], dtype=ints)
+    delta = torch.tensor([1, -1, 0, 127, -128, 0, 0], dtype=torch.int8)  # three escapes, two values: the last repeats
+    escapes = torch.tensor([7, 9], dtype=ints)
+    escaped = delta == 0
+    got = apply_bit_deltas(old.view(dtype), delta, escapes.view(dtype), escaped, torch.cumsum(escaped, 0))
+    span = 1 << (8 * old.element_size())
+    want = (old.to(torch.int64) + delta.to(torch.int64) - info.min) % span + info.min
+    want[escaped] = torch.tensor([7, 9, 9])
+    assert torch.equal(got.view(ints).to(torch.int64), want)
+
+
 @pytest.mark.parametrize("lengths", [[3, 0, 5, 1, 0, 7], [0, 0, 4], [6], [2, 0], [0, 0]])
 def test_segment_sums_and_ids_match_index_add_with_empty_segments_and_wraparound(lengths):
     from weight_updates.encoding import segment_ids, segment_sums
@@ -931,6 +1014,10 @@ def test_concat_to_joins_adjacent_views_without_a_copy():
     for gapped in ([base[0:10], base[11:20]], [base[0:10], other]):  # a hole, another tensor: copied
         copied = concat_to(gapped, torch.int16, "cpu")
         assert torch.equal(copied, torch.cat(gapped)) and copied.data_ptr() != base.data_ptr()
+    strided = torch.arange(20, dtype=torch.int16)
+    parts = [strided[0:8:2], strided[4:8]]  # end to end by address, but the first is not contiguous: copied
+    assert torch.equal(concat_to(parts, torch.int16, "cpu"), torch.cat(parts))
+    assert concat_to([base[0:0], other[0:0]], torch.int64, "cpu").shape == (0,)
     # adjacent addresses in two different storages are not joined (allocations may sit back to back)
     a, b = torch.empty(4096, dtype=torch.int16), torch.empty(4096, dtype=torch.int16)
     if b.data_ptr() == a.data_ptr() + a.numel() * 2:

@@ -22,6 +22,7 @@ not supported.
 """
 
 import itertools
+import operator
 from collections.abc import Sequence
 
 import torch
@@ -36,42 +37,46 @@ _tables16: dict[torch.device, torch.Tensor] = {}  # device -> [2**22] int16, the
 
 def concat_to(parts: Sequence[torch.Tensor], dtype: torch.dtype, device: torch.device | str) -> torch.Tensor:
     """``torch.cat`` of ``parts`` (1-D) as ``dtype`` on ``device`` in one cat and one conversion per run of parts
-    of equal dtype (not one conversion per part); host parts bound for CUDA are joined on the host and
-    uploaded in one copy instead of one per part. Parts that lie end to end in one storage (the records of a
+    of equal dtype (not one conversion per part). Parts that lie end to end in one storage (the records of a
     batched encode, or of a bucket, in order) are joined as one view, without a copy: the result may then
-    share memory with them, so callers only read it."""
+    share memory with them, so callers only read it. A run of host parts bound for CUDA is joined on the host
+    and uploaded in one copy instead of one per part (and converted there)."""
     device = torch.device(device)
     if not parts:
         return torch.empty(0, dtype=dtype, device=device)
-    here, where = device_index(device), [p.get_device() for p in parts]
-    if here >= 0 and all(w == -1 for w in where):
-        return upload(_cat_runs(parts, dtype), device)
-    return _cat_runs([p if w == here else p.to(device, non_blocking=True) for p, w in zip(parts, where)], dtype)
-
-
-def _cat_runs(parts: Sequence[torch.Tensor], dtype: torch.dtype) -> torch.Tensor:
-    runs = []
-    for _, run in itertools.groupby(parts, key=lambda p: p.dtype):
-        run = list(run)
-        joined = _joined_view(run)
-        runs.append((torch.cat(run) if joined is None else joined).to(dtype))
+    here = device_index(device)
+    runs = [_join(list(run), here, device).to(dtype) for _, run in itertools.groupby(parts, key=operator.attrgetter("dtype"))]
     return runs[0] if len(runs) == 1 else torch.cat(runs)
+
+
+def _join(parts: list[torch.Tensor], here: int, device: torch.device) -> torch.Tensor:
+    """``parts`` (1-D, one dtype) as one tensor on ``device`` (``here``: its ``device_index``)."""
+    joined = _joined_view(parts)  # one storage: one device, checked once
+    if joined is None:
+        where = {p.get_device() for p in parts}
+        if where != {here} and not (here >= 0 and where == {-1}):  # mixed: move what is elsewhere, part by part
+            parts = [p if p.get_device() == here else p.to(device, non_blocking=True) for p in parts]
+        joined = torch.cat(parts)
+    return joined if joined.get_device() == here else upload(joined, device)
 
 
 def _joined_view(parts: list[torch.Tensor]) -> torch.Tensor | None:
     """One view over ``parts`` (1-D, one dtype) when they lie end to end in one storage, else None. Checked
     by addresses alone: parts that tile the range from the first to the last, both in one storage, all lie
     in it (live storages never overlap)."""
-    parts = [p for p in parts if p.numel()]
-    if not parts:
-        return None
-    first, last = parts[0], parts[-1]
-    end, itemsize = first.data_ptr(), first.element_size()
+    first = last = None
+    end, itemsize = 0, parts[0].element_size()
     for p in parts:
+        n = p.numel()
+        if not n:
+            continue
+        if first is None:
+            first, end = p, p.data_ptr()
         if p.data_ptr() != end or not p.is_contiguous():
             return None
-        end += p.numel() * itemsize
-    if first.untyped_storage().data_ptr() != last.untyped_storage().data_ptr():
+        end += n * itemsize
+        last = p
+    if first is None or first.untyped_storage().data_ptr() != last.untyped_storage().data_ptr():
         return None
     return first.as_strided(((end - first.data_ptr()) // itemsize,), (1,), first.storage_offset())
 
@@ -141,21 +146,28 @@ def checksum_tensor(t: torch.Tensor) -> torch.Tensor:
     return total
 
 
+def _weight_table16(device: torch.device) -> torch.Tensor:
+    """[2**22] int16: T[j] on ``device`` (T fits in int16; a 2-byte gather is much cheaper than an 8-byte one)."""
+    table16 = _tables16.get(device)
+    if table16 is None:
+        table16 = _tables16[device] = _weight_table(device).to(torch.int16)
+    return table16
+
+
 def position_weights(positions: torch.Tensor) -> torch.Tensor:
     """[n] int64 ``w(positions)`` of [n] int64 flat indices, on their device."""
-    table16 = _tables16.get(positions.device)
-    if table16 is None:  # T fits in int16; a 2-byte gather is much cheaper than an 8-byte one
-        table16 = _tables16[positions.device] = _weight_table(positions.device).to(torch.int16)
-    weights = table16.index_select(0, positions & (_CHUNK - 1)).to(torch.int64)  # [n]
+    weights = _weight_table16(positions.device).index_select(0, positions & (_CHUNK - 1)).to(torch.int64)  # [n]
     return weights.add_(positions >> _CHUNK_BITS, alpha=2)
 
 
-def delta_terms(old: torch.Tensor, new: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
-    """[n] int64 ``(s(new) - s(old)) * w(positions)``."""
+def delta_terms(old: torch.Tensor, new: torch.Tensor, positions: torch.Tensor, bound: int | None = None) -> torch.Tensor:
+    """[n] int64 ``(s(new) - s(old)) * w(positions)``. ``bound``: an int above every position, where the
+    caller knows one: up to 2**22 the weights are table entries alone."""
     check_dtype_supported(new.dtype)
     assert old.dtype == new.dtype and old.shape == new.shape == positions.shape and positions.dtype == torch.int64
-    diff = _signed_bits(new).to(torch.int64)  # [n]
-    diff.sub_(_signed_bits(old).to(torch.int64))
+    diff = _signed_bits(new).to(torch.int64).sub_(_signed_bits(old))  # [n]
+    if bound is not None and bound <= _CHUNK:
+        return diff.mul_(_weight_table16(positions.device).index_select(0, positions))
     return diff.mul_(position_weights(positions))
 
 

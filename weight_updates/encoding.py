@@ -48,9 +48,8 @@ class PackedIndices:
         first). One host sync."""
         check_stream_dtypes([self])
         counts = upload(torch.tensor([self.num_indices, self.overflow.numel()], dtype=torch.int64), device)  # [2]
-        decoded = decode_streams([self], counts[:1], device)
-        sums = decoded.sums[0]
-        if bool((sums[1] != counts[1]) | (sums[2] > 0) | (sums[3] > 0)):
+        decoded = decode_streams(concat_to([self.gaps], torch.int64, device), concat_to([self.overflow], torch.int64, device), counts[:1])
+        if bool((decoded.sums[0, 1] != counts[1]) | decoded.bad.any()):
             raise WeightUpdateError(f"malformed index stream: {self.gaps.numel()} gaps, {self.overflow.numel()} overflow values")
         return decoded.indices
 
@@ -141,15 +140,6 @@ def check_stream_dtypes(packed: Sequence[PackedIndices]) -> None:
             raise WeightUpdateError(f"overflow must be 1-D int32, got {p.overflow.dtype}")
 
 
-@dataclass(frozen=True, kw_only=True, slots=True)
-class DecodedStreams:
-    """k index streams decoded together (``decode_streams``); all tensors on one device."""
-
-    indices: torch.Tensor  # [n] int64, the streams' indices concatenated (garbage in a malformed stream)
-    segment: torch.Tensor  # [n] int64, the stream of each element
-    sums: torch.Tensor  # [k, 4] int64 per stream: sum of its gaps (= last index + 1), escapes, escaped gaps < 1, other gaps < 1
-
-
 class SegmentBounds:
     """Where segments of ``lengths`` [k] (laid end to end from flat position ``base``: an int, or a [c, 1]
     tensor of row offsets) start and end, prepared once to read per-segment sums off any number of
@@ -164,8 +154,28 @@ class SegmentBounds:
 
     def totals(self, scan: torch.Tensor) -> torch.Tensor:
         """Per-segment sums [k] (or [c, k]) of the values whose inclusive scan is ``scan`` [m]."""
-        before = torch.where(self.inside, scan[self.index], 0)
+        if not scan.numel():  # every segment is empty
+            return torch.zeros(self.inside.shape[:-1] + (self.k,), dtype=scan.dtype, device=scan.device)
+        before = torch.where(self.inside, torch.take(scan, self.index), 0)
         return before[..., : self.k] - before[..., self.k :]
+
+
+@dataclass(frozen=True, kw_only=True, slots=True)
+class DecodedStreams:
+    """k index streams decoded together (``decode_streams``); all tensors on one device."""
+
+    indices: torch.Tensor  # [n] int64, the streams' indices concatenated (garbage in a malformed stream)
+    segment: torch.Tensor  # [n] int64, the stream of each element
+    bounds: SegmentBounds  # the streams' bounds, for per-stream sums of [n] values
+    sums: torch.Tensor  # [k, 2] int64 per stream: sum of its gaps (= last index + 1), escapes
+    bad: torch.Tensor  # [n] bool: gap < 1 (an escaped gap's overflow value, or another gap): its stream is malformed
+    escaped: torch.Tensor  # [n] bool: the gaps that were escapes
+
+    def faults(self) -> torch.Tensor:
+        """[k, 2] int64 per stream: its escaped gaps < 1, its other gaps < 1. ``bad.any()`` says whether any
+        stream has one; this says which (two more scans, for naming a malformed stream)."""
+        return torch.stack([self.bounds.totals(torch.cumsum(self.bad & self.escaped, 0)),
+                            self.bounds.totals(torch.cumsum(self.bad & ~self.escaped, 0))], 1)
 
 
 def segment_sums(values: torch.Tensor, lengths: torch.Tensor) -> torch.Tensor:
@@ -194,37 +204,33 @@ def segment_ids(lengths: torch.Tensor, total: int) -> torch.Tensor:
     return torch.cumsum(marks[:total], 0)
 
 
-def decode_streams(packed: Sequence[PackedIndices], lengths: torch.Tensor, device: torch.device) -> DecodedStreams:
+def decode_streams(gaps: torch.Tensor, overflow: torch.Tensor, lengths: torch.Tensor) -> DecodedStreams:
     """Decode k streams in a fixed number of kernels whatever k is, without a host sync.
 
-    ``lengths``: [k] int64 on ``device``, each stream's ``num_indices``. The gap streams are joined with one
-    cat and one widening per run of equal gap dtypes (order streams by gap dtype to keep runs few), escapes
-    take their overflow values by rank in one gather, and three 1-D scans (escapes, gaps, malformed gaps)
-    give every index and, read at the stream bounds (``SegmentBounds``), the per-stream sums. A stream is
-    well formed when its escape count equals its overflow count and no gap is < 1; then its indices are
-    strictly increasing and >= 0 (upper bounds are the caller's).
+    ``gaps``: [n] int64, the streams' gaps one after another; ``overflow``: [e] int64, their overflow values
+    likewise; ``lengths``: [k] int64, each stream's number of gaps; all on one device. Escapes take their
+    overflow values by rank in one gather, and two 1-D scans (escapes, gaps) give every index and, read at the
+    stream bounds (``SegmentBounds``), the per-stream sums. A stream is well formed when its escape count
+    equals its overflow count and none of its gaps is ``bad`` (< 1); then its indices are strictly increasing
+    and >= 0 (upper bounds are the caller's).
     """
-    total = sum(p.num_indices for p in packed)
-    if total == 0:
-        empty = torch.zeros(0, dtype=torch.int64, device=device)
-        return DecodedStreams(indices=empty, segment=empty, sums=torch.zeros(len(packed), 4, dtype=torch.int64, device=device))
-    gaps = concat_to([p.gaps for p in packed], torch.int64, device)  # [n]
-    # One spare value keeps the gather in range when a malformed stream has more escapes than values.
-    overflow = torch.nn.functional.pad(concat_to([p.overflow for p in packed], torch.int64, device), (0, 1), value=1)  # [escapes + 1]
-    escapes = gaps == 0  # [n]
-    escape_scan = torch.cumsum(escapes, 0)  # [n] escapes up to and including each element
-    gaps = torch.where(escapes, overflow[(escape_scan - 1).clamp_(0, overflow.numel() - 1)], gaps)
-    # malformed gaps (< 1), counted per stream in one scan: escaped ones in the high 32 bits, others in the low
-    bad_scan = torch.cumsum(torch.where(gaps < 1, torch.where(escapes, 1 << 32, 1), 0), 0)  # [n]
-    segment = segment_ids(lengths, total)  # [n]
-    gap_scan = torch.cumsum(gaps, 0)  # [n]
     streams = SegmentBounds(lengths)
+    if not gaps.numel():
+        none = gaps.new_zeros(0, dtype=torch.bool)
+        return DecodedStreams(indices=gaps, segment=gaps, bounds=streams, sums=gaps.new_zeros(lengths.shape[0], 2), bad=none, escaped=none)
+    # By rank: the i-th escape takes ranked[i]; rank 0 (no escape yet) is a placeholder, and one spare value
+    # keeps the gather in range when a malformed stream has more escapes than values.
+    ranked = torch.nn.functional.pad(overflow, (1, 1), value=1)  # [e + 2]
+    escaped = gaps == 0  # [n]
+    escape_scan = torch.cumsum(escaped, 0)  # [n] escapes up to and including each element
+    gaps = torch.where(escaped, ranked.index_select(0, escape_scan.clamp(max=ranked.numel() - 1)), gaps)
+    segment = segment_ids(lengths, gaps.numel())  # [n]
+    gap_scan = torch.cumsum(gaps, 0)  # [n]
     gap_sums = streams.totals(gap_scan)  # [k] = each stream's last index + 1
-    bad = streams.totals(bad_scan)  # [k]
-    sums = torch.stack([gap_sums, streams.totals(escape_scan), bad >> 32, bad & 0xFFFFFFFF], 1)  # [k, 4]
-    before = torch.cumsum(gap_sums, 0) - gap_sums  # [k] running sum of the gaps before each stream
-    indices = gap_scan.sub_(before[segment]).sub_(1)  # [n]
-    return DecodedStreams(indices=indices, segment=segment, sums=sums)
+    first = torch.cumsum(gap_sums, 0) - gap_sums + 1  # [k] the gaps before each stream, plus 1
+    indices = gap_scan.sub_(first.index_select(0, segment))  # [n]
+    return DecodedStreams(indices=indices, segment=segment, bounds=streams, sums=torch.stack([gap_sums, streams.totals(escape_scan)], 1),
+                          bad=gaps < 1, escaped=escaped)
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)
@@ -287,17 +293,19 @@ def delta_bytes(difference: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     return difference.masked_fill(escaped, 0).to(torch.int8), escaped
 
 
-def apply_bit_deltas(old: torch.Tensor, delta: torch.Tensor, escapes: torch.Tensor,
-                     escape_scan: torch.Tensor | None = None) -> torch.Tensor:
-    """New values [n] (old's dtype) from old values [n], int8 deltas [n] and escapes, without a host sync.
+def apply_bit_deltas(old: torch.Tensor, delta: torch.Tensor, escapes: torch.Tensor, escaped: torch.Tensor,
+                     escape_scan: torch.Tensor) -> torch.Tensor:
+    """New values [n] (old's dtype) from old values [n], int8 deltas [n] and escapes (old's dtype), without a host sync.
     The caller checks that the number of escape bytes is the number of escapes (otherwise the values are
     wrong, never out of range). Concatenated patches decode together: escapes are consumed in order, by
-    rank, in one gather. ``escape_scan``: ``torch.cumsum(delta == 0, 0)`` when the caller has it."""
+    rank, in one gather. ``escaped``: [n] ``delta == 0``; ``escape_scan``: [n] its ``torch.cumsum``."""
     int_dtype = SIGNED_VIEW[old.element_size()]
-    new = (old.view(int_dtype).to(torch.int64) + delta.to(torch.int64)).to(int_dtype)  # [n]
+    bits = old.view(int_dtype)
+    if old.element_size() == 4:  # a 32-bit sum could overflow: add in int64, then wrap to 32 bits
+        new = (bits.to(torch.int64) + delta).to(int_dtype)  # [n]
+    else:  # a 1- or 2-byte sum is computed in int and stored modulo 2**bits, as .to() wraps it
+        new = bits + delta  # [n]
     if escapes.numel():
-        if escape_scan is None:
-            escape_scan = torch.cumsum(delta == 0, 0)
-        rank = (escape_scan - 1).clamp_(0, escapes.numel() - 1)  # [n] which escape value
-        new = torch.where(delta == 0, escapes.to(old.dtype).view(int_dtype)[rank], new)
+        ranked = torch.nn.functional.pad(escapes.view(int_dtype), (1, 0))  # [escapes + 1]: rank 0 is a placeholder
+        new = torch.where(escaped, ranked.index_select(0, escape_scan.clamp(max=escapes.numel())), new)
     return new.view(old.dtype)

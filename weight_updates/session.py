@@ -37,9 +37,15 @@ checksums are dropped, so a later patch of them is checked against the weights a
 Cost: nothing per parameter on the device. All patches of one dtype are validated as one group (index
 streams decoded together, bounds clamped per element so the old values can be gathered before the checks
 are read, bit deltas decoded, checksum changes summed per member) in a fixed number of kernels; dense
-records are checksummed in one launch per element size on CUDA. Host syncs: one after phase 1 (every
-check of the session at once), one for the write, one after phase 3. Host metadata travels to the device
-in one pinned copy per session and one per group. The cached checksums live in one device table.
+records are checksummed in one launch per element size on CUDA. On the host, ``add`` checks each record
+once and notes what phase 1 needs of it (its parameter's row, its counts, its place in its group); phase 1
+builds every group's metadata from those notes with numpy, against per-parameter arrays that the receiver
+builds once, and touches a record only to hand its tensors to the group's concatenations (one cat per run
+of one dtype, or one view where the parts lie end to end; parts without data are left out). No torch op
+runs per patch, except where the target does not lend its live tensors to the batched kernels (the CPU,
+or ``batched_scatter=False``): there old values are gathered by one indexing op per patch. Host syncs: one
+after phase 1 (every check of the session at once), one for the write, one after phase 3. Host metadata
+travels to the device in one pinned copy per session. The cached checksums live in one device table.
 This module does not move bytes between processes (see ``transports``) and does not decide encodings
 (see ``differ``).
 """
@@ -51,12 +57,13 @@ from collections.abc import Collection, Iterable
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
+import numpy as np
 import torch
 
 from kernels.common import SIGNED_VIEW, device_index, upload
 from weight_updates.checksum import checksum_tensors, concat_to, delta_terms
-from weight_updates.encoding import (GAP_DTYPES, Dense, Patch, Update, apply_bit_deltas, check_stream_dtypes, decode_streams,
-                                     SegmentBounds, segment_sums)
+from weight_updates.encoding import (GAP_DTYPES, DecodedStreams, Dense, Patch, Update, apply_bit_deltas, check_stream_dtypes,
+                                     decode_streams)
 from weight_updates.errors import WeightUpdateError
 from weight_updates.target import ParamSpec, WeightTarget
 
@@ -89,7 +96,19 @@ class _DenseRecord:
 
 
 # Rows of _PatchGroup.meta, one column per member.
-_SIZES, _OVERFLOW, _NUMEL, _ESCAPES, _ROWS = range(5)
+_META_ROWS = 6
+_SIZES, _OVERFLOW, _NUMEL, _ESCAPES, _ROWS, _TABLE = range(_META_ROWS)
+_GAP_RANK = {dtype: i for i, dtype in enumerate(GAP_DTYPES)}  # gap dtype -> its place in the members' order
+
+
+@dataclass(frozen=True, kw_only=True, slots=True)
+class _GroupPlan:
+    """A _PatchGroup's host side: its members in order and their metadata, before anything is on the device."""
+
+    dtype: torch.dtype  # the members' engine dtype
+    members: list[Patch]  # bit-delta patches first, then by gap dtype: few runs of equal dtypes to concatenate
+    num_delta: int  # how many members are bit-delta patches
+    columns: np.ndarray  # [_META_ROWS, k] int64: the rows of _PatchGroup.meta
 
 
 @dataclass(kw_only=True, slots=True)
@@ -101,11 +120,10 @@ class _PatchGroup:
 
     members: list[Patch]  # bit-delta patches first, then by gap dtype: few runs of equal dtypes to concatenate
     sizes: list[int]  # [k] changed elements per member
-    meta: torch.Tensor  # [5, k] int64 on the device: sizes, overflow counts, numels, escape counts, record rows
-    indices: torch.Tensor  # [n] int64: the members' flat indices, concatenated (clamped into bounds)
-    segment: torch.Tensor  # [n] int64: which member each element belongs to
+    meta: torch.Tensor  # [6, k] int64 on the device: sizes, overflow counts, numels, escape counts, record rows, table rows
+    streams: DecodedStreams  # the members' index streams, decoded; ``streams.indices`` clamped into bounds
     table: "TensorTable | None"  # the members' live contiguous tensors (kernels.scatter), or None
-    checks: torch.Tensor | None = None  # [k, 4] int64: malformed, negative gap, last index, escape mismatch
+    checks: torch.Tensor | None = None  # [k, 3] int64: last index, escape count != overflow count, escape mismatch
     predicted: torch.Tensor | None = None  # [k] int64 checksums after the patch, predicted before writing
     old: torch.Tensor | None = None  # [n] values before the write
     new: torch.Tensor | None = None  # [n] values to write
@@ -114,22 +132,22 @@ class _PatchGroup:
         if self.table is not None:
             from kernels.scatter import gather_many
 
-            return gather_many(self.table, self.indices, self.segment)
-        return torch.cat([target.read_checkpoint_tensor(p.name).reshape(-1).index_select(0, idx)
-                          for p, idx in zip(self.members, self.indices.split(self.sizes))])
+            return gather_many(self.table, self.streams.indices, self.streams.segment)
+        return torch.cat([torch.take(target.read_checkpoint_tensor(p.name), idx)
+                          for p, idx in zip(self.members, self.streams.indices.split(self.sizes))])
 
     def scatter(self, target: WeightTarget, values: torch.Tensor) -> None:
         if self.table is not None:
             from kernels.scatter import scatter_many
 
-            scatter_many(self.table, self.indices, self.segment, values)
+            scatter_many(self.table, self.streams.indices, self.streams.segment, values)
             return
-        for p, idx, v in zip(self.members, self.indices.split(self.sizes), values.split(self.sizes)):
+        for p, idx, v in zip(self.members, self.streams.indices.split(self.sizes), values.split(self.sizes)):
             target.write_patch(p.name, idx, v)
 
     def member_sums(self, values: torch.Tensor) -> torch.Tensor:
-        """Per-member sums of ``values``: [n] -> [k], or [c, n] -> [k, c] (int64)."""
-        return segment_sums(values, self.meta[_SIZES])
+        """Per-member sums [k] of ``values`` [n] (int64)."""
+        return self.streams.bounds.totals(torch.cumsum(values, 0))
 
 
 @dataclass(kw_only=True, slots=True)
@@ -137,6 +155,7 @@ class _Prepared:
     """What phase 1 leaves for writing, verifying, publishing or rolling back."""
 
     records: list[Update]  # in the order received
+    rows: np.ndarray  # [R] int64 on the host: the records' rows of the receiver's arrays
     dense: list[_DenseRecord]
     groups: list[_PatchGroup]
     expected: torch.Tensor  # [R] int64 on the device: the sender's checksums
@@ -171,9 +190,13 @@ class WeightReceiver:
         self.batched_scatter = target.device.type == "cuda" if batched_scatter is None else batched_scatter
         self.specs: dict[str, ParamSpec] = dict(target.checkpoint_specs())
         self.version = version
-        self._row = {name: i for i, name in enumerate(self.specs)}  # checkpoint name -> row of the table
+        # What sessions look up per record, built once: a parameter's row indexes the arrays below.
+        self._names = list(self.specs)  # row -> checkpoint name
+        self._row = {name: i for i, name in enumerate(self._names)}  # checkpoint name -> row
+        self._dtypes = [spec.dtype for spec in self.specs.values()]  # row -> engine dtype
+        self._numels = np.array([spec.numel for spec in self.specs.values()], dtype=np.int64)  # [num params]
         self._table = torch.zeros(len(self.specs), dtype=torch.int64, device=target.device)  # [num params] checksums
-        self._known: set[str] = set()  # names whose table row holds their current checksum
+        self._known = np.zeros(len(self.specs), dtype=bool)  # [num params] whether the table row is current
         self._active: UpdateSession | None = None
 
     def session(self) -> "UpdateSession":
@@ -187,25 +210,29 @@ class WeightReceiver:
         return session.finish()
 
     def invalidate_checksums(self, names: Iterable[str] | None = None) -> None:
-        self._known.difference_update(list(self._known) if names is None else names)
+        if names is None:
+            self._known[:] = False
+        else:
+            self._known[[self._row[n] for n in names if n in self._row]] = False
 
     def has_checksum(self, name: str) -> bool:
         """Whether the checksum of ``name`` is cached (carried forward by sessions)."""
-        return name in self._known
+        return name in self._row and bool(self._known[self._row[name]])
 
     def current_checksum(self, name: str, *, refresh: bool = False) -> torch.Tensor:
         """0-dim int64 checksum of the parameter as the target holds it now."""
-        self._ensure_checksums([name], refresh=refresh)
-        return self._table[self._row[name]].clone()
+        row = self._row[name]
+        self._ensure_checksums(np.array([row], dtype=np.int64), refresh=refresh)
+        return self._table[row].clone()
 
-    def _ensure_checksums(self, names: list[str], *, refresh: bool) -> None:
-        """Fill the table rows of ``names`` that are not known (all of them with ``refresh``): on CUDA one
-        checksum launch per element size for all of them."""
-        missing = [n for n in names if refresh or n not in self._known]
-        if missing:
-            rows = upload(torch.tensor([self._row[n] for n in missing], dtype=torch.int64), self._table.device)
-            self._table[rows] = checksum_tensors([self.target.read_checkpoint_tensor(n) for n in missing])
-            self._known.update(missing)
+    def _ensure_checksums(self, rows: np.ndarray, *, refresh: bool) -> None:
+        """Fill the table ``rows`` ([k] int64, distinct) that are not known (all of them with ``refresh``): on
+        CUDA one checksum launch per element size for all of them."""
+        missing = rows if refresh else rows[~self._known[rows]]
+        if missing.size:
+            sums = checksum_tensors([self.target.read_checkpoint_tensor(self._names[r]) for r in missing.tolist()])
+            self._table[upload(torch.from_numpy(missing), self._table.device)] = sums
+            self._known[missing] = True
 
 
 class UpdateSession:
@@ -223,6 +250,13 @@ class UpdateSession:
         self._version = -1
         self._expected: frozenset[str] | None = None
         self._updates: dict[str, Update] = {}
+        # What phase 1 needs of each record, noted by ``add`` (a record's position is its place in ``_updates``):
+        self._rows: list[int] = []  # per record: its parameter's row of the receiver's arrays
+        self._checksums: list[int] = []  # per record: the sender's checksum
+        self._dense_at: list[int] = []  # the dense records' positions
+        self._patch_at: list[int] = []  # the patches' positions; a patch's number is its place here
+        self._patch_counts: list[int] = []  # per patch, in turn: its indices, overflow values, escapes
+        self._runs: dict[tuple[bool, int, torch.dtype], list[int]] = {}  # (plain values, gap rank, engine dtype) -> patch numbers
         self._prepared: _Prepared | None = None  # set by prepare, dropped when the session ends
 
     @property
@@ -248,12 +282,11 @@ class UpdateSession:
         receiver._active = self
 
     def add(self, updates: Iterable[Update]) -> None:
-        """Receive a chunk. Checks names, shapes and dtypes now; writes nothing."""
+        """Receive a chunk. Checks names, shapes and dtypes (of index streams too) now; writes nothing."""
         self._expect("add", "started")
         try:
             for update in updates:
-                self._check_record(update)
-                self._updates[update.name] = update
+                self._note(update)
         except WeightUpdateError:
             self.abort()
             raise
@@ -293,7 +326,7 @@ class UpdateSession:
         self._expect("publish", "committed")
         receiver, p = self._receiver, self._prepared
         receiver._table[p.table_rows] = p.expected
-        receiver._known.update(u.name for u in p.records)
+        receiver._known[p.rows] = True
         receiver.version = self._version
         num_dense = len(p.dense)
         result = UpdateResult(
@@ -342,29 +375,48 @@ class UpdateSession:
             self._end()
             raise
 
-    def _check_record(self, update: Update) -> None:
-        specs = self._receiver.specs
+    def _note(self, update: Update) -> None:
+        """Check what a record allows without reading its data (name, shapes, dtypes, counts) and note what
+        phase 1 needs of it; raise WeightUpdateError for a record that cannot be applied."""
+        receiver = self._receiver
         if not isinstance(update, (Dense, Patch)):
             raise WeightUpdateError(f"not an update record: {type(update).__name__}")
-        spec = specs.get(update.name)
-        if spec is None:
-            raise WeightUpdateError(f"unknown parameter {update.name!r}")
-        if self._expected is not None and update.name not in self._expected:
-            raise WeightUpdateError(f"{update.name}: not among the parameters announced at start")
-        if update.name in self._updates:
-            raise WeightUpdateError(f"{update.name}: sent twice in one session")
-        payload = update.tensor if isinstance(update, Dense) else update.values
-        if payload.dtype != spec.dtype and not (isinstance(update, Patch) and update.is_delta):
-            raise WeightUpdateError(f"{update.name}: dtype {payload.dtype} != engine dtype {spec.dtype}")
+        name = update.name
+        row = receiver._row.get(name)
+        if row is None:
+            raise WeightUpdateError(f"unknown parameter {name!r}")
+        if self._expected is not None and name not in self._expected:
+            raise WeightUpdateError(f"{name}: not among the parameters announced at start")
+        if name in self._updates:
+            raise WeightUpdateError(f"{name}: sent twice in one session")
+        dtype, at = receiver._dtypes[row], len(self._rows)
         if isinstance(update, Dense):
-            if tuple(payload.shape) != spec.shape:
-                raise WeightUpdateError(f"{update.name}: shape {tuple(payload.shape)} != checkpoint shape {spec.shape}")
-        elif payload.dim() != 1 or payload.numel() != update.indices.num_indices:
-            raise WeightUpdateError(f"{update.name}: {update.indices.num_indices} indices but values of shape {tuple(payload.shape)}")
-        elif update.indices.num_indices > spec.numel:
-            raise WeightUpdateError(f"{update.name}: {update.indices.num_indices} indices for {spec.numel} elements")
-        elif update.is_delta and (update.escapes is None or update.escapes.dtype != spec.dtype or update.escapes.dim() != 1):
-            raise WeightUpdateError(f"{update.name}: a bit-delta patch needs 1-D escape values of dtype {spec.dtype}")
+            payload = update.tensor
+            if payload.dtype != dtype:
+                raise WeightUpdateError(f"{name}: dtype {payload.dtype} != engine dtype {dtype}")
+            shape = receiver.specs[name].shape
+            if tuple(payload.shape) != shape:
+                raise WeightUpdateError(f"{name}: shape {tuple(payload.shape)} != checkpoint shape {shape}")
+            self._dense_at.append(at)
+        else:
+            indices, payload, escapes = update.indices, update.values, update.escapes
+            num, values_dtype = indices.gaps.numel(), payload.dtype
+            is_delta = values_dtype == torch.int8  # Patch.is_delta
+            if values_dtype != dtype and not is_delta:
+                raise WeightUpdateError(f"{name}: dtype {values_dtype} != engine dtype {dtype}")
+            if payload.dim() != 1 or payload.numel() != num:
+                raise WeightUpdateError(f"{name}: {num} indices but values of shape {tuple(payload.shape)}")
+            if num > receiver._numels[row]:
+                raise WeightUpdateError(f"{name}: {num} indices for {receiver._numels[row]} elements")
+            if is_delta and (escapes is None or escapes.dtype != dtype or escapes.dim() != 1):
+                raise WeightUpdateError(f"{name}: a bit-delta patch needs 1-D escape values of dtype {dtype}")
+            check_stream_dtypes((indices,))
+            self._patch_counts += (num, indices.overflow.numel(), escapes.numel() if is_delta else 0)
+            self._runs.setdefault((not is_delta, _GAP_RANK[indices.gaps.dtype], dtype), []).append(len(self._patch_at))
+            self._patch_at.append(at)
+        self._rows.append(row)
+        self._checksums.append(update.checksum)
+        self._updates[name] = update
 
     def _validate(self) -> "_Prepared":
         """Phase 1: stage on device, decode and check index streams, predict checksums; one host sync."""
@@ -375,21 +427,34 @@ class UpdateSession:
             raise WeightUpdateError(f"stream cut short: {len(missing)} announced parameters never arrived, e.g. {missing[:5]}")
         t0 = time.perf_counter()
         records = list(self._updates.values())
+        rows = np.array(self._rows, dtype=np.int64)  # [R] the records' rows of the receiver's arrays
         here = device_index(device)
-        dense = [_DenseRecord(update=u, row=i, payload=u.tensor if u.tensor.get_device() == here else u.tensor.to(device, non_blocking=True))
-                 for i, u in enumerate(records) if isinstance(u, Dense)]
-        table_rows = [receiver._row[u.name] for u in records]
-        meta = upload(torch.tensor([*(u.checksum for u in records), *table_rows, *(d.row for d in dense)], dtype=torch.int64), device)
+        dense = []
+        for i in self._dense_at:
+            tensor = records[i].tensor
+            payload = tensor if tensor.get_device() == here else tensor.to(device, non_blocking=True)
+            dense.append(_DenseRecord(update=records[i], row=i, payload=payload))
+        plans = self._plan_groups(records, rows)
+        # Every host-side number of the session in one copy: checksums, table rows, dense positions, group columns.
         num = len(records)
-        expected, table_rows_d, dense_rows = meta[:num], meta[num : 2 * num], meta[2 * num :]  # [R], [R], [num dense]
-        groups = self._patch_groups([(i, u) for i, u in enumerate(records) if isinstance(u, Patch)], table_rows_d, device)
+        host = np.concatenate([np.array(self._checksums, dtype=np.int64), rows, np.array(self._dense_at, dtype=np.int64),
+                               *(plan.columns.reshape(-1) for plan in plans)])
+        meta = upload(torch.from_numpy(host), device)
+        expected, table_rows, dense_rows = meta[:num], meta[num : 2 * num], meta[2 * num : 2 * num + len(dense)]  # [R], [R], [num dense]
+        receiver._ensure_checksums(rows[self._patch_at], refresh=not receiver.trust_cached_checksums)
+        lend = getattr(target, "writable_views", None) if receiver.batched_scatter else None
+        groups, at = [], 2 * num + len(dense)
+        for plan in plans:
+            k = len(plan.members)
+            groups.append(self._patch_group(plan, meta[at : at + _META_ROWS * k].view(_META_ROWS, k), device, lend))
+            at += _META_ROWS * k
         predicted = torch.zeros(num, dtype=torch.int64, device=device)  # [R]
         if dense:
             predicted[dense_rows] = checksum_tensors([d.payload for d in dense])
         for g in groups:
             predicted[g.meta[_ROWS]] = g.predicted
         self._check_all(records, groups, predicted, expected)
-        return _Prepared(records=records, dense=dense, groups=groups, expected=expected, table_rows=table_rows_d,
+        return _Prepared(records=records, rows=rows, dense=dense, groups=groups, expected=expected, table_rows=table_rows,
                          dense_rows=dense_rows, times=[t0, time.perf_counter()])
 
     def _write(self) -> None:
@@ -451,71 +516,72 @@ class UpdateSession:
                                     f"{self._restored_what(p.dense)}")
         p.times.append(time.perf_counter())
 
-    def _patch_groups(self, patches: list[tuple[int, Patch]], table_rows: torch.Tensor, device: torch.device) -> list[_PatchGroup]:
-        """One group per engine dtype, each decoded, gathered and checked in a fixed number of kernels.
-        Nothing is synchronised or written: every check lands in ``_PatchGroup.checks``."""
+    def _plan_groups(self, records: list[Update], rows: np.ndarray) -> list[_GroupPlan]:
+        """One plan per engine dtype of the patches (``rows``: [R] every record's row of the receiver's arrays),
+        from what ``add`` noted: nothing per member but picking it out of ``records``."""
         receiver = self._receiver
-        check_stream_dtypes([p.indices for _, p in patches])
-        by_dtype: dict[torch.dtype, list[tuple[int, Patch]]] = {}
-        for row, p in patches:
-            by_dtype.setdefault(receiver.specs[p.name].dtype, []).append((row, p))
-        receiver._ensure_checksums([p.name for _, p in patches], refresh=not receiver.trust_cached_checksums)
-        lend = getattr(receiver.target, "writable_views", None) if receiver.batched_scatter else None
-        return [self._patch_group(sorted(members, key=_patch_order), dtype, table_rows, device, lend) for dtype, members in by_dtype.items()]
+        order: dict[torch.dtype, list[int]] = {}  # engine dtype -> its patches' numbers, in member order
+        num_delta: dict[torch.dtype, int] = {}
+        for (plain, _, dtype), run in sorted(self._runs.items(), key=lambda item: item[0][:2]):
+            order.setdefault(dtype, []).extend(run)
+            num_delta[dtype] = num_delta.get(dtype, 0) + (0 if plain else len(run))
+        counts = np.array(self._patch_counts, dtype=np.int64).reshape(-1, 3)  # [P, 3]: indices, overflow values, escapes
+        patch_at = np.array(self._patch_at, dtype=np.int64)  # [P]
+        plans = []
+        for dtype, numbers in order.items():
+            at = patch_at[numbers]  # [k] the members' positions among the records
+            columns = np.empty((_META_ROWS, len(numbers)), dtype=np.int64)
+            columns[[_SIZES, _OVERFLOW, _ESCAPES]] = counts[numbers].T
+            columns[_NUMEL] = receiver._numels[rows[at]]
+            columns[_ROWS] = at
+            columns[_TABLE] = rows[at]
+            plans.append(_GroupPlan(dtype=dtype, members=[records[i] for i in at.tolist()], num_delta=num_delta[dtype], columns=columns))
+        return plans
 
-    def _patch_group(self, members: list[tuple[int, Patch]], dtype: torch.dtype, table_rows: torch.Tensor, device: torch.device,
-                     lend) -> _PatchGroup:
-        """``members``: (record row, patch) in ``_patch_order``; ``table_rows``: [R] the records' rows of the
-        receiver's checksum table; ``lend``: the target's ``writable_views`` or None."""
+    def _patch_group(self, plan: _GroupPlan, meta: torch.Tensor, device: torch.device, lend) -> _PatchGroup:
+        """``meta``: ``plan.columns`` on the device; ``lend``: the target's ``writable_views`` or None."""
         receiver = self._receiver
-        patches, streams, sizes, columns = [], [], [], []  # columns: the rows of ``meta``, one member at a time
-        delta_values, plain_values, escape_values = [], [], []
-        for row, p in members:  # one pass over the members
-            indices, is_delta = p.indices, p.is_delta
-            num = indices.num_indices
-            patches.append(p)
-            streams.append(indices)
-            sizes.append(num)
-            columns.append((num, indices.overflow.numel(), receiver.specs[p.name].numel,
-                            p.escapes.numel() if is_delta else 0, row))
-            if is_delta:
-                delta_values.append(p.values)
-                escape_values.append(p.escapes)
-            else:
-                plain_values.append(p.values)
-        total = sum(sizes)
-        meta = upload(torch.tensor(columns, dtype=torch.int64).t().contiguous(), device)  # [5, k]
-        decoded = decode_streams(streams, meta[_SIZES], device)
-        sums = decoded.sums  # [k, 4]
+        members, num_delta, columns = plan.members, plan.num_delta, plan.columns
+
+        def holding(column: int, start: int, stop: int) -> list[Patch]:
+            """The members in [start, stop) whose ``column`` count is not 0: the parts to concatenate."""
+            return [members[i] for i in (start + np.flatnonzero(columns[column, start:stop])).tolist()]
+
+        k = len(members)
+        streams = decode_streams(concat_to([p.indices.gaps for p in holding(_SIZES, 0, k)], torch.int64, device),
+                                 concat_to([p.indices.overflow for p in holding(_OVERFLOW, 0, k)], torch.int64, device), meta[_SIZES])
         # Clamped into each member's bounds, the indices are safe to read through even before the checks
         # are known; where the checks pass, clamping changed nothing.
-        limit = (meta[_NUMEL] - 1)[decoded.segment]  # [n]
-        indices = torch.minimum(decoded.indices.clamp_(min=0), limit)
-        views = None if lend is None else lend([p.name for p in patches])
+        limit = meta[_NUMEL] - 1  # [k]
+        indices = streams.indices.clamp_(min=limit.new_zeros(()), max=limit.index_select(0, streams.segment))  # [n]
+        views = None if lend is None else lend([p.name for p in members])
         table = None
         if views is not None:
             from kernels.scatter import TensorTable
 
             table = TensorTable.of(views)
-        group = _PatchGroup(members=patches, sizes=sizes, meta=meta, indices=indices, segment=decoded.segment, table=table)
+        sizes = columns[_SIZES].tolist()
+        group = _PatchGroup(members=members, sizes=sizes, meta=meta, streams=streams, table=table)
         group.old = group.gather(receiver.target)  # [n]
-        delta_members = len(delta_values)  # they come first
-        num_delta = sum(sizes[:delta_members])
-        deltas = concat_to(delta_values, torch.int8, device)  # [num delta]
-        plain = concat_to(plain_values, dtype, device)  # [n - num delta]
-        escape_counts = torch.zeros(len(patches), dtype=torch.int64, device=device)  # [k] escaped delta bytes
-        if num_delta:
-            escapes = concat_to(escape_values, dtype, device)  # [num escapes]
-            escape_scan = torch.cumsum(deltas == 0, 0)  # [num delta]
-            decoded_deltas = apply_bit_deltas(group.old[:num_delta], deltas, escapes, escape_scan)
-            group.new = decoded_deltas if num_delta == total else torch.cat([decoded_deltas, plain])
-            escape_counts[:delta_members] = SegmentBounds(meta[_SIZES][:delta_members]).totals(escape_scan)
+        num_delta_elements = sum(sizes[:num_delta])  # the delta members come first
+        deltas = concat_to([p.values for p in holding(_SIZES, 0, num_delta)], torch.int8, device)  # [num delta]
+        plain = concat_to([p.values for p in holding(_SIZES, num_delta, k)], plan.dtype, device)  # [n - num delta]
+        if num_delta_elements:
+            escapes = concat_to([p.escapes for p in holding(_ESCAPES, 0, num_delta)], plan.dtype, device)  # [num escapes]
+            escaped = deltas == 0  # [num delta]
+            # over all n elements (the plain members' escape nothing), to be read at the members' bounds
+            escape_scan = torch.cumsum(torch.nn.functional.pad(escaped, (0, indices.numel() - num_delta_elements)), 0)  # [n]
+            decoded_deltas = apply_bit_deltas(group.old[:num_delta_elements], deltas, escapes, escaped, escape_scan[:num_delta_elements])
+            group.new = decoded_deltas if num_delta_elements == indices.numel() else torch.cat([decoded_deltas, plain])
+            escape_counts = streams.bounds.totals(escape_scan)  # [k] escaped delta bytes
         else:
             group.new = plain
-        base = receiver._table[table_rows[meta[_ROWS]]]  # [k] checksums before the patch
-        group.predicted = base + group.member_sums(delta_terms(group.old, group.new, indices))
-        malformed = (sums[:, 1] != meta[_OVERFLOW]) | (sums[:, 2] > 0)
-        group.checks = torch.stack([malformed.to(torch.int64), (sums[:, 3] > 0).to(torch.int64), sums[:, 0] - 1,
+            escape_counts = torch.zeros(k, dtype=torch.int64, device=device)
+        base = receiver._table.index_select(0, meta[_TABLE])  # [k] checksums before the patch
+        terms = delta_terms(group.old, group.new, indices, bound=int(columns[_NUMEL].max()))  # [n]
+        group.predicted = base + group.member_sums(terms)
+        sums = streams.sums  # [k, 2]
+        group.checks = torch.stack([sums[:, 0] - 1, (sums[:, 1] != meta[_OVERFLOW]).to(torch.int64),
                                     (escape_counts != meta[_ESCAPES]).to(torch.int64)], 1)
         return group
 
@@ -523,22 +589,22 @@ class UpdateSession:
         """Raise for the first bad index stream (in the order sent), else for checksums that do not match
         their prediction. One host sync reads one flag for every check of the session; only when it is set
         are the per-record values read to name what failed."""
-        flags = [(g.checks[:, [0, 1, 3]] != 0).any(1) | (g.checks[:, 2] >= g.meta[_NUMEL]) for g in groups]  # [k] each
-        if not torch.cat([*flags, predicted != expected]).any().item():
+        flags = [(g.checks[:, 1:] != 0).any(1) | (g.checks[:, 0] >= g.meta[_NUMEL]) for g in groups]  # [k] each
+        if not torch.cat([*flags, *(g.streams.bad.any()[None] for g in groups), predicted != expected]).any().item():
             return
-        values = torch.cat([*(g.checks.reshape(-1) for g in groups), predicted]).tolist()
+        values = torch.cat([*(torch.cat([g.checks, g.streams.faults()], 1).reshape(-1) for g in groups), predicted]).tolist()
         streams, at = {}, 0
         for g in groups:
             for p in g.members:
-                streams[p.name] = values[at : at + 4]
-                at += 4
+                streams[p.name] = values[at : at + 5]
+                at += 5
         for u in records:
             if not isinstance(u, Patch):
                 continue
-            malformed, negative, last, escapes = streams[u.name]
-            if malformed:
+            last, uneven, escapes, bad_escaped, bad_other = streams[u.name]
+            if uneven or bad_escaped:
                 raise WeightUpdateError(f"{u.name}: malformed index stream (escape count != overflow count, or an overflow gap < 1)")
-            if negative:
+            if bad_other:
                 raise WeightUpdateError(f"{u.name}: malformed index stream (a gap < 1: indices must be strictly increasing)")
             numel = self._receiver.specs[u.name].numel
             if last >= numel:
@@ -568,13 +634,6 @@ class UpdateSession:
         for d in reversed(dense):
             if d.old is not None:  # None: dense_rollback=False
                 target.write_dense(d.update.name, d.old)
-
-
-def _patch_order(member: tuple[int, Patch]) -> tuple[bool, int]:
-    """Bit-delta patches first, then by gap dtype: the group's payloads and gap streams concatenate in a
-    few runs of one dtype each."""
-    p = member[1]
-    return not p.is_delta, GAP_DTYPES.index(p.indices.gaps.dtype)
 
 
 def apply_update(target: WeightTarget, version: int, updates: Iterable[Update], *, current_version: int = 0) -> UpdateResult:

@@ -6,6 +6,7 @@ checkpoint-shaped tensor. The target maps them onto its runtime tensors (fused `
 bytes between processes; see ``session`` and ``transports``.
 """
 
+import math
 from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Protocol
@@ -22,10 +23,7 @@ class ParamSpec:
 
     @property
     def numel(self) -> int:
-        n = 1
-        for d in self.shape:
-            n *= d
-        return n
+        return math.prod(self.shape)
 
 
 class WeightTarget(Protocol):
