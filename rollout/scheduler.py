@@ -334,7 +334,7 @@ class Scheduler:
                 req.stop_reason = req.stop_strings.find(req.token_ids, req.num_prompt_tokens, num_tokens)
                 if req.stop_reason is not None:
                     return RequestStatus.FINISHED_STOPPED
-        if num_output >= req.max_tokens or num_tokens >= self.max_model_len:
+        if num_tokens >= req.token_limit:  # max_tokens or max_model_len reached
             return RequestStatus.FINISHED_LENGTH
         return None
 

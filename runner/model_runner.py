@@ -354,25 +354,27 @@ class ModelRunner:
             max_seq_len=self.max_model_len,
             deterministic=self.config.deterministic,
         )
-        slots = b.sample_slots[:size]  # every row samples; padding rows point at scratch rows of last_sampled
-        input_ids = b.input_ids[:size]
-        # placeholders (-1) stand for tokens of the step before, still in flight when this one was staged
-        input_ids = torch.where(input_ids < 0, self.last_sampled.index_select(0, slots), input_ids)
-        hidden = self.model(input_ids, b.positions[:size], meta)
+        hidden = self.model(self._decode_input_ids(size), b.positions[:size], meta)
         logits = self.model.compute_logits(hidden)
         tokens, logprobs, _ = self.sampler(
             logits, b.temperature[:size], b.top_k[:size], b.top_p[:size], b.min_p[:size], b.seeds[:size],
             b.sample_positions[:size], truncation=truncation,
         )
-        self.last_sampled.index_copy_(0, slots, tokens)
+        # every row samples; padding rows' sample slots are scratch rows of last_sampled
+        self.last_sampled.index_copy_(0, b.sample_slots[:size], tokens)
         return tokens, logprobs
 
-    def resolve_placeholders(self, size: int) -> None:
-        """Replace the placeholder input tokens (-1) of the first `size` decode rows on the device by the
-        tokens `last_sampled` holds for their slots, as the decode graph does when it runs."""
+    def _decode_input_ids(self, size: int) -> torch.Tensor:
+        """[size] int64: the first `size` decode rows' input tokens, placeholders (-1, tokens of the step
+        before, still in flight when this one was staged) taken from `last_sampled` by the rows' slots."""
         b = self.buffers
         input_ids = b.input_ids[:size]
-        input_ids.copy_(torch.where(input_ids < 0, self.last_sampled.index_select(0, b.sample_slots[:size]), input_ids))
+        return torch.where(input_ids < 0, self.last_sampled.index_select(0, b.sample_slots[:size]), input_ids)
+
+    def resolve_placeholders(self, size: int) -> None:
+        """Write the first `size` decode rows' placeholder input tokens into the input buffer, as the decode
+        graph reads them when it runs."""
+        self.buffers.input_ids[:size].copy_(self._decode_input_ids(size))
 
     def fill_padding_rows(self, start: int, end: int) -> None:
         """Make rows [start, end) inert padding in the host staging: one query token, no context, no KV write."""

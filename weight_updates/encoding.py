@@ -303,7 +303,7 @@ def apply_bit_deltas(old: torch.Tensor, delta: torch.Tensor, escapes: torch.Tens
     bits = old.view(int_dtype)
     if old.element_size() == 4:  # a 32-bit sum could overflow: add in int64, then wrap to 32 bits
         new = (bits.to(torch.int64) + delta).to(int_dtype)  # [n]
-    else:  # a 1- or 2-byte sum is computed in int and stored modulo 2**bits, as .to() wraps it
+    else:  # int8 / int16 plus int8 adds in the wider of the two, which wraps modulo 2**bits
         new = bits + delta  # [n]
     if escapes.numel():
         ranked = torch.nn.functional.pad(escapes.view(int_dtype), (1, 0))  # [escapes + 1]: rank 0 is a placeholder

@@ -400,10 +400,9 @@ class UpdateSession:
             self._dense_at.append(at)
         else:
             indices, payload, escapes = update.indices, update.values, update.escapes
-            num, values_dtype = indices.gaps.numel(), payload.dtype
-            is_delta = values_dtype == torch.int8  # Patch.is_delta
-            if values_dtype != dtype and not is_delta:
-                raise WeightUpdateError(f"{name}: dtype {values_dtype} != engine dtype {dtype}")
+            num, is_delta = indices.gaps.numel(), update.is_delta
+            if payload.dtype != dtype and not is_delta:
+                raise WeightUpdateError(f"{name}: dtype {payload.dtype} != engine dtype {dtype}")
             if payload.dim() != 1 or payload.numel() != num:
                 raise WeightUpdateError(f"{name}: {num} indices but values of shape {tuple(payload.shape)}")
             if num > receiver._numels[row]:
