@@ -273,3 +273,16 @@ def test_generate_stops_once_enough_prompts_finish(model_dir, async_scheduling):
     assert not engine.has_unfinished_requests() and engine.kv_manager.pool.num_used_blocks == 0
     with pytest.raises(ValueError, match="min_finished_prompts"):
         engine.generate(prompts, params, min_finished_prompts=5)
+
+
+@pytest.mark.parametrize("gc_freeze", [True, False])
+def test_gc_freeze_moves_the_start_up_heap_out_of_collections_until_close(model_dir, gc_freeze):
+    import gc
+
+    gc.unfreeze()
+    e = Engine(EngineConfig(model=str(model_dir), max_num_seqs=4, gc_freeze=gc_freeze))
+    frozen = gc.get_freeze_count()
+    assert (frozen > 0) == gc_freeze
+    e.generate([[5, 6, 7]], SamplingParams(max_tokens=4, ignore_eos=True))
+    e.close()
+    assert gc.get_freeze_count() == 0
