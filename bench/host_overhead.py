@@ -22,7 +22,7 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 import torch  # noqa: E402
 
 from rollout import Engine, EngineConfig, SamplingParams  # noqa: E402
-from rollout.scheduler import RunnerOutput  # noqa: E402
+from runner.messages import RunnerOutput  # noqa: E402
 from runner.testing import write_random_checkpoint  # noqa: E402
 
 

@@ -1,6 +1,6 @@
 """Speculative decoding: acceptance length and tokens/s with and without speculation, EAGLE and MTP.
 
-Trains a toy target on a learnable counting corpus (runner/spec_decode/toy_target.py), then for each
+Trains a toy target on a learnable counting corpus (bench/toy_target.py), then for each
 drafter method starts a speculating engine from a fresh drafter, fills its rollout buffer, trains the
 drafter online (`train_drafter`), and measures decode throughput at each batch size without speculation
 (the same engine with look-ahead 0, so both pay the same bookkeeping), with speculation forced on, and
@@ -30,7 +30,7 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 import torch  # noqa: E402
 
 from rollout import Engine, EngineConfig, SamplingParams, SpeculativeConfig  # noqa: E402
-from runner.spec_decode.toy_target import counting_corpus, train_toy_target  # noqa: E402
+from bench.toy_target import counting_corpus, train_toy_target  # noqa: E402
 from runner.spec_decode.training import train_drafter  # noqa: E402
 
 

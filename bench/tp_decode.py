@@ -60,7 +60,7 @@ def run(model_dir: str, args, tp: int, mode: str, async_scheduling: bool | None 
 
         if args.profile:  # rank 0's view of a few decode steps: where its host and device time go
             profile_steps(engine, prompts, tp, mode, config.async_scheduling)
-        rank0 = engine.runner if tp == 1 else engine.runner.runner
+        rank0 = engine.runner
         plain = rank0.sampler
         rank0.sampler = SamplerPeak(plain, rank0.device)
         engine.generate(prompts, SamplingParams(max_tokens=2, ignore_eos=True, seed=2))  # prefill + one decode step

@@ -14,32 +14,11 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Mapping, TypeVar
 
+from runner.config import RunnerConfig, SpeculativeConfig
+
 T = TypeVar("T")
 
 _DTYPES = ("float32", "bfloat16", "float16", "auto")
-
-
-@dataclass(kw_only=True, slots=True)
-class SpeculativeConfig:
-    """Speculative decoding settings (a drafter proposes tokens, the target verifies them)."""
-
-    method: str = "eagle"
-    """"eagle" (a decoder layer over token embedding + target hidden state) or "mtp"."""
-    num_speculative_tokens: int = 4
-    """Draft tokens proposed per step (k)."""
-    drafter: str | None = None
-    """Path of a saved drafter directory; None starts from a freshly initialised drafter."""
-    auto_off: bool = True
-    """Stop speculating at batch sizes where measured throughput is higher without it (re-checked now and
-    then); the engine's `spec_decode_stats` say per batch size which mode won."""
-
-    def __post_init__(self) -> None:
-        if self.method not in ("eagle", "mtp"):
-            raise ValueError(f"SpeculativeConfig.method must be 'eagle' or 'mtp', got {self.method!r}")
-        if self.num_speculative_tokens < 1:
-            raise ValueError(
-                f"SpeculativeConfig.num_speculative_tokens must be >= 1, got {self.num_speculative_tokens}"
-            )
 
 
 @dataclass(kw_only=True, slots=True)
@@ -91,8 +70,6 @@ class EngineConfig:
     turns it on for CUDA without tensor parallelism (on the CPU the host is the device, so there is nothing
     to overlap and the bookkeeping only costs; under tensor parallelism it is opt-in: every rank stages its
     next step while the current one runs); the tokens are the same either way."""
-    log_stats: bool = False
-    """Log throughput and cache figures while generating."""
     gc_freeze: bool = True
     """After start-up, move every object then alive out of the garbage collector's reach (`gc.freeze()`):
     a decode step allocates enough to trigger collections, and a full one would otherwise scan the whole
@@ -127,6 +104,11 @@ class EngineConfig:
             raise ValueError("async_scheduling does not support speculative decoding yet")
         if self.async_scheduling is None:
             self.async_scheduling = self.speculative is None and self.tensor_parallel_size == 1 and self.device != "cpu"
+
+
+    def runner_config(self) -> RunnerConfig:
+        """The fields the runner reads, as the runner's own config."""
+        return RunnerConfig(**{f.name: getattr(self, f.name) for f in dataclasses.fields(RunnerConfig)})
 
 
 def _resolve_type(tp: Any) -> Any:

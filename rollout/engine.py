@@ -45,11 +45,11 @@ Prompt = str | Sequence[int]
 
 class Engine:
     def __init__(self, config: EngineConfig) -> None:
-        from kernels.sampling_ref import fold_seed, sample_seed  # torch, no CUDA
+        from kernels.sampling_ref import sample_seed  # torch, no CUDA
+        from runner.executor import make_executor
         from runner.model_config import ModelConfig
-        from runner.model_runner import ModelRunner
 
-        self._sample_seed, self._fold_seed = sample_seed, fold_seed
+        self._sample_seed = sample_seed
         self.config = config
         self.model_config = ModelConfig.from_dir(config.model)
         max_pos = self.model_config.max_position_embeddings
@@ -65,16 +65,13 @@ class Engine:
             logger.info("max_model_len capped at the model's sliding_window=%d", window)
             self.max_model_len = window
         self.tokenizer = Tokenizer.find(config.tokenizer or config.model)
-        if config.tensor_parallel_size > 1:
-            from runner.parallel.worker import TensorParallelRunner
-
-            self.runner = TensorParallelRunner(config, self.model_config, self.max_model_len)
-        else:
-            self.runner = ModelRunner(config, self.model_config, self.max_model_len)
-        num_blocks = self.runner.determine_num_kv_blocks()
-        self.runner.allocate_kv_cache(num_blocks)
+        self.executor = make_executor(config.runner_config(), self.model_config, self.max_model_len)
+        self.runner = self.executor.driver  # rank 0's ModelRunner
+        rpc = self.executor.collective_rpc
+        num_blocks = min(rpc("determine_num_kv_blocks"))  # each rank measures its own memory
+        rpc("allocate_kv_cache", num_blocks)
         if self.runner.device.type == "cuda" and not config.enforce_eager and config.speculative is None:
-            self.runner.capture_graphs()
+            rpc("capture_graphs")
         self.kv_manager = KVCacheManager(num_blocks, config.block_size, config.enable_prefix_caching)
         self.scheduler = Scheduler(
             kv_manager=self.kv_manager,
@@ -86,7 +83,6 @@ class Engine:
         self._rng = random.Random(config.seed)
         self._groups: dict[str, RequestGroup] = {}
         self._ids = itertools.count()
-        self._receiver = None
         self._asleep: set[str] = set()  # "kv_cache" / "weights" while freed by sleep()
         self._inflight = None  # async scheduling: (SchedulerOutput, StepHandle) launched, not yet collected
         self._drained: list[Request] = []  # requests that got tokens in a drain, reported by the next step
@@ -189,7 +185,7 @@ class Engine:
             self.scheduler.num_lookahead_tokens = self.spec_controller.lookahead(batch_size)
         start = time.perf_counter()
         sched = self.scheduler.schedule()
-        out = self.runner.execute(sched)
+        out = self.executor.execute(sched)
         changed = self.scheduler.update(sched, out)
         if self.spec_controller is not None:
             self._after_spec_step(batch_size, sched, out, changed, time.perf_counter() - start)
@@ -200,11 +196,11 @@ class Engine:
         step while the device runs the current one. Returns the requests that got tokens from step t."""
         sched = self.scheduler.schedule()
         self.scheduler.advance(sched)
-        handle = self.runner.launch(sched)
+        handle = self.executor.launch(sched)
         changed, self._drained = self._drained, []  # tokens a drain collected are reported now
         if self._inflight is not None:
             prev_sched, prev_handle = self._inflight
-            changed += self.scheduler.update(prev_sched, self.runner.collect(prev_handle), advanced=True)
+            changed += self.scheduler.update(prev_sched, self.executor.collect(prev_handle), advanced=True)
         self._inflight = None if sched.is_empty else (sched, handle)
         return changed
 
@@ -215,7 +211,7 @@ class Engine:
             return
         sched, handle = self._inflight
         self._inflight = None
-        self._drained += self.scheduler.update(sched, self.runner.collect(handle), advanced=True)
+        self._drained += self.scheduler.update(sched, self.executor.collect(handle), advanced=True)
 
     def generate(
         self,
@@ -275,10 +271,18 @@ class Engine:
 
     def close(self) -> None:
         """Release device memory (graphs, KV cache, weights); the engine cannot be used afterwards."""
-        self.runner.release()
-        self.runner = None
+        self.executor.release()
+        self.executor = self.runner = None
         if self.config.gc_freeze:
             gc.unfreeze()
+
+    def collective_rpc(self, method: str, *args) -> list:
+        """Run a runner method (a name or attribute path on `runner.model_runner.ModelRunner`, or
+        "package.module:function" called as function(runner, *args)) on every rank, between steps; returns
+        every rank's result in rank order. An exception on any rank raises one error naming the ranks, and
+        every rank stays ready for the next call (see runner/executor.py)."""
+        self._drain()
+        return self.executor.collective_rpc(method, *args)
 
     # ---- weights ----------------------------------------------------------------------------------------
     @property
@@ -295,11 +299,7 @@ class Engine:
         self._check_awake("weight updates", "weights")
         if self.config.tensor_parallel_size > 1:
             raise ValueError("with tensor_parallel_size > 1, weight updates go through apply_weight_update (every rank)")
-        if self._receiver is None:
-            from weight_updates import WeightReceiver
-
-            self._receiver = WeightReceiver(self.runner.weights, version=self.policy_version, dense_rollback=False)
-        return self._receiver
+        return self.runner.weight_sync.receiver("full", self.policy_version)
 
     def weight_specs(self) -> dict:
         """Checkpoint name -> (shape, dtype) of every tensor a weight update may carry."""
@@ -314,10 +314,7 @@ class Engine:
         """
         self._drain()  # tokens of a step in flight belong to the old version
         self._check_awake("apply_weight_update", "weights")
-        if self.config.tensor_parallel_size > 1:
-            result = self.runner.apply_weight_update(version, updates, self.policy_version)
-        else:
-            result = self.weight_receiver.apply(version, updates)
+        result = self.collective_rpc("weight_sync.apply", version, list(updates), self.policy_version)[0]
         self.on_weights_updated(result.version)
         return result
 
@@ -354,12 +351,7 @@ class Engine:
         """Per rank, checkpoint name -> checksum (`weight_updates.checksum`) of the rank's part as it holds
         it now: what a trainer compares its own parts with (`TrainerBridge.adopt_engine_weights`)."""
         self._check_awake("rank_local_checksums", "weights")
-        if self.config.tensor_parallel_size > 1:
-            return self.runner.rank_local_checksums()
-        from weight_updates.checksum import checksum
-
-        weights = self.runner.weights
-        return [{name: checksum(weights.view(name)) for name in weights.layout}]
+        return self.collective_rpc("weight_sync.rank_local_checksums")
 
     def update_weights_rank_local(self, version: int, handles: Sequence[dict]) -> "UpdateResult":  # noqa: F821
         """Apply a weight update whose records for rank r (in rank r's coordinates, see
@@ -375,12 +367,7 @@ class Engine:
         self._check_awake("update_weights_rank_local", "weights")
         if len(handles) != self.config.tensor_parallel_size:
             raise ValueError(f"{len(handles)} handles for tensor_parallel_size={self.config.tensor_parallel_size}")
-        if self.config.tensor_parallel_size > 1:
-            result = self.runner.apply_rank_local_update(version, list(handles), self.policy_version)
-        else:
-            from weight_updates.transports.rank_local import serve_rank_local
-
-            result = serve_rank_local(self.weight_receiver, version, handles[0], exchange=lambda value: [value])
+        result = self.collective_rpc("weight_sync.apply_rank_local", version, list(handles), self.policy_version)[0]
         self.on_weights_updated(result.version)
         return result
 
@@ -406,7 +393,7 @@ class Engine:
             return
         if "kv_cache" in self._asleep:  # asleep at level 1: deepening the sleep in place is not offered
             raise ValueError("already asleep at level 1; wake_up() before sleeping at level 2")
-        self.runner.sleep(offload_weights=level == 2)
+        self.collective_rpc("sleep", level == 2)
         self.kv_manager.reset_prefix_cache()
         self._asleep = freeing
         logger.info("asleep at level %d: freed %s", level, " and ".join(sorted(freeing)))
@@ -420,20 +407,25 @@ class Engine:
         if unknown:
             raise ValueError(f"unknown wake_up tags {sorted(unknown)}; use 'weights' and/or 'kv_cache'")
         if "weights" in wanted and "weights" in self._asleep:
-            self._wake("weights", self.runner.wake_weights)
+            self._wake("weights", ["wake_weights"])
         if "kv_cache" in wanted and "kv_cache" in self._asleep:
             if "weights" in self._asleep:
                 raise ValueError("wake_up(['kv_cache']) needs the weights on the device: wake 'weights' first")
-            self._wake("kv_cache", self.runner.wake_kv_cache)
+            # every rank allocates before any captures graphs (a capture runs collectives)
+            self._wake("kv_cache", ["wake_kv_cache", "recapture_graphs"])
 
-    def _wake(self, part: str, wake) -> None:
-        """Run one part's wake; out of device memory, the part stays asleep (nothing half-allocated is kept
-        and the parameters already moved stay valid) and a ValueError says so: free memory, then retry."""
+    def _wake(self, part: str, calls: list[str]) -> None:
+        """Run one part's wake on every rank; out of device memory on any rank, the part stays asleep on every
+        rank (a KV cache allocated elsewhere is freed again; parameters already moved stay valid) and a
+        ValueError says so: free memory, then retry."""
         import torch
 
         try:
-            wake()
+            for method in calls:
+                self.collective_rpc(method)
         except torch.OutOfMemoryError as e:
+            if part == "kv_cache":
+                self.collective_rpc("free_kv_cache")
             what = "KV cache" if part == "kv_cache" else "weights"
             raise ValueError(f"wake_up: not enough device memory for the {what} ({e}); the engine still sleeps: "
                              "free memory (the trainer's) and call wake_up again") from None

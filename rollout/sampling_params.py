@@ -8,6 +8,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+from runner.messages import RequestSampling
+
 
 @dataclass(kw_only=True, slots=True)
 class SamplingParams:
@@ -89,3 +91,8 @@ class SamplingParams:
     @property
     def greedy(self) -> bool:
         return self.temperature == 0.0
+
+    def runner_sampling(self, seed: int) -> RequestSampling:
+        """What the runner needs of these settings for one sample (whose noise seed is `seed`)."""
+        return RequestSampling(temperature=self.temperature, top_k=self.top_k, top_p=self.top_p, min_p=self.min_p,
+                               seed=seed, top_logprobs=self.top_logprobs, speculative=self.speculative)

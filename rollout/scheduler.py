@@ -18,66 +18,19 @@ Speculation: a decoding request (one uncomputed token) of a speculating request 
 drafted (`RunnerOutput.num_draft_tokens`) and `update` rolls the computed count back past the rejected
 ones. Their blocks stay with the request and are overwritten by later steps.
 
-Input and output are small typed dataclasses: new requests travel to the runner in full, running ones as
-diffs, and finished or preempted ids tell the runner to free slots. Pure Python; testable with no model.
+Input and output are the step messages of `runner.messages`: new requests travel to the runner in full,
+running ones as columns of diffs, and finished or preempted ids tell the runner to free slots. Pure
+Python; testable with no model.
 """
 
 from __future__ import annotations
 
 from collections import deque
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 from rollout.kv_cache_manager import KVCacheManager
 from rollout.request import Request, RequestStatus
-from rollout.sampling_params import SamplingParams
-
-
-@dataclass(slots=True)
-class NewRequestData:
-    """A request entering the runner (first time, or again after preemption): everything in full."""
-
-    req_id: str
-    token_ids: list[int]  # prompt + output so far
-    num_prompt_tokens: int
-    block_ids: list[int]
-    num_computed_tokens: int
-    params: SamplingParams
-    seed: int
-
-
-@dataclass(slots=True)
-class CachedRequestData:
-    """A request already in the runner: only what changed."""
-
-    req_id: str
-    new_block_ids: list[int]
-    num_computed_tokens: int
-
-
-@dataclass(slots=True)
-class SchedulerOutput:
-    new_reqs: list[NewRequestData]
-    cached_reqs: list[CachedRequestData]
-    num_scheduled_tokens: dict[str, int]  # req_id -> tokens to compute this step, in batch order
-    total_num_scheduled_tokens: int
-    finished_req_ids: set[str]  # left since the last step (finished or aborted): free their slots
-    preempted_req_ids: set[str]  # preempted since the last step: free their slots
-    placeholders: dict[str, int] = field(default_factory=dict)  # async: req_id -> index of its placeholder
-
-    @property
-    def is_empty(self) -> bool:
-        return self.total_num_scheduled_tokens == 0
-
-
-@dataclass(slots=True)
-class RunnerOutput:
-    """What the runner returns: for each request that sampled, its new tokens (1, or more when speculating)."""
-
-    req_ids: list[str]
-    sampled_token_ids: list[list[int]]
-    logprobs: list[list[float]] | None = None
-    top_logprobs: list[list[list[tuple[int, float]]]] | None = None
-    num_draft_tokens: list[int] | None = None  # per sampled request, when speculating
+from runner.messages import CachedRequestData, NewRequestData, RunnerOutput, SchedulerOutput
 
 
 @dataclass(slots=True)
@@ -145,7 +98,7 @@ class Scheduler:
         budget = self.max_num_batched_tokens
         num_scheduled: dict[str, int] = {}
         new_reqs: list[NewRequestData] = []
-        cached_reqs: list[CachedRequestData] = []
+        cached_reqs = CachedRequestData()
         preempted_now = False
 
         # 1. running requests, oldest first
@@ -181,7 +134,7 @@ class Scheduler:
                 num_scheduled[req.req_id] = num_new
                 budget -= num_new
                 if req.req_id in in_runner:
-                    cached_reqs.append(CachedRequestData(req.req_id, new_blocks, req.num_computed_tokens))
+                    cached_reqs.append(req.req_id, new_blocks, req.num_computed_tokens)
                 else:
                     new_reqs.append(self._new_data(req))
                 i += 1
@@ -353,8 +306,7 @@ class Scheduler:
             num_prompt_tokens=req.num_prompt_tokens,
             block_ids=list(req.block_ids),
             num_computed_tokens=req.num_computed_tokens,
-            params=req.params,
-            seed=req.seed,
+            sampling=req.params.runner_sampling(req.seed),
         )
 
     def _drop_placeholders(self, req: Request) -> None:

@@ -13,7 +13,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from rollout.scheduler import SchedulerOutput
+from runner.messages import SchedulerOutput
 
 
 @dataclass(slots=True)
@@ -73,18 +73,21 @@ class InputBatch:
             self.num_computed_tokens[slot] = new.num_computed_tokens
             self.num_blocks[slot] = 0
             self._append_blocks(slot, new.block_ids)
-            p = new.params
+            p = new.sampling
             self.temperature[slot] = p.temperature
             self.top_k[slot] = p.top_k
             self.top_p[slot] = p.top_p
             self.min_p[slot] = p.min_p
-            self.seed[slot] = new.seed
+            self.seed[slot] = p.seed
             self.top_logprobs[slot] = p.top_logprobs
-        for diff in sched.cached_reqs:
-            slot = self.slot_of[diff.req_id]
-            self.num_computed_tokens[slot] = diff.num_computed_tokens
-            if diff.new_block_ids:
-                self._append_blocks(slot, diff.new_block_ids)
+        cached = sched.cached_reqs
+        if cached.req_ids:
+            slot_of = self.slot_of
+            slots = np.fromiter((slot_of[r] for r in cached.req_ids), dtype=np.int64, count=len(cached.req_ids))
+            self.num_computed_tokens[slots] = cached.num_computed_tokens
+            for i, block_ids in enumerate(cached.new_block_ids):
+                if block_ids:
+                    self._append_blocks(int(slots[i]), block_ids)
 
     def _append_blocks(self, slot: int, block_ids: list[int]) -> None:
         start = self.num_blocks[slot]

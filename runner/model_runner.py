@@ -25,14 +25,15 @@ from dataclasses import dataclass, field
 import numpy as np
 import torch
 
-from rollout.config import EngineConfig
-from rollout.scheduler import RunnerOutput, SchedulerOutput
 from runner.attention import AttentionBackend, AttentionMetadata
+from runner.config import RunnerConfig
 from runner.input_batch import InputBatch, StepInputs
 from runner.loader import CheckpointWeights, load_model
+from runner.messages import RunnerOutput, SchedulerOutput
 from runner.model_config import ModelConfig, parse_dtype
 from runner.sampler import Sampler
 from runner.step_buffers import StepBuffers
+from runner.weight_sync import WeightSync
 
 logger = logging.getLogger(__name__)
 
@@ -57,7 +58,7 @@ class StepHandle:
 
 
 class ModelRunner:
-    def __init__(self, config: EngineConfig, model_config: ModelConfig, max_model_len: int, tp=None) -> None:
+    def __init__(self, config: RunnerConfig, model_config: ModelConfig, max_model_len: int, tp=None) -> None:
         self.config = config
         self.model_config = model_config
         self.tp = tp  # runner.parallel.group.TPGroup, or None
@@ -104,6 +105,7 @@ class ModelRunner:
             from runner.spec_decode.spec_runner import SpeculativeRunner
 
             self.spec = SpeculativeRunner(self)
+        self.weight_sync = WeightSync(self)
 
     # ---- KV cache ------------------------------------------------------------------------------------
     def kv_bytes_per_block(self) -> int:
@@ -395,7 +397,7 @@ class ModelRunner:
         move every parameter (target and drafter) to host memory, pinned on CUDA. The modules keep their
         Parameter objects, only `.data` moves, so checkpoint views and weight receivers stay valid."""
         self._recapture = self.graphs is not None
-        self._free_cache_and_graphs()
+        self.free_kv_cache()
         if offload_weights:
             pin = self.device.type == "cuda"
             for p in self._parameters():
@@ -415,14 +417,25 @@ class ModelRunner:
             torch.cuda.synchronize(self.device)
 
     def wake_kv_cache(self) -> None:
-        """Allocate the KV cache again (same number of blocks, zeroed) and capture the graphs it had. On any
-        failure (out of memory) the cache and graphs are dropped again, as asleep, and the error raised."""
+        """Allocate the KV cache again (same number of blocks, zeroed); nothing if it is allocated already. On
+        failure (out of memory) nothing stays allocated and the error is raised. The graphs come back with
+        `recapture_graphs` (under tensor parallelism a collective: only once every rank holds its cache)."""
+        if self.kv_caches:
+            return
         try:
             self.allocate_kv_cache(self.num_kv_blocks, quiet=True)
-            if self._recapture:
-                self.capture_graphs()
         except BaseException:
-            self._free_cache_and_graphs()
+            self.free_kv_cache()
+            raise
+
+    def recapture_graphs(self) -> None:
+        """Capture the decode graphs that `sleep` released; on failure the cache and graphs are freed again."""
+        if not self._recapture or self.graphs is not None:
+            return
+        try:
+            self.capture_graphs()
+        except BaseException:
+            self.free_kv_cache()
             raise
 
     def use_in_this_thread(self) -> None:
@@ -431,7 +444,8 @@ class ModelRunner:
         if self.device.type == "cuda":
             torch.cuda.set_device(self.device)
 
-    def _free_cache_and_graphs(self) -> None:
+    def free_kv_cache(self) -> None:
+        """Drop the KV cache and the graphs that read it (as asleep)."""
         if self.graphs is not None:
             self.graphs.release()
             self.graphs = None
@@ -504,34 +518,34 @@ class ModelRunner:
             deterministic=self.config.deterministic,
         )
 
+    def full_sequence_logits(self, token_ids: list[int]) -> torch.Tensor:
+        """Logits [len(token_ids), vocab] of one sequence in a single prefill over the first cache blocks
+        (under tensor parallelism a collective: every rank calls it, through `collective_rpc`, and gets the full
+        vocabulary).
 
-def full_sequence_logits(runner: ModelRunner, token_ids: list[int]) -> torch.Tensor:
-    """Logits [len(token_ids), vocab] of one sequence in a single prefill over the first cache blocks
-    (under tensor parallelism a collective: every rank calls it and gets the full vocabulary).
+        For tests and scoring on an idle engine only: it overwrites KV blocks 0..n, so no request may be running.
+        """
+        assert not self.input_batch.slot_of, "full_sequence_logits needs an idle runner"
+        n = len(token_ids)
+        num_blocks = -(-n // self.block_size)
+        assert num_blocks <= self.num_kv_blocks
+        dev = self.device
+        block_table = torch.arange(num_blocks, dtype=torch.int32, device=dev)[None, :]
+        meta = AttentionMetadata(
+            query_start_loc=torch.tensor([0, n], dtype=torch.int32, device=dev),
+            seq_lens=torch.tensor([n], dtype=torch.int32, device=dev),
+            block_tables=block_table,
+            slot_mapping=torch.arange(n, dtype=torch.int64, device=dev),
+            max_query_len=n,
+            max_seq_len=n,
+            deterministic=self.config.deterministic,
+        )
+        with torch.inference_mode():
+            ids = torch.tensor(token_ids, dtype=torch.int64, device=dev)
+            hidden = self.model(ids, torch.arange(n, device=dev), meta)
+            logits = self.model.compute_logits(hidden)
+            if self.tp is None:
+                return logits
+            from runner.parallel.sampling import gather_vocab
 
-    For tests and scoring on an idle engine only: it overwrites KV blocks 0..n, so no request may be running.
-    """
-    assert not runner.input_batch.slot_of, "full_sequence_logits needs an idle runner"
-    n = len(token_ids)
-    num_blocks = -(-n // runner.block_size)
-    assert num_blocks <= runner.num_kv_blocks
-    dev = runner.device
-    block_table = torch.arange(num_blocks, dtype=torch.int32, device=dev)[None, :]
-    meta = AttentionMetadata(
-        query_start_loc=torch.tensor([0, n], dtype=torch.int32, device=dev),
-        seq_lens=torch.tensor([n], dtype=torch.int32, device=dev),
-        block_tables=block_table,
-        slot_mapping=torch.arange(n, dtype=torch.int64, device=dev),
-        max_query_len=n,
-        max_seq_len=n,
-        deterministic=runner.config.deterministic,
-    )
-    with torch.inference_mode():
-        ids = torch.tensor(token_ids, dtype=torch.int64, device=dev)
-        hidden = runner.model(ids, torch.arange(n, device=dev), meta)
-        logits = runner.model.compute_logits(hidden)
-        if runner.tp is None:
-            return logits
-        from runner.parallel.sampling import gather_vocab
-
-        return gather_vocab(runner.tp, logits)
+            return gather_vocab(self.tp, logits)

@@ -133,7 +133,7 @@ def sampler_peaks(engines: dict, prompts, params) -> tuple[dict, dict]:
 
     peaks, tokens = {}, {}
     for name, engine in engines.items():
-        rank0 = engine.runner.runner
+        rank0 = engine.runner
         plain = rank0.sampler
         rank0.sampler = SamplerPeak(plain, rank0.device)
         try:

@@ -33,7 +33,6 @@ from safetensors.torch import load_file, save_file
 
 from conftest import sampler_peaks, update_records
 from rollout import Engine, EngineConfig, SamplingParams
-from runner.model_runner import full_sequence_logits
 from runner.parallel.worker import rank_device
 from runner.testing import write_random_checkpoint
 from trainer_bridge import TrainerBridge
@@ -145,9 +144,9 @@ def _logits(engine: Engine, ids: list[int]) -> torch.Tensor:
     assert not engine.has_unfinished_requests()
     engine.step()  # an empty step frees finished requests' runner slots: full_sequence_logits wants none
     if engine.config.tensor_parallel_size > 1:
-        out = engine.runner.full_sequence_logits(ids)
+        out = engine.collective_rpc("full_sequence_logits", ids)[0]
     else:
-        out = full_sequence_logits(engine.runner, ids)
+        out = engine.collective_rpc("full_sequence_logits", ids)[0]
     return out.float().cpu()
 
 
@@ -167,7 +166,7 @@ def _assert_greedy_matches_prefill(engine: Engine, prompts: list[list[int]], max
     """Greedy-decode `prompts` on a TP engine, then score each prompt + completion in one prefill on the same
     engine: every decoded token must be the prefill's argmax up to DECODE_VS_PREFILL_NATS, with the same
     logprob within it, and exactly the argmax at >= 90% of positions. Returns rank 0's graph replays."""
-    graphs = engine.runner.runner.graphs  # rank 0's; None with enforce_eager
+    graphs = engine.runner.graphs  # rank 0's; None with enforce_eager
     replays = 0
     if graphs is not None:
         plain = graphs.replay
@@ -238,7 +237,7 @@ def test_tp_sleep_frees_rank_memory_and_wakes_with_graphs(engine_tp):
     """Level 2 on both ranks: rank 0's allocated memory drops by at least its KV cache and weights; after
     wake_up the graphs (holding the NCCL collectives) are captured again and seeded sampling is unchanged."""
     before = _tokens(engine_tp.generate(PROMPTS, PARAMS))
-    runner = engine_tp.runner.runner  # rank 0's ModelRunner
+    runner = engine_tp.runner  # rank 0's ModelRunner
     kv_bytes = sum(2 * k.numel() * k.element_size() for k, _ in runner.kv_caches)
     weight_bytes = sum(p.numel() * p.element_size() for p in runner._parameters())
     torch.cuda.synchronize(runner.device)
@@ -312,7 +311,7 @@ def test_weight_update_under_tp_matches_single_gpu(engine_1, engine_32, engine_t
 
 
 def test_close_stops_the_worker_rank(engine_ag):
-    workers = engine_ag.runner._workers
+    workers = engine_ag.executor._workers
     assert len(workers) == 1 and all(w.is_alive() for w in workers)
     with engine_ag:
         pass

@@ -7,7 +7,6 @@ import torch
 
 from conftest import load_hf
 from rollout import Engine, EngineConfig, SamplingParams
-from runner.model_runner import full_sequence_logits
 
 VARIANTS = [
     ("llama", {}),
@@ -36,7 +35,7 @@ def test_logits_match_transformers_at_every_position(ckpt_factory, variant):
     engine = Engine(EngineConfig(model=str(path), dtype="float32", max_num_seqs=4, num_kv_blocks=64))
     g = torch.Generator().manual_seed(1)
     tokens = torch.randint(0, 128, (150,), generator=g).tolist()  # crosses llama3's 64-token original context
-    ours = full_sequence_logits(engine.runner, tokens)
+    ours = engine.collective_rpc("full_sequence_logits", tokens)[0]
     with torch.no_grad():
         ref = hf(torch.tensor([tokens])).logits[0]
     assert ref.std() > 0.5, "logits too flat for a meaningful comparison"
@@ -87,7 +86,7 @@ def test_bfloat16_checkpoint_loads_and_follows_transformers(ckpt_factory):
     assert engine.runner.dtype == torch.bfloat16
     hf = load_hf(path, dtype=torch.bfloat16)
     tokens = list(range(10, 40))
-    ours = full_sequence_logits(engine.runner, tokens).float()
+    ours = engine.collective_rpc("full_sequence_logits", tokens)[0].float()
     with torch.no_grad():
         ref = hf(torch.tensor([tokens])).logits[0].float()
     # bf16 activations: compare the predicted tokens and a loose tolerance
@@ -106,6 +105,6 @@ def test_sliding_window_models_stay_within_the_window(ckpt_factory):
     tokens = torch.randint(0, 128, (48,), generator=torch.Generator().manual_seed(2)).tolist()
     with torch.no_grad():
         ref = load_hf(path)(torch.tensor([tokens])).logits[0]
-    torch.testing.assert_close(full_sequence_logits(engine.runner, tokens), ref, atol=1e-4, rtol=1e-4)
+    torch.testing.assert_close(engine.collective_rpc("full_sequence_logits", tokens)[0], ref, atol=1e-4, rtol=1e-4)
     qwen = ckpt_factory("qwen2", use_sliding_window=True, sliding_window=40, max_window_layers=0)
     assert Engine(EngineConfig(model=str(qwen), dtype="float32", num_kv_blocks=64)).max_model_len == 40

@@ -7,7 +7,8 @@ import pytest
 from rollout.kv_cache_manager import BlockPool, KVCacheManager
 from rollout.request import Request, RequestGroup, RequestStatus
 from rollout.sampling_params import SamplingParams
-from rollout.scheduler import RunnerOutput, Scheduler
+from rollout.scheduler import Scheduler
+from runner.messages import RunnerOutput
 
 
 def make_group(rid: str, prompt: list[int], n: int = 1, max_tokens: int = 8, **kw) -> RequestGroup:
@@ -57,7 +58,7 @@ def test_token_budget_and_chunked_prefill():
     sched.update(first, fake_run(sched, first))
     second = sched.schedule()
     assert second.num_scheduled_tokens == {"a-0": 10}
-    assert [c.req_id for c in second.cached_reqs] == ["a-0"] and not second.new_reqs
+    assert second.cached_reqs.req_ids == ["a-0"] and not second.new_reqs
     sched.update(second, fake_run(sched, second))
     third = sched.schedule()
     assert third.num_scheduled_tokens == {"a-0": 5, "b-0": 3}  # remainder + next request's prefill

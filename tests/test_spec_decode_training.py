@@ -10,7 +10,7 @@ import torch
 
 from rollout import Engine, EngineConfig, SamplingParams, SpeculativeConfig
 from runner.spec_decode.training import train_drafter
-from runner.spec_decode.toy_target import counting_corpus, train_toy_target
+from bench.toy_target import counting_corpus, train_toy_target
 
 VOCAB = 32
 

@@ -11,7 +11,6 @@ import torch
 from conftest import TP_MODEL, sampler_peaks, tp_config, update_records
 from rollout import Engine, SamplingParams
 from runner.model_config import ModelConfig
-from runner.model_runner import full_sequence_logits
 from runner.models.llama import DecoderForCausalLM
 from runner.parallel.layers import head_partition
 from runner.parallel.weights import local_flat_indices
@@ -102,8 +101,8 @@ def test_patch_indices_map_to_the_rank_slice(dim):
 # ---- engines: 1 rank vs 2 ranks --------------------------------------------------------------------------
 def test_tp_logits_equal_single_process(engine_1, engine_tp):
     ids = [3, 5, 7, 11, 13, 2, 9, 200, 255, 128]
-    ref = full_sequence_logits(engine_1.runner, ids)  # [10, 256]
-    got = engine_tp.runner.full_sequence_logits(ids)
+    ref = engine_1.collective_rpc("full_sequence_logits", ids)[0]  # [10, 256]
+    got = engine_tp.collective_rpc("full_sequence_logits", ids)[0]
     assert got.shape == ref.shape
     assert (got - ref).abs().max().item() < 1e-5
 
@@ -114,11 +113,11 @@ def test_tp_untied_llama_with_split_kv_heads(tmp_path, single_thread):
                                    num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=256)
     ids = [5, 9, 100, 127, 3, 3, 64]
     ref_engine = Engine(tp_config(path))
-    ref = full_sequence_logits(ref_engine.runner, ids)
+    ref = ref_engine.collective_rpc("full_sequence_logits", ids)[0]
     ref_tokens = _tokens(ref_engine.generate(PROMPTS, PARAMS))
     with Engine(tp_config(path, tensor_parallel_size=2)) as engine:
         assert engine.runner.weights.view("lm_head.weight").shape == (64, 64)  # this rank's half of the vocab
-        assert (engine.runner.full_sequence_logits(ids) - ref).abs().max().item() < 1e-5
+        assert (engine.collective_rpc("full_sequence_logits", ids)[0] - ref).abs().max().item() < 1e-5
         assert _tokens(engine.generate(PROMPTS, PARAMS)) == ref_tokens
 
 
@@ -159,12 +158,12 @@ def test_weight_update_under_tp_matches_single_process(engine_1, engine_tp):
     assert _tokens(got) == _tokens(ref) != before
     engine_1.step(), engine_tp.step()  # an empty step frees the finished requests' runner slots
     ids = [3, 5, 7, 11, 13, 2, 9, 200, 255, 128]
-    diff = engine_tp.runner.full_sequence_logits(ids) - full_sequence_logits(engine_1.runner, ids)
+    diff = engine_tp.collective_rpc("full_sequence_logits", ids)[0] - engine_1.collective_rpc("full_sequence_logits", ids)[0]
     assert diff.abs().max().item() < 1e-5
 
 
 def test_close_stops_the_worker_ranks(engine_ag):
-    workers = engine_ag.runner._workers
+    workers = engine_ag.executor._workers
     assert all(w.is_alive() for w in workers)
     with engine_ag:
         pass
@@ -227,21 +226,24 @@ def test_tp_async_scheduling_equals_sync(tp_model_dir, single_thread):
 
 
 def test_step_messages_round_trip_through_json():
-    """What rank 0 sends the workers each step: new requests in full (their sampling parameters, stop
-    strings included), running ones as columns; JSON text in between, as over the control channel."""
+    """What rank 0 sends the workers each step: new requests in full (their sampling settings as plain
+    fields), running ones as columns; JSON text in between, as over the control channel."""
     import json
 
-    from rollout.scheduler import CachedRequestData, NewRequestData, SchedulerOutput
-    from runner.parallel.worker import decode_sched, encode_sched
+    from runner.messages import CachedRequestData, NewRequestData, SchedulerOutput
 
+    sampling = SamplingParams(n=2, top_p=0.9, top_k=5, min_p=0.1, temperature=0.7, top_logprobs=3, speculative=False)
     sched = SchedulerOutput(
         new_reqs=[NewRequestData(req_id="a-0", token_ids=[1, 2, 3], num_prompt_tokens=3, block_ids=[4], num_computed_tokens=0,
-                                 params=SamplingParams(n=2, top_p=0.9, stop=["</s>"], stop_token_ids=[7], seed=3), seed=99)],
-        cached_reqs=[CachedRequestData("b-0", [], 17), CachedRequestData("c-1", [8, 9], 40)],
+                                 sampling=sampling.runner_sampling(99))],
+        cached_reqs=CachedRequestData(["b-0", "c-1"], [[], [8, 9]], [17, 40]),
         num_scheduled_tokens={"a-0": 3, "b-0": 1, "c-1": 1}, total_num_scheduled_tokens=5,
         finished_req_ids={"d-0", "e-0"}, preempted_req_ids={"f-0"}, placeholders={"b-0": 17},
     )
-    assert decode_sched(json.loads(json.dumps(encode_sched(sched)))) == sched
+    back = SchedulerOutput.from_dict(json.loads(json.dumps(sched.to_dict())))
+    assert back == sched
+    assert back.new_reqs[0].sampling.seed == 99 and back.new_reqs[0].sampling.top_logprobs == 3
+    assert not back.new_reqs[0].sampling.speculative
 
 
 def test_tp_engine_reloads_weights_from_disk(tp_model_dir, tmp_path, single_thread):

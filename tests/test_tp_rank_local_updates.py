@@ -15,6 +15,7 @@ from safetensors.torch import load_file, save_file
 
 from conftest import tp_config
 from rollout import Engine, SamplingParams
+from runner.parallel.rpc import decode
 from trainer_bridge import TrainerBridge
 from weight_updates import Dense, PackedIndices, Patch, TensorDictTarget, WeightReceiver, WeightUpdateError, checksum
 from weight_updates.transports.ipc import SHM_DIR
@@ -174,7 +175,7 @@ def _tokens(outs):
 
 def _held(engine) -> tuple[list[dict], dict]:
     """Every rank's checksums of its parts, and rank 0's parts themselves."""
-    rank0 = engine.runner.runner.weights
+    rank0 = engine.runner.weights
     return engine.rank_local_checksums(), {n: rank0.view(n).clone() for n in rank0.layout}
 
 
@@ -225,12 +226,13 @@ def test_rank_local_dense_and_patch_pushes_are_exact(engine_tp, trainer, tp_mode
     _assert_holds(engine_tp, weights)
     assert set(os.listdir(SHM_DIR)) <= before_shm  # every segment was unlinked
 
-    pushes = [m for m in messages if isinstance(m, dict) and m.get("op") == "apply_rank_local_update"]
+    pushes = [m for m in messages if isinstance(m, dict) and m.get("method") == "weight_sync.apply_rank_local"]
     assert len(pushes) == 2
     for m in messages:  # plain JSON, no tensor data: a path per rank, and the votes
         assert json.loads(json.dumps(m)) == m
     for m in pushes:
-        assert [set(h) for h in m["handles"]] == [{"kind", "path"}] * 2 and len(json.dumps(m)) < 1000
+        handles = decode(m["args"])[1]
+        assert not m["tensors"] and [set(h) for h in handles] == [{"kind", "path"}] * 2 and len(json.dumps(m)) < 1000
     assert patch.nbytes > 1000 and dense.nbytes > 100 * max(len(json.dumps(m)) for m in messages)
     monkeypatch.undo()
 
@@ -241,7 +243,7 @@ def test_rank_local_dense_and_patch_pushes_are_exact(engine_tp, trainer, tp_mode
     with Engine(tp_config(updated, tensor_parallel_size=2)) as fresh:
         assert _tokens(fresh.generate(PROMPTS, GREEDY)) == _tokens(engine_tp.generate(PROMPTS, GREEDY))
         fresh.step(), engine_tp.step()  # an empty step frees the finished requests' runner slots
-        assert torch.equal(fresh.runner.full_sequence_logits(IDS), engine_tp.runner.full_sequence_logits(IDS))
+        assert torch.equal(fresh.collective_rpc("full_sequence_logits", IDS)[0], engine_tp.collective_rpc("full_sequence_logits", IDS)[0])
 
 
 def _corrupt(kind: str, part: torch.Tensor, full: torch.Tensor, name: str):

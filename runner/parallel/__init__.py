@@ -5,7 +5,8 @@
     layers.py    head / row / vocab partitions, RowParallelLinear, VocabParallelEmbedding
     sampling.py  TensorParallelSampler: vocab-sharded logits in, tokens in batch order out
     weights.py   ShardedCheckpointWeights: the rank's WeightTarget in full checkpoint coordinates
-    worker.py    TensorParallelRunner (rank 0, behind the engine) and the worker ranks' loop
+    worker.py    TensorParallelExecutor (rank 0, behind the engine; collective_rpc) and the worker ranks' loop
+    rpc.py       plain-data encoding of collective-RPC arguments and results; one error per failed call
     memory.py    peak CPU/CUDA allocation of a code region, for the logits-memory measurements
 
 Column-parallel projections (qkv, gate_up, LM head) are plain `Linear`s over the rank's rows; which rows

@@ -30,7 +30,7 @@ import numpy as np
 import torch
 
 from kernels.common import upload
-from rollout.scheduler import RunnerOutput, SchedulerOutput
+from runner.messages import RunnerOutput, SchedulerOutput
 from runner.attention import AttentionMetadata
 from runner.spec_decode.drafter import Drafter, load_drafter, new_drafter, rope_for
 from runner.spec_decode.graphs import SpecDecodeGraphs
@@ -97,7 +97,7 @@ class SpeculativeRunner:
         r, ib, b = self.runner, self.runner.input_batch, self.runner.buffers
         target, dev = r.model, r.device
         for new in sched.new_reqs:
-            self.enabled[ib.slot_of[new.req_id]] = new.params.speculative
+            self.enabled[ib.slot_of[new.req_id]] = new.sampling.speculative
         inputs = ib.gather(sched)
         T = inputs.input_ids.shape[0]
         cu = inputs.query_start_loc.astype(np.int64)  # [B + 1]

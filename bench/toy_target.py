@@ -3,7 +3,7 @@
 `counting_corpus` makes rows x_t = (start + stride * t) mod vocab (stride 1..3): predictable after two
 tokens, so a trained target is confident and a good drafter can match it. `train_toy_target` trains a
 random-init Llama checkpoint on it with plain torch (the engine's own model code, via TrainingModel) and
-saves it in Hugging Face names. Not a product path: only tests and bench/ use it.
+saves it in Hugging Face names. Not part of the product: only tests and benchmarks use it.
 """
 
 from __future__ import annotations

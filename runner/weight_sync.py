@@ -1,0 +1,70 @@
+"""The weight-update endpoints of one rank's runner: what `collective_rpc("weight_sync.<method>", ...)` runs.
+
+Two receivers write the same weights. "full" takes records in full checkpoint coordinates (every rank of
+a tensor-parallel engine gets every record, and each writes its own shard through
+`ShardedCheckpointWeights`; without tensor parallelism, the plain `CheckpointWeights`). "rank_local" takes
+records in the rank's own coordinates (each rank maps its own bucket, see
+weight_updates/transports/rank_local.py). Each receiver caches checksums in its own coordinates, so an
+update through one drops the other's cache, and both follow the engine's policy version, which the
+caller passes in. Not here: moving records between processes, the engine's version bump.
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    from runner.model_runner import ModelRunner
+    from weight_updates import UpdateResult, WeightReceiver
+
+
+class WeightSync:
+    def __init__(self, runner: "ModelRunner") -> None:
+        self.runner = runner
+        self._receivers: dict[str, "WeightReceiver"] = {}  # "full" | "rank_local", made on first use
+
+    def receiver(self, path: str, current_version: int) -> "WeightReceiver":
+        """The receiver of `path`, at `current_version`; the other path's cached checksums are dropped."""
+        from weight_updates import WeightReceiver
+
+        receiver = self._receivers.get(path)
+        if receiver is None:
+            if path == "full":
+                receiver = WeightReceiver(self.runner.weights, version=current_version, dense_rollback=False)
+            else:
+                from runner.parallel.weights import RankLocalWeights
+
+                # The rollback copy: a peer's failure after this rank wrote must leave this rank unchanged.
+                receiver = WeightReceiver(RankLocalWeights(self.runner.model), version=current_version, dense_rollback=True)
+            self._receivers[path] = receiver
+        receiver.version = current_version
+        for other_path, other in self._receivers.items():
+            if other_path != path:
+                other.invalidate_checksums()
+        return receiver
+
+    def apply(self, version: int, records: list, current_version: int) -> "UpdateResult":
+        """Apply Dense / Patch records in full checkpoint coordinates (under TP: called on every rank with the
+        same records; sessions read shards back with collectives, so every rank must run it)."""
+        return self.receiver("full", current_version).apply(version, records)
+
+    def apply_rank_local(self, version: int, handles: list[dict], current_version: int) -> "UpdateResult":
+        """Map `handles[rank]` (this rank's bucket) and apply it, voting with the other ranks so that every
+        rank publishes `version` or none changes anything."""
+        from weight_updates.transports.rank_local import serve_rank_local
+
+        tp = self.runner.tp
+        if tp is None:  # one rank has no peer to roll back for: the full-coordinate receiver (no rollback copy)
+            return serve_rank_local(self.receiver("full", current_version), version, handles[0],
+                                    exchange=lambda value: [value])
+        return serve_rank_local(self.receiver("rank_local", current_version), version, handles[tp.rank],
+                                exchange=tp.all_gather_json)
+
+    def rank_local_checksums(self) -> dict[str, int]:
+        """Checkpoint name -> checksum of this rank's part as it holds it now."""
+        from runner.parallel.weights import RankLocalWeights
+        from weight_updates.checksum import checksum_tensors
+
+        weights = RankLocalWeights(self.runner.model)
+        names = list(weights.layout)
+        return dict(zip(names, checksum_tensors([weights.view(n) for n in names]).tolist()))
