@@ -35,10 +35,8 @@ from runner.messages import CachedRequestData, NewRequestData, RunnerOutput, Sch
 
 @dataclass(slots=True)
 class SchedulerStats:
-    num_preemptions: int = 0
-    num_steps: int = 0
-    num_generated_tokens: int = 0
-    num_prompt_tokens_computed: int = 0
+    num_preemptions: int = 0  # requests preempted (each recomputes from scratch)
+    num_steps: int = 0  # schedule() calls
 
 
 class Scheduler:
@@ -190,16 +188,13 @@ class Scheduler:
     def _advance_computed(self, sched: SchedulerOutput, placeholders: dict[str, int] | None = None) -> None:
         """Computed counts advance by the step's tokens; with `placeholders`, each request that now samples
         gets its placeholder (recorded there: req_id -> its index)."""
-        requests, block_size, stats, kv = self.requests, self.kv.block_size, self.stats, self.kv
+        requests, block_size, kv = self.requests, self.kv.block_size, self.kv
         running = RequestStatus.RUNNING
         for req_id, n in sched.num_scheduled_tokens.items():
             req = requests.get(req_id)
             if req is None or req.status is not running:  # aborted meanwhile
                 continue
-            computed = req.num_computed_tokens
-            if computed < req.num_prompt_tokens:
-                stats.num_prompt_tokens_computed += min(n, req.num_prompt_tokens - computed)
-            computed += n
+            computed = req.num_computed_tokens + n
             req.num_computed_tokens = computed
             if computed // block_size > req.num_cached_blocks:
                 kv.register_computed(req)
@@ -214,14 +209,13 @@ class Scheduler:
     def update(self, sched: SchedulerOutput, out: RunnerOutput, advanced: bool = False) -> list[Request]:
         """Advance computed counts (unless `advance` did), append sampled tokens (or fill their
         placeholders), finish requests. Returns the requests that got tokens."""
-        requests, block_size, stats = self.requests, self.kv.block_size, self.stats
+        requests, block_size = self.requests, self.kv.block_size
         if not advanced:
             self._advance_computed(sched)
         changed: list[Request] = []
         finished: list[tuple[Request, RequestStatus]] = []
         version, running = self.policy_version, RequestStatus.RUNNING
         logprobs, top_logprobs, placeholders = out.logprobs, out.top_logprobs, sched.placeholders
-        num_tokens = 0
         for idx, req_id in enumerate(out.req_ids):
             req = requests.get(req_id)
             if req is None or req.status is not running:
@@ -246,7 +240,6 @@ class Scheduler:
                     req.logprobs.append(logprobs[idx][pos])
                 if top_logprobs is not None:
                     req.top_logprobs.append(top_logprobs[idx][pos])
-                num_tokens += 1
                 # most tokens end nothing: only a stop token, stop strings or the length limit need the check
                 if end < req.token_limit and token not in req.stop_ids and req.stop_strings is None:
                     continue
@@ -259,7 +252,6 @@ class Scheduler:
             if advanced and req.num_computed_tokens // block_size > req.num_cached_blocks:
                 self.kv.register_computed(req)  # blocks that the filled placeholder completed
             changed.append(req)
-        stats.num_generated_tokens += num_tokens
         if finished:
             done = {id(req) for req, _ in finished}
             self.running = [r for r in self.running if id(r) not in done]

@@ -233,19 +233,28 @@ def test_tp_greedy_decode_with_graphs_matches_prefill(engine_tp):
     assert replays >= 20  # 23 pure-decode steps of 5 rows, all graph replays on rank 0
 
 
-def test_tp_sleep_frees_rank_memory_and_wakes_with_graphs(engine_tp):
-    """Level 2 on both ranks: rank 0's allocated memory drops by at least its KV cache and weights; after
-    wake_up the graphs (holding the NCCL collectives) are captured again and seeded sampling is unchanged."""
-    before = _tokens(engine_tp.generate(PROMPTS, PARAMS))
-    runner = engine_tp.runner  # rank 0's ModelRunner
-    kv_bytes = sum(2 * k.numel() * k.element_size() for k, _ in runner.kv_caches)
-    weight_bytes = sum(p.numel() * p.element_size() for p in runner._parameters())
+def rank_memory(runner) -> dict:
+    """This rank's KV-cache and weight bytes (as held when awake) and its allocated device memory now."""
     torch.cuda.synchronize(runner.device)
-    allocated = torch.cuda.memory_allocated(runner.device)
+    return {"kv": runner.kv_bytes_per_block() * runner.num_kv_blocks,
+            "weights": sum(p.numel() * p.element_size() for p in runner._parameters()),
+            "allocated": torch.cuda.memory_allocated(runner.device), "graphs": runner.graphs is not None}
+
+
+def test_tp_sleep_frees_rank_memory_and_wakes_with_graphs(engine_tp):
+    """Level 2 on both ranks: every rank's allocated memory drops by at least its KV cache and weights (each
+    rank measured in its own process through collective_rpc); after wake_up every rank's graphs (holding
+    the NCCL collectives) are captured again and seeded sampling is unchanged."""
+    before = _tokens(engine_tp.generate(PROMPTS, PARAMS))
+    awake = engine_tp.collective_rpc("test_gpu_tensor_parallel:rank_memory")
     engine_tp.sleep(2)
-    assert allocated - torch.cuda.memory_allocated(runner.device) >= kv_bytes + weight_bytes
+    asleep = engine_tp.collective_rpc("test_gpu_tensor_parallel:rank_memory")
+    assert len(awake) == 2
+    for rank, (a, s) in enumerate(zip(awake, asleep)):
+        assert a["allocated"] - s["allocated"] >= a["kv"] + a["weights"], rank
+        assert not s["graphs"], rank
     engine_tp.wake_up()
-    assert runner.graphs is not None
+    assert all(m["graphs"] for m in engine_tp.collective_rpc("test_gpu_tensor_parallel:rank_memory"))
     assert _tokens(engine_tp.generate(PROMPTS, PARAMS)) == before
 
 

@@ -125,11 +125,22 @@ def test_speculative_engine_sleeps_with_its_drafter(model_dir):
     assert tokens(engine.generate(PROMPTS, GREEDY)) == tokens(before)
 
 
+def rank_holds(runner) -> dict:
+    """What this rank holds: whether it has its KV cache, and where its parameters' data lives."""
+    return {"kv_cache": bool(runner.kv_caches), "data_ptrs": [p.data.data_ptr() for p in runner.model.parameters()]}
+
+
 def test_tensor_parallel_engine_sleeps_on_every_rank(tp_model_dir, single_thread):
     with Engine(tp_config(tp_model_dir, tensor_parallel_size=2)) as engine:
         before = engine.generate(PROMPTS, SAMPLED)
+        awake = engine.collective_rpc("test_sleep:rank_holds")
         engine.sleep(2)
+        asleep = engine.collective_rpc("test_sleep:rank_holds")
+        assert [a["kv_cache"] for a in awake] == [True, True] and [a["kv_cache"] for a in asleep] == [False, False]
+        for a, s in zip(awake, asleep):  # every rank moved every parameter (a new host copy)
+            assert all(x != y for x, y in zip(a["data_ptrs"], s["data_ptrs"]))
         engine.wake_up()
+        assert [a["kv_cache"] for a in engine.collective_rpc("test_sleep:rank_holds")] == [True, True]
         assert tokens(engine.generate(PROMPTS, SAMPLED)) == tokens(before)
 
 
