@@ -16,6 +16,19 @@ import numpy as np
 from runner.messages import SchedulerOutput
 
 
+# The `RequestSampling` fields the runner keeps per slot: numpy dtype, and the value of an empty slot. A new
+# per-request sampling setting is a field of RequestSampling (runner/messages.py), a line here, and what
+# reads its array (the step's sampling tensors, runner/model_runner.py `_stage`).
+SAMPLING_COLUMNS: dict[str, tuple[type, float]] = {
+    "temperature": (np.float32, 1.0),
+    "top_k": (np.int64, 0),
+    "top_p": (np.float32, 1.0),
+    "min_p": (np.float32, 0.0),
+    "seed": (np.int64, 0),  # uint32 values
+    "top_logprobs": (np.int64, 0),
+}
+
+
 @dataclass(slots=True)
 class StepInputs:
     """Host-side inputs of one step, in batch order (`batch_idx`)."""
@@ -46,12 +59,9 @@ class InputBatch:
         self.num_computed_tokens = np.zeros(S, dtype=np.int64)  # [S]
         self.block_table = np.zeros((S, self.max_blocks_per_seq), dtype=np.int32)  # [S, max_blocks]
         self.num_blocks = np.zeros(S, dtype=np.int64)  # [S]
-        self.temperature = np.ones(S, dtype=np.float32)  # [S]
-        self.top_k = np.zeros(S, dtype=np.int64)  # [S]
-        self.top_p = np.ones(S, dtype=np.float32)  # [S]
-        self.min_p = np.zeros(S, dtype=np.float32)  # [S]
-        self.seed = np.zeros(S, dtype=np.int64)  # [S] uint32 values
-        self.top_logprobs = np.zeros(S, dtype=np.int64)  # [S]
+        # one [S] array per per-slot sampling setting, as attributes: self.temperature, self.top_k, ...
+        for name, (dtype, empty) in SAMPLING_COLUMNS.items():
+            setattr(self, name, np.full(S, empty, dtype=dtype))
         self.slot_epoch = np.zeros(S, dtype=np.int64)  # [S] bumped whenever a slot changes hands
         self.slot_of: dict[str, int] = {}
         self.free_slots = list(range(S - 1, -1, -1))
@@ -73,13 +83,9 @@ class InputBatch:
             self.num_computed_tokens[slot] = new.num_computed_tokens
             self.num_blocks[slot] = 0
             self._append_blocks(slot, new.block_ids)
-            p = new.sampling
-            self.temperature[slot] = p.temperature
-            self.top_k[slot] = p.top_k
-            self.top_p[slot] = p.top_p
-            self.min_p[slot] = p.min_p
-            self.seed[slot] = p.seed
-            self.top_logprobs[slot] = p.top_logprobs
+            sampling = new.sampling
+            for name in SAMPLING_COLUMNS:
+                getattr(self, name)[slot] = getattr(sampling, name)
         cached = sched.cached_reqs
         if cached.req_ids:
             slot_of = self.slot_of
