@@ -285,4 +285,5 @@ def test_gc_freeze_moves_the_start_up_heap_out_of_collections_until_close(model_
     assert (frozen > 0) == gc_freeze
     e.generate([[5, 6, 7]], SamplingParams(max_tokens=4, ignore_eos=True))
     e.close()
-    assert gc.get_freeze_count() == 0
+    if gc_freeze:  # (without it the engine freezes nothing; a library may freeze its own objects meanwhile)
+        assert gc.get_freeze_count() == 0
