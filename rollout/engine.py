@@ -35,6 +35,7 @@ from rollout.kv_cache_manager import KVCacheManager
 from rollout.outputs import CompletionOutput, RequestOutput
 from rollout.request import Request, RequestGroup, StopStrings
 from rollout.sampling_params import SamplingParams
+from rollout.sleep import SleepState
 from rollout.scheduler import Scheduler, new_spec_stats, record_spec_step, spec_stats_summary
 from rollout.tokenizer import Tokenizer
 
@@ -83,7 +84,7 @@ class Engine:
         self._rng = random.Random(config.seed)
         self._groups: dict[str, RequestGroup] = {}
         self._ids = itertools.count()
-        self._asleep: set[str] = set()  # "kv_cache" / "weights" while freed by sleep()
+        self._sleep = SleepState(self.collective_rpc, self.kv_manager.reset_prefix_cache)
         self._inflight = None  # async scheduling: (SchedulerOutput, StepHandle) launched, not yet collected
         self._drained: list[Request] = []  # requests that got tokens in a drain, reported by the next step
         self.spec_controller = None  # SpecController (auto-off) when speculating
@@ -111,7 +112,7 @@ class Engine:
     # ---- requests -------------------------------------------------------------------------------------
     def add_request(self, prompt: Prompt, params: SamplingParams | None = None, request_id: str | None = None) -> str:
         """Queue one prompt (n samples). Raises ValueError, and queues nothing, for a bad request."""
-        self._check_awake("add_request")
+        self._sleep.check_awake("add_request")
         params = params or SamplingParams()
         if not isinstance(params, SamplingParams):
             raise ValueError(f"params must be SamplingParams, got {type(params).__name__}")
@@ -168,7 +169,7 @@ class Engine:
 
         A prompt whose samples have all finished is reported once, finished, and then forgotten.
         """
-        self._check_awake("step")
+        self._sleep.check_awake("step")
         outs = []
         for group in {id(r.group): r.group for r in self._step()}.values():
             outs.append(self._output(group))
@@ -227,7 +228,7 @@ class Engine:
         others are aborted and come back with what they generated (finish_reason "abort" for their
         unfinished samples). For over-sampling: send more prompts than a batch needs (dynamic sampling)
         and cut the long tail."""
-        self._check_awake("generate")
+        self._sleep.check_awake("generate")
         if isinstance(prompts, str) or (isinstance(prompts, Sequence) and prompts and isinstance(prompts[0], int)):
             prompts = [prompts]
         prompts = list(prompts)
@@ -296,7 +297,7 @@ class Engine:
         the update), so only a target that fails to hold written bits, caught by the read-back, could leave
         them changed, and that error says so."""
         self._drain()
-        self._check_awake("weight updates", "weights")
+        self._sleep.check_awake("weight updates", "weights")
         if self.config.tensor_parallel_size > 1:
             raise ValueError("with tensor_parallel_size > 1, weight updates go through apply_weight_update (every rank)")
         return self.runner.weight_sync.receiver("full", self.policy_version)
@@ -313,7 +314,7 @@ class Engine:
         later tokens record the new version, and no new request reuses prefix-cache blocks of older weights.
         """
         self._drain()  # tokens of a step in flight belong to the old version
-        self._check_awake("apply_weight_update", "weights")
+        self._sleep.check_awake("apply_weight_update", "weights")
         result = self.collective_rpc("weight_sync.apply", version, list(updates), self.policy_version)[0]
         self.on_weights_updated(result.version)
         return result
@@ -350,7 +351,7 @@ class Engine:
     def rank_local_checksums(self) -> list[dict[str, int]]:
         """Per rank, checkpoint name -> checksum (`weight_updates.checksum`) of the rank's part as it holds
         it now: what a trainer compares its own parts with (`TrainerBridge.adopt_engine_weights`)."""
-        self._check_awake("rank_local_checksums", "weights")
+        self._sleep.check_awake("rank_local_checksums", "weights")
         return self.collective_rpc("weight_sync.rank_local_checksums")
 
     def update_weights_rank_local(self, version: int, handles: Sequence[dict]) -> "UpdateResult":  # noqa: F821
@@ -364,7 +365,7 @@ class Engine:
         and their errors, and every rank's weights and the version are as they were. Returns rank 0's result.
         """
         self._drain()
-        self._check_awake("update_weights_rank_local", "weights")
+        self._sleep.check_awake("update_weights_rank_local", "weights")
         if len(handles) != self.config.tensor_parallel_size:
             raise ValueError(f"{len(handles)} handles for tensor_parallel_size={self.config.tensor_parallel_size}")
         result = self.collective_rpc("weight_sync.apply_rank_local", version, list(handles), self.policy_version)[0]
@@ -375,7 +376,7 @@ class Engine:
         """Record a new policy version (weights were written in place between steps)."""
         self.scheduler.on_weights_updated(version)
 
-    # ---- sleep / wake ---------------------------------------------------------------------------------
+    # ---- sleep / wake (rollout/sleep.py) ---------------------------------------------------------------
     def sleep(self, level: int = 1) -> None:
         """Give device memory to a trainer that shares the device between rollout batches.
 
@@ -384,61 +385,19 @@ class Engine:
         updates then wait for `wake_up(["weights"])`. The prefix cache is emptied (its blocks' contents are
         gone). Requires no unfinished requests: finish or abort them first.
         """
-        if level not in (1, 2):
-            raise ValueError(f"sleep level must be 1 (KV cache and graphs) or 2 (also the weights), got {level!r}")
         if self.has_unfinished_requests():
             raise ValueError("sleep() with unfinished requests: finish or abort them first")
-        freeing = {"kv_cache"} | ({"weights"} if level == 2 else set())
-        if freeing <= self._asleep:
-            return
-        if "kv_cache" in self._asleep:  # asleep at level 1: deepening the sleep in place is not offered
-            raise ValueError("already asleep at level 1; wake_up() before sleeping at level 2")
-        self.collective_rpc("sleep", level == 2)
-        self.kv_manager.reset_prefix_cache()
-        self._asleep = freeing
-        logger.info("asleep at level %d: freed %s", level, " and ".join(sorted(freeing)))
+        self._sleep.sleep(level)
 
     def wake_up(self, tags: Sequence[str] | None = None) -> None:
         """Bring back what `sleep` freed: `tags` "weights" and/or "kv_cache" (default both), so a caller can
         restore the weights, push an update, and only then allocate the KV cache. The KV cache comes back
         empty (same size, graphs captured again); the weights bitwise as they were or as updated."""
-        wanted = {"weights", "kv_cache"} if tags is None else set(tags)
-        unknown = wanted - {"weights", "kv_cache"}
-        if unknown:
-            raise ValueError(f"unknown wake_up tags {sorted(unknown)}; use 'weights' and/or 'kv_cache'")
-        if "weights" in wanted and "weights" in self._asleep:
-            self._wake("weights", ["wake_weights"])
-        if "kv_cache" in wanted and "kv_cache" in self._asleep:
-            if "weights" in self._asleep:
-                raise ValueError("wake_up(['kv_cache']) needs the weights on the device: wake 'weights' first")
-            # every rank allocates before any captures graphs (a capture runs collectives)
-            self._wake("kv_cache", ["wake_kv_cache", "recapture_graphs"])
-
-    def _wake(self, part: str, calls: list[str]) -> None:
-        """Run one part's wake on every rank; out of device memory on any rank, the part stays asleep on every
-        rank (a KV cache allocated elsewhere is freed again; parameters already moved stay valid) and a
-        ValueError says so: free memory, then retry."""
-        import torch
-
-        try:
-            for method in calls:
-                self.collective_rpc(method)
-        except torch.OutOfMemoryError as e:
-            if part == "kv_cache":
-                self.collective_rpc("free_kv_cache")
-            what = "KV cache" if part == "kv_cache" else "weights"
-            raise ValueError(f"wake_up: not enough device memory for the {what} ({e}); the engine still sleeps: "
-                             "free memory (the trainer's) and call wake_up again") from None
-        self._asleep.discard(part)
+        self._sleep.wake_up(tags)
 
     @property
     def is_sleeping(self) -> bool:
-        return bool(self._asleep)
-
-    def _check_awake(self, what: str, part: str = "kv_cache") -> None:
-        if part in self._asleep:
-            freed = "KV cache is" if part == "kv_cache" else "weights are"
-            raise ValueError(f"{what} while the engine sleeps (its {freed} freed): call wake_up() first")
+        return bool(self._sleep.asleep)
 
     # ---- lifetime ---------------------------------------------------------------------------------------
     def __enter__(self) -> "Engine":
