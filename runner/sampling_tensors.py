@@ -52,8 +52,9 @@ class SamplingTensors:
     """[R] int64: output position of the token each row samples (0 = the first generated token)."""
     uses: tuple[bool, bool, bool] | None = None
     """Whether any row uses (top-k, top-p, min-p), as the host knows it; None: not known (a sampler then
-    takes the path that handles every row, or reads the tensors). A subset of the rows keeps its rows'
-    value (it may then claim a truncation no row of the subset uses: still correct, maybe slower)."""
+    takes the path that handles every row, or reads the tensors). A subset of the rows (`s[rows]`) keeps
+    the value of the whole (it may claim a truncation no row of the subset uses: still correct, maybe
+    slower); give a subset its own with `replace(uses=...)`."""
     num_top_logprobs: int = 0
     """Top (token id, logprob) pairs to return per row: the most any row asks for; 0 returns none."""
 
