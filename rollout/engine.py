@@ -143,6 +143,7 @@ class Engine:
                 num_prompt_tokens=len(token_ids),
                 spec_stats=new_spec_stats(self.config.speculative.num_speculative_tokens) if self.config.speculative else None,
                 stop_strings=stop_strings,
+                cache_keys=() if params.cache_salt is None else (("cache_salt", params.cache_salt),),
             )
             group.members.append(req)
         self._groups[request_id] = group

@@ -1,11 +1,13 @@
 """KV block pool with a hash-chained prefix cache, and per-request block bookkeeping.
 
 Blocks hold `block_size` tokens. A full block computed under the current weights is registered under
-the key (key of the previous block, its token ids): two requests with the same prefix map to the same
-blocks, so the n samples of one prompt hold the prompt's full blocks once. Freed blocks keep their key
-and go to the back of an LRU free queue; allocation takes from the front, evicting the key, so the most
-recently used cached blocks survive longest. `reset_prefix_cache()` (after a weight update) forgets all
-keys. Pure Python: block ids only, no tensors.
+the key (hash of the previous block's key, its token ids); in the first block's key the request's extra
+keys (`Request.cache_keys`: its cache salt, later an adapter id) stand in for the parent, so they are
+part of every block's chain. Two requests with the same prefix and the same extra keys map to the same
+blocks, so the n samples of one prompt hold the prompt's full blocks once; requests with different extra
+keys share no block. Freed blocks keep their key and go to the back of an LRU free queue; allocation takes
+from the front, evicting the key, so the most recently used cached blocks survive longest.
+`reset_prefix_cache()` (after a weight update) forgets all keys. Pure Python: block ids only, no tensors.
 """
 
 from __future__ import annotations
@@ -14,7 +16,7 @@ from collections import OrderedDict
 
 from rollout.request import Request
 
-BlockKey = tuple  # (previous block's key hash, tuple of token ids)
+BlockKey = tuple  # (previous block's key hash | the request's cache_keys or None for block 0, tuple of token ids)
 
 
 class BlockPool:
@@ -94,7 +96,7 @@ class KVCacheManager:
         keys, bs = req.block_keys, self.block_size
         while len(keys) < num_blocks:
             i = len(keys)
-            parent = hash(keys[-1]) if keys else None
+            parent = hash(keys[-1]) if keys else (req.cache_keys or None)
             keys.append((parent, tuple(req.token_ids[i * bs : (i + 1) * bs])))
         return keys[:num_blocks]
 

@@ -61,6 +61,9 @@ class Request:
     block_ids: list[int] = field(default_factory=list)
     num_cached_blocks: int = 0  # leading blocks registered in the prefix cache
     block_keys: list = field(default_factory=list)  # prefix-cache chain keys of full blocks (memo)
+    # extra prefix-cache keys, part of the first block's key (so of every block's chain): only requests with
+    # equal cache_keys share KV blocks. (("cache_salt", salt),) for a salted request; a future adapter id here
+    cache_keys: tuple = ()
     kv_epoch: int = 0  # weight epoch its KV was computed under (blocks of older epochs are not cached)
     logprobs: list[float] = field(default_factory=list)
     top_logprobs: list[list[tuple[int, float]]] = field(default_factory=list)

@@ -57,6 +57,10 @@ class SamplingParams:
     speculative: bool = True
     """Let the engine speculate for this request when it has a drafter (outputs are distributed the same
     either way); False always decodes one token per step."""
+    cache_salt: str | None = None
+    """Prefix-cache salt: a request shares cached KV blocks only with requests of the same salt (None: with
+    the unsalted ones), so one tenant cannot detect another's prompts by their cache hits. The n samples of
+    one prompt always share their prompt's blocks. Outputs do not depend on it."""
 
     def __post_init__(self) -> None:
         if not isinstance(self.n, int) or self.n < 1:
@@ -87,6 +91,8 @@ class SamplingParams:
         self.stop = list(self.stop)
         if not all(isinstance(x, str) and x for x in self.stop):
             raise ValueError(f"SamplingParams.stop must be a list of non-empty strings, got {self.stop!r}")
+        if self.cache_salt is not None and not (isinstance(self.cache_salt, str) and self.cache_salt):
+            raise ValueError(f"SamplingParams.cache_salt must be a non-empty string or None, got {self.cache_salt!r}")
 
     @property
     def greedy(self) -> bool:

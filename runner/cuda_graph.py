@@ -2,11 +2,11 @@
 
 A pure-decode batch (every request computes one token and samples it) of B requests is padded up to the
 next captured size P and replayed: the graph reads the runner's persistent step buffers (input tokens
-still in flight, staged as -1, it reads from the runner's `last_sampled`), runs the model, the LM head and
-the sampler, keeps the tokens in `last_sampled`, and writes tokens and logprobs into static output
-tensors. Padded rows have seq_len 0 and KV slot -1, so they read nothing, write nothing and their outputs
-are ignored. The graph's
-attention grid is sized for `max_model_len`, so one graph serves every context length.
+still in flight, staged as -1, it reads from the runner's `last_sampled`; the sampling tensors as the views
+`StepBuffers.sampling(P)`), runs the model, the LM head and the sampler, keeps the tokens in
+`last_sampled`, and writes tokens and logprobs into static output tensors. Padded rows have seq_len 0 and
+KV slot -1, so they read nothing, write nothing and their outputs are ignored. The graph's attention grid
+is sized for `max_model_len`, so one graph serves every context length.
 
 Each size has two variants: steps where no row truncates (top-k / top-p / min-p off, the RL default;
 captured at start-up) and steps where some row does (captured the first time one occurs).

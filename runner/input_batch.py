@@ -138,10 +138,6 @@ class InputBatch:
         return (bool(((top_k > 0) & (top_k < vocab_size)).any()), bool((self.top_p[slots] < 1.0).any()),
                 bool((self.min_p[slots] > 0.0).any()))
 
-    def truncates(self, slots: np.ndarray, vocab_size: int) -> bool:
-        """Whether any of these slots samples with top-k, top-p or min-p."""
-        return any(self.truncation_uses(slots, vocab_size))
-
     def append_sampled(self, slots: np.ndarray, tokens: list[list[int]]) -> None:
         """Append each row's sampled tokens to its slot."""
         if all(len(t) == 1 for t in tokens):  # one token per row: vectorised

@@ -32,6 +32,7 @@ from runner.loader import CheckpointWeights, load_model
 from runner.messages import RunnerOutput, SchedulerOutput
 from runner.model_config import ModelConfig, parse_dtype
 from runner.sampler import Sampler
+from runner.sampling_tensors import NO_TRUNCATION
 from runner.step_buffers import StepBuffers
 from runner.weight_sync import WeightSync
 
@@ -174,8 +175,12 @@ class ModelRunner:
         rows = cfg.max_num_seqs
         idx = torch.arange(rows, device=dev) % T
         logits = self.model.compute_logits(hidden[idx])
-        self.sampler(logits, b.temperature[:rows].fill_(1.0), b.top_k[:rows].zero_(), b.top_p[:rows].fill_(0.9),
-                     b.min_p[:rows].zero_(), b.seeds[:rows], b.sample_positions[:rows])
+        sampling = b.sampling(rows)  # every row with top-p (the most memory); a step's upload overwrites them
+        sampling.temperature.fill_(1.0)
+        sampling.top_k.zero_()
+        sampling.top_p.fill_(0.9)
+        sampling.min_p.zero_()
+        self.sampler(logits, sampling)
         del hidden, logits
         torch.cuda.synchronize()
         activation_bytes = torch.cuda.max_memory_allocated(self.device) - base
@@ -237,7 +242,7 @@ class ModelRunner:
             return StepHandle.done(self.spec.execute(sched))
         inputs = self.input_batch.gather(sched)
         top_n = int(self.input_batch.top_logprobs[inputs.slots[inputs.sample_rows]].max(initial=0))
-        truncation = self.input_batch.truncates(inputs.slots[inputs.sample_rows], self.model_config.vocab_size)
+        uses = self.input_batch.truncation_uses(inputs.slots[inputs.sample_rows], self.model_config.vocab_size)
         num_reqs = inputs.slots.shape[0]
         if self._upload_done is not None:  # the previous step's upload has left the pinned staging buffers
             self._upload_done.synchronize()
@@ -254,7 +259,7 @@ class ModelRunner:
             self._stage(inputs)
             self.fill_padding_rows(num_reqs, size)
             self._upload(inputs, size, in_graph=True)
-            tokens, logprobs = self.graphs.replay(size, truncation)
+            tokens, logprobs = self.graphs.replay(size, any(uses))
             return self._handle(inputs, tokens[:num_reqs], logprobs[:num_reqs], in_graph=True)
         self._stage(inputs)
         self._upload(inputs, num_reqs)
@@ -264,10 +269,7 @@ class ModelRunner:
         if R == 0:
             return StepHandle.done(RunnerOutput(req_ids=[], sampled_token_ids=[]))
         logits = self.model.compute_logits(hidden[b.logits_indices[:R]])
-        tokens, logprobs, top = self.sampler(
-            logits, b.temperature[:R], b.top_k[:R], b.top_p[:R], b.min_p[:R], b.seeds[:R],
-            b.sample_positions[:R], top_n, truncation=truncation,
-        )
+        tokens, logprobs, top = self.sampler(logits, b.sampling(R, uses, top_n))
         return self._handle(inputs, tokens, logprobs, top)
 
     def _upload(self, inputs: StepInputs, num_block_rows: int, in_graph: bool = False) -> None:
@@ -345,7 +347,8 @@ class ModelRunner:
     def decode_forward(self, size: int, truncation: bool = True) -> tuple[torch.Tensor, torch.Tensor]:
         """One pure-decode step over the first `size` rows of the step buffers (what a graph captures).
 
-        truncation=False: no row uses top-k / top-p / min-p, so the sampler may take its split kernel."""
+        truncation=False: no row uses top-k / top-p / min-p, so the sampler may take its split kernel. The
+        sampling tensors are views of the step buffers, so a captured graph reads each step's values."""
         b = self.buffers
         meta = AttentionMetadata(
             query_start_loc=b.query_start_loc[: size + 1],
@@ -358,10 +361,7 @@ class ModelRunner:
         )
         hidden = self.model(self._decode_input_ids(size), b.positions[:size], meta)
         logits = self.model.compute_logits(hidden)
-        tokens, logprobs, _ = self.sampler(
-            logits, b.temperature[:size], b.top_k[:size], b.top_p[:size], b.min_p[:size], b.seeds[:size],
-            b.sample_positions[:size], truncation=truncation,
-        )
+        tokens, logprobs, _ = self.sampler(logits, b.sampling(size, None if truncation else NO_TRUNCATION))
         # every row samples; padding rows' sample slots are scratch rows of last_sampled
         self.last_sampled.index_copy_(0, b.sample_slots[:size], tokens)
         return tokens, logprobs
@@ -491,12 +491,13 @@ class ModelRunner:
         h.block_tables[:num_reqs, :max_blocks] = ib.block_table[inputs.slots, :max_blocks]
         rows = inputs.slots[inputs.sample_rows]
         put(h.logits_indices, inputs.logits_indices)
-        put(h.temperature, ib.temperature[rows])
-        put(h.top_k, ib.top_k[rows])
-        put(h.top_p, ib.top_p[rows])
-        put(h.min_p, ib.min_p[rows])
-        put(h.seeds, ib.seed[rows])
-        put(h.sample_positions, ib.num_tokens[rows] - ib.num_prompt_tokens[rows])
+        hs = h.sampling  # one line per SamplingTensors field
+        put(hs.temperature, ib.temperature[rows])
+        put(hs.top_k, ib.top_k[rows])
+        put(hs.top_p, ib.top_p[rows])
+        put(hs.min_p, ib.min_p[rows])
+        put(hs.seeds, ib.seed[rows])
+        put(hs.positions, ib.num_tokens[rows] - ib.num_prompt_tokens[rows])
 
     def prepare(self, inputs: StepInputs) -> AttentionMetadata:
         """Stage and upload one step's inputs into the step buffers; returns its attention metadata."""

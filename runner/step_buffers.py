@@ -5,6 +5,9 @@ view into one of three packed tensors, on the host and on the device. A step fil
 `upload()` moves each pack with a single non-blocking copy — three copies per step, whatever the batch.
 The device views never move, so a captured CUDA graph keeps reading the right memory. On the CPU the
 host and device packs are the same tensors and `upload()` does nothing.
+
+The sampling fields are those of `runner.sampling_tensors.SamplingTensors` (their dtypes and padding
+values are declared there, not here); `sampling(R)` hands them out as that struct for the first R rows.
 """
 
 from __future__ import annotations
@@ -12,9 +15,12 @@ from __future__ import annotations
 import numpy as np
 import torch
 
+from runner.sampling_tensors import SamplingTensors
+
 _INT_FIELDS = ("input_ids", "positions", "slot_mapping", "query_start_loc", "seq_lens", "logits_indices",
-               "top_k", "seeds", "sample_positions", "sample_slots", "pending_index", "pending_slots")
-_FLOAT_FIELDS = ("temperature", "top_p", "min_p")
+               "sample_slots", "pending_index", "pending_slots")
+_SAMPLING_FIELDS = SamplingTensors.row_fields()  # (name, dtype, pad), [max_num_seqs] each
+_PACK_DTYPES = (torch.int64, torch.float32)
 
 
 class _Views:
@@ -26,17 +32,23 @@ class StepBuffers:
 
     input_ids, positions, slot_mapping: [max_tokens] int64
     query_start_loc: [max_num_seqs + 1] int64; seq_lens, logits_indices: [max_num_seqs] int64
-    top_k, seeds, sample_positions: [max_num_seqs] int64; temperature, top_p, min_p: [max_num_seqs] f32
     sample_slots: [max_num_seqs] int64, slot of each sampling row (where its token is kept on the device)
     pending_index, pending_slots: [max_tokens] int64, input tokens still in flight and the slots that hold them
     block_tables: [max_num_seqs, max_blocks] int32
+    sampling parameters: [max_num_seqs] each, one per `SamplingTensors` per-row field; on the device through
+    `sampling(R)`, on the host as `host.sampling.<field>`
     """
 
     def __init__(self, max_tokens: int, max_num_seqs: int, max_blocks: int, device: torch.device) -> None:
         self.device = device
         sizes = {"input_ids": max_tokens, "positions": max_tokens, "slot_mapping": max_tokens,
                  "query_start_loc": max_num_seqs + 1, "pending_index": max_tokens, "pending_slots": max_tokens}
-        int_sizes = [sizes.get(f, max_num_seqs) for f in _INT_FIELDS]
+        for name, dtype, _ in _SAMPLING_FIELDS:
+            assert dtype in _PACK_DTYPES, f"sampling field {name}: StepBuffers packs only {_PACK_DTYPES}, not {dtype}"
+        # (name, numel, is a sampling field) per pack: the int64 pack, then the float32 pack
+        layout = {torch.int64: [(f, sizes.get(f, max_num_seqs), False) for f in _INT_FIELDS], torch.float32: []}
+        for name, dtype, _ in _SAMPLING_FIELDS:
+            layout[dtype].append((name, max_num_seqs, True))
         pin = device.type == "cuda"
 
         def pack(numel: int, dtype: torch.dtype, shape=None):
@@ -44,20 +56,31 @@ class StepBuffers:
             dev = host if device.type == "cpu" else torch.zeros(numel, dtype=dtype, device=device)
             return (host, dev) if shape is None else (host.view(shape), dev.view(shape))
 
-        self._int = pack(sum(int_sizes), torch.int64)
-        self._float = pack(len(_FLOAT_FIELDS) * max_num_seqs, torch.float32)
+        self._int, self._float = (pack(sum(n for _, n, _ in layout[d]), d) for d in _PACK_DTYPES)
         self._blocks = pack(max_num_seqs * max_blocks, torch.int32, (max_num_seqs, max_blocks))
         self.host = _Views()
-        offset = 0
-        for name, n in zip(_INT_FIELDS, int_sizes):
-            setattr(self, name, self._int[1][offset : offset + n])
-            setattr(self.host, name, self._int[0][offset : offset + n].numpy())
-            offset += n
-        for i, name in enumerate(_FLOAT_FIELDS):
-            setattr(self, name, self._float[1][i * max_num_seqs : (i + 1) * max_num_seqs])
-            setattr(self.host, name, self._float[0][i * max_num_seqs : (i + 1) * max_num_seqs].numpy())
+        self.host.sampling = _Views()
+        self._sampling: dict[str, torch.Tensor] = {}  # sampling field -> [max_num_seqs] device view
+        for dtype, (host_pack, dev_pack) in zip(_PACK_DTYPES, (self._int, self._float)):
+            offset = 0
+            for name, n, is_sampling in layout[dtype]:
+                dev, host = dev_pack[offset : offset + n], host_pack[offset : offset + n].numpy()
+                if is_sampling:
+                    self._sampling[name] = dev
+                    setattr(self.host.sampling, name, host)
+                else:
+                    setattr(self, name, dev)
+                    setattr(self.host, name, host)
+                offset += n
         self.block_tables = self._blocks[1]
         self.host.block_tables = self._blocks[0].numpy()
+
+    def sampling(self, num_rows: int, uses: tuple[bool, bool, bool] | None = None,
+                 num_top_logprobs: int = 0) -> SamplingTensors:
+        """The sampling tensors of the first `num_rows` rows: views of the persistent device buffers (a
+        graph that captures a sampler over them reads each step's uploaded values)."""
+        return SamplingTensors(**{name: view[:num_rows] for name, view in self._sampling.items()}, uses=uses,
+                               num_top_logprobs=num_top_logprobs)
 
     def upload(self, num_block_rows: int) -> None:
         """Copy the host packs to the device (block tables: the first `num_block_rows` rows)."""
@@ -69,15 +92,10 @@ class StepBuffers:
             self._blocks[1][:num_block_rows].copy_(self._blocks[0][:num_block_rows], non_blocking=True)
 
     def pad_sampling(self, start: int, end: int) -> None:
-        """Host staging of rows [start, end): the sampling parameters of padding rows (temperature 1, no
-        truncation, seed 0, output position 0), whose samples are dropped."""
-        h = self.host
-        h.temperature[start:end] = 1.0
-        h.top_k[start:end] = 0
-        h.top_p[start:end] = 1.0
-        h.min_p[start:end] = 0.0
-        h.seeds[start:end] = 0
-        h.sample_positions[start:end] = 0
+        """Host staging of rows [start, end): the sampling parameters of padding rows (each field's pad
+        value: temperature 1, no truncation, seed 0, output position 0), whose samples are dropped."""
+        for name, _, pad in _SAMPLING_FIELDS:
+            getattr(self.host.sampling, name)[start:end] = pad
 
     @staticmethod
     def put(dst: np.ndarray, src: np.ndarray) -> None:

@@ -145,3 +145,71 @@ def test_seeded_request_is_batch_invariant(ckpt_factory):
             assert a.token_ids == b.token_ids
             assert max(abs(x - y) for x, y in zip(a.logprobs, b.logprobs)) < 1e-4
     assert math.isfinite(sum(alone.outputs[0].logprobs))
+
+
+# ---- the sampling-tensors struct and its persistent buffers -----------------------------------------------
+def _struct(R: int, seed: int = 0):
+    from runner.sampling_tensors import SamplingTensors
+
+    g = torch.Generator().manual_seed(seed)
+    return SamplingTensors(
+        temperature=torch.rand(R, generator=g) + 0.5, top_k=torch.randint(0, 6, (R,), generator=g),
+        top_p=torch.rand(R, generator=g) * 0.5 + 0.5, min_p=torch.rand(R, generator=g) * 0.2,
+        seeds=torch.randint(0, 2**32, (R,), generator=g), positions=torch.randint(0, 100, (R,), generator=g),
+        uses=(True, True, True), num_top_logprobs=2,
+    )
+
+
+def test_sampler_takes_the_struct_as_the_reference_takes_its_tensors():
+    """Every field reaches the sampler in its place: each row uses all three truncations with different
+    values, so a swapped field changes the tokens or logprobs."""
+    from runner.sampler import Sampler
+
+    logits = torch.randn(6, 40, generator=torch.Generator().manual_seed(1)) * 3
+    s = _struct(6)
+    got = Sampler(torch.device("cpu"))(logits, s)
+    want = sample_ref(logits, s.temperature, s.top_k, s.top_p, s.min_p, s.seeds, s.positions, 2)
+    for x, y in zip(got[:2] + got[2], want[:2] + want[2]):
+        assert torch.equal(x, y)
+
+
+def test_sampling_tensors_slice_as_views_and_pad_with_declared_values():
+    from runner.sampling_tensors import SamplingTensors
+
+    s = _struct(5)
+    head = s[:3]
+    for name, _, _ in SamplingTensors.row_fields():
+        full, part = getattr(s, name), getattr(head, name)
+        assert part.data_ptr() == full.data_ptr() and torch.equal(part, full[:3])  # a view, no copy
+    assert (head.uses, head.num_top_logprobs) == (s.uses, s.num_top_logprobs)
+    picked = s[torch.tensor([4, 0])]
+    assert torch.equal(picked.seeds, s.seeds[[4, 0]]) and picked.uses == s.uses
+    assert s.padded(0) is s
+    padded = s.padded(3)
+    pads = {name: pad for name, _, pad in SamplingTensors.row_fields()}
+    assert pads == {"temperature": 1.0, "top_k": 0, "top_p": 1.0, "min_p": 0.0, "seeds": 0, "positions": 0}
+    for name, dtype, pad in SamplingTensors.row_fields():
+        x = getattr(padded, name)
+        assert x.dtype == dtype and torch.equal(x[:5], getattr(s, name)) and (x[5:] == pad).all()
+
+
+def test_step_buffers_hand_out_views_of_their_persistent_sampling_fields():
+    """`StepBuffers.sampling(R)` reads the same memory on every call (what a captured graph relies on), the
+    host staging of each struct field lands in it, and padding rows get the struct's pad values."""
+    from runner.sampling_tensors import SamplingTensors
+    from runner.step_buffers import StepBuffers
+
+    b = StepBuffers(max_tokens=32, max_num_seqs=8, max_blocks=4, device=torch.device("cpu"))
+    first, again = b.sampling(8), b.sampling(4, (False, False, False), 3)
+    assert (again.uses, again.num_top_logprobs) == ((False, False, False), 3)
+    for i, (name, dtype, pad) in enumerate(SamplingTensors.row_fields()):
+        host = getattr(b.host.sampling, name)
+        host[:] = i + 2
+        assert getattr(first, name).dtype == dtype and (getattr(first, name) == i + 2).all()
+        assert getattr(again, name).data_ptr() == getattr(first, name).data_ptr()
+    b.positions[:] = -1  # the token positions are their own field, apart from the sampled rows' positions
+    assert (first.positions == [n for n, _, _ in SamplingTensors.row_fields()].index("positions") + 2).all()
+    b.pad_sampling(2, 6)
+    for i, (name, _, pad) in enumerate(SamplingTensors.row_fields()):
+        x = getattr(first, name)
+        assert (x[2:6] == pad).all() and (x[:2] == i + 2).all() and (x[6:] == i + 2).all()

@@ -20,6 +20,7 @@ import pytest
 from rollout import Engine, EngineConfig, SamplingParams, SpeculativeConfig
 from runner.spec_decode.controller import SpecController
 from runner.spec_decode.drafter import save_drafter
+from runner.sampling_tensors import SamplingTensors
 from runner.spec_decode.rejection import rejection_sample, sample_draft
 from runner.testing import write_random_checkpoint
 
@@ -80,14 +81,14 @@ def test_rejection_sampler_matches_target_distribution(temperature, top_p):
     positions = torch.full((N,), 5, dtype=torch.int64)
     temp, top_k, tp, min_p = (torch.full((N,), temperature), torch.zeros(N, dtype=torch.int64),
                               torch.full((N,), top_p), torch.zeros(N))
+    sampling = SamplingTensors(temperature=temp, top_k=top_k, top_p=tp, min_p=min_p, seeds=seeds, positions=positions)
     drafts, qs = [], []
     for j in range(K):
-        tok, q = sample_draft(q_logits[j].expand(N, V), temp, top_k, tp, min_p, seeds, positions + j)
+        tok, q = sample_draft(q_logits[j].expand(N, V), sampling.replace(positions=positions + j))
         drafts.append(tok)
         qs.append(q)
     out, num_acc, logprobs, _ = rejection_sample(
-        p_logits.expand(N, K + 1, V), torch.stack(drafts, 1), torch.stack(qs, 1), torch.full((N,), K),
-        temp, top_k, tp, min_p, seeds, positions,
+        p_logits.expand(N, K + 1, V), torch.stack(drafts, 1), torch.stack(qs, 1), torch.full((N,), K), sampling,
     )
     from kernels.sampling_ref import processed_logits_ref
 
@@ -112,8 +113,9 @@ def test_rejection_sampler_greedy_and_no_drafts():
     drafts[1, 1] = (drafts[1, 1] + 1) % V  # row 1: second draft wrong
     ones = torch.ones(2)
     zeros_i = torch.zeros(2, dtype=torch.int64)
-    out, num_acc, _, _ = rejection_sample(logits, drafts, torch.full((2, K, V), 1.0 / V), torch.tensor([K, K]),
-                                          torch.zeros(2), zeros_i, ones, torch.zeros(2), zeros_i, zeros_i)
+    greedy = SamplingTensors(temperature=torch.zeros(2), top_k=zeros_i, top_p=ones, min_p=torch.zeros(2),
+                             seeds=zeros_i, positions=zeros_i)
+    out, num_acc, _, _ = rejection_sample(logits, drafts, torch.full((2, K, V), 1.0 / V), torch.tensor([K, K]), greedy)
     assert num_acc.tolist() == [K, 1]
     assert out[0].tolist() == argmax[0].tolist()
     assert out[1, :2].tolist() == argmax[1, :2].tolist() and out[1, 2:].tolist() == [-1, -1]
@@ -121,8 +123,9 @@ def test_rejection_sampler_greedy_and_no_drafts():
     from kernels.sampling_ref import sample_ref
 
     seeds, pos = torch.tensor([3, 4]), torch.tensor([0, 9])
-    out, num_acc, lp, _ = rejection_sample(logits[:, :1], drafts[:, :0], torch.zeros(2, 0, V), zeros_i,
-                                           ones, zeros_i, ones, torch.zeros(2), seeds, pos)
+    sampled = SamplingTensors(temperature=ones, top_k=zeros_i, top_p=ones, min_p=torch.zeros(2), seeds=seeds,
+                              positions=pos)
+    out, num_acc, lp, _ = rejection_sample(logits[:, :1], drafts[:, :0], torch.zeros(2, 0, V), zeros_i, sampled)
     ref_tok, ref_lp, _ = sample_ref(logits[:, 0], ones, zeros_i, ones, torch.zeros(2), seeds, pos)
     assert out[:, 0].tolist() == ref_tok.tolist() and torch.allclose(lp[:, 0], ref_lp)
 
@@ -180,12 +183,14 @@ def test_kernels_equal_the_reference(vocab, chunk):
     seeds = torch.randint(0, 2**32, (R,), generator=g).to(dev)
     positions = torch.randint(0, 5000, (R,), generator=g).to(dev)
     num_drafts = torch.tensor([K, K, K, 0, 1, 2], device=dev).repeat(R // 6)
-    off = (torch.zeros(R, dtype=torch.int64, device=dev), torch.ones(R, device=dev), torch.zeros(R, device=dev))
+    sampling = SamplingTensors(temperature=temperature, top_k=torch.zeros(R, dtype=torch.int64, device=dev),
+                               top_p=torch.ones(R, device=dev), min_p=torch.zeros(R, device=dev), seeds=seeds,
+                               positions=positions)
 
     ids = torch.zeros(R, K + 1, dtype=torch.int64, device=dev)
     q = torch.empty(R, K, vocab, device=dev)
     for j in range(K):
-        want_tokens, want_q = sample_draft_ref(draft_logits[:, j], temperature, *off, seeds, positions + j)
+        want_tokens, want_q = sample_draft_ref(draft_logits[:, j], sampling.replace(positions=positions + j))
         rejection_kernel.draft_sample(draft_logits[:, j].contiguous(), temperature, seeds, positions, j, ids[:, j + 1],
                                       q[:, j], DRAFT_SALT, chunk=chunk)
         assert torch.equal(ids[:, j + 1], want_tokens)
@@ -195,7 +200,7 @@ def test_kernels_equal_the_reference(vocab, chunk):
     drafts = ids[:, 1:]
     q[R // 2 :: 4] = 2 * torch.softmax(target[R // 2 :: 4, :K].float() / temperature[R // 2 :: 4, None, None], -1)
 
-    want = rejection_sample_ref(target, drafts, q, num_drafts, temperature, *off, seeds, positions)
+    want = rejection_sample_ref(target, drafts, q, num_drafts, sampling)
     got = rejection_kernel.rejection_sample(target, drafts, q, num_drafts, temperature, seeds, positions, ACCEPT_SALT,
                                             RESAMPLE_SALT, chunk=chunk)
     assert torch.equal(got[1], want[1]) and torch.equal(got[0], want[0])
@@ -209,8 +214,7 @@ def test_kernels_equal_the_reference(vocab, chunk):
 
     no_drafts = rejection_kernel.rejection_sample(target[:, :1], drafts[:, :0], q[:, :0], num_drafts * 0, temperature,
                                                   seeds, positions, ACCEPT_SALT, RESAMPLE_SALT, chunk=chunk)
-    want = rejection_sample_ref(target[:, :1], drafts[:, :0], q[:, :0], num_drafts * 0, temperature, *off, seeds,
-                                positions)
+    want = rejection_sample_ref(target[:, :1], drafts[:, :0], q[:, :0], num_drafts * 0, sampling)
     assert torch.equal(no_drafts[0], want[0]) and not no_drafts[1].any()
     torch.testing.assert_close(no_drafts[2], want[2], rtol=0, atol=1e-5)
 

@@ -20,6 +20,7 @@ from __future__ import annotations
 import torch
 
 from runner.parallel.group import TPGroup
+from runner.sampling_tensors import SamplingTensors
 
 TP_SAMPLING_MODES = ("sharded", "allgather")
 
@@ -38,27 +39,17 @@ class TensorParallelSampler:
             raise ValueError(f"tp_sampling must be one of {TP_SAMPLING_MODES}, got {mode!r}")
         self.sampler, self.tp, self.mode = sampler, tp, mode
 
-    def __call__(self, logits, temperature, top_k, top_p, min_p, seeds, positions, num_top_logprobs: int = 0,
-                 truncation: bool = True):
-        # logits [R, V/P]; the rest [R] (see Sampler)
+    def __call__(self, logits: torch.Tensor, sampling: SamplingTensors):
+        # logits [R, V/P]; sampling: the R rows (see Sampler)
         if self.mode == "allgather":
-            return self.sampler(gather_vocab(self.tp, logits), temperature, top_k, top_p, min_p, seeds, positions,
-                                num_top_logprobs, truncation=truncation)
+            return self.sampler(gather_vocab(self.tp, logits), sampling)
         P, R = self.tp.size, logits.shape[0]
         pad = -R % P
         rows = (R + pad) // P
         mine = slice(self.tp.rank * rows, (self.tp.rank + 1) * rows)
-
-        def padded(x: torch.Tensor, value) -> torch.Tensor:  # [R] -> [R + pad]
-            return torch.cat([x, x.new_full((pad,), value)]) if pad else x
-
         local = padded_rows(logits, pad).view(P, rows, -1)  # [P, R/P, V/P]: block j goes to rank j
         full = self.tp.all_to_all(local).permute(1, 0, 2).reshape(rows, -1)  # [R/P, V], this rank's rows
-        tokens, logprobs, top = self.sampler(
-            full, padded(temperature, 1.0)[mine], padded(top_k, 0)[mine], padded(top_p, 1.0)[mine],
-            padded(min_p, 0.0)[mine], padded(seeds, 0)[mine], padded(positions, 0)[mine], num_top_logprobs,
-            truncation=truncation,
-        )
+        tokens, logprobs, top = self.sampler(full, sampling.padded(pad)[mine])
         tokens = self.tp.all_gather(tokens).reshape(-1)[:R]  # [R]
         logprobs = self.tp.all_gather(logprobs).reshape(-1)[:R]  # [R]
         if top is not None:

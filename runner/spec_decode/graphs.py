@@ -52,8 +52,9 @@ import torch
 from runner.attention import AttentionMetadata
 from runner.cuda_graph import capture, capture_sizes
 from runner.input_batch import StepInputs
+from runner.sampling_tensors import NO_TRUNCATION
 from runner.spec_decode.drafter import rope_for
-from runner.spec_decode.rejection import NO_TRUNCATION, rejection_sample, sample_draft
+from runner.spec_decode.rejection import rejection_sample, sample_draft
 from runner.step_buffers import StepBuffers
 
 logger = logging.getLogger(__name__)
@@ -163,8 +164,7 @@ class SpecDecodeGraphs:
         P, d, K1 = size, num_drafts, num_drafts + 1
         T = P * K1
         ids, positions, slots = b.input_ids[:T], b.positions[:T], b.slot_mapping[:T]
-        sampling = (b.temperature[:P], b.top_k[:P], b.top_p[:P], b.min_p[:P])
-        seeds, out_pos, state = b.seeds[:P], b.sample_positions[:P], b.sample_slots[:P]
+        sampling, state = b.sampling(P, NO_TRUNCATION), b.sample_slots[:P]  # views of the step buffers
         meta = self._meta(b.query_start_loc[: P + 1], b.seq_lens[:P], slots, K1)
         row_start, counts = self._constants(P, d)
         if d:
@@ -175,22 +175,19 @@ class SpecDecodeGraphs:
                 grid = positions.view(P, K1), slots.view(P, K1)
                 ahead = torch.stack([grid[0][:, : d - 1].T, grid[0][:, 1:d].T, grid[1][:, : d - 1].T])  # [3, d - 1, P]
             for j in range(d):
-                sample_draft(target.compute_logits(h), *sampling, seeds, out_pos, NO_TRUNCATION, offset=j,
-                             out=(drafts[:, j], q[:, j]))
+                sample_draft(target.compute_logits(h), sampling, offset=j, out=(drafts[:, j], q[:, j]))
                 if j + 1 < d:  # the drafter reads its own output as h at the positions not verified yet
                     meta_j = self._meta(self.row_index[: P + 1], ahead[1, j], ahead[2, j], 1)
                     h = drafter(target.model.embed_tokens(drafts[:, j]), h, rope_for(target, ahead[0, j], h.dtype), meta_j)
         hidden, aux = target.forward_with_aux(ids, positions, meta, drafter.aux_layers)
         logits = target.compute_logits(hidden)  # [T, V]
         if d:
-            output_ids, num_accepted, logprobs, _ = rejection_sample(
-                logits.view(P, K1, -1), drafts, q, counts, *sampling, seeds, out_pos, uses=NO_TRUNCATION,
-            )
+            output_ids, num_accepted, logprobs, _ = rejection_sample(logits.view(P, K1, -1), drafts, q, counts, sampling)
             # the token after each position: right up to each row's stop; after it the drafter's KV is rolled back
             next_ids = output_ids.clamp(min=0).view(T)
             stop = row_start + num_accepted  # [P] flat index of each row's last accepted position
         else:
-            tokens, token_logprobs, _ = r.sampler(logits, *sampling, seeds, out_pos, truncation=False)
+            tokens, token_logprobs, _ = r.sampler(logits, sampling)
             output_ids, logprobs, num_accepted = tokens[:, None], token_logprobs[:, None], counts
             next_ids, stop = tokens, row_start
         spec.catch_up(next_ids, positions, meta, hidden, aux, stop, state)

@@ -15,8 +15,9 @@ A row with no drafts draws its one token exactly as `sample_ref` does.
 
 Reported logprobs are under the target's processed distribution p (the distribution the output is
 distributed as), for greedy rows the log-softmax of the raw target logits, as in `sample_ref`.
-With `uses` given, nothing here waits for the device; without truncation (`NO_TRUNCATION`) nothing makes a
-host constant either, so `runner/spec_decode/graphs.py` captures both functions in a CUDA graph.
+Every sampler here takes the rows' `SamplingTensors`. With its `uses` given, nothing here waits for the
+device; without truncation (`NO_TRUNCATION`) nothing makes a host constant either, so
+`runner/spec_decode/graphs.py` captures both functions in a CUDA graph.
 
 `sample_draft_ref` and `rejection_sample_ref` are the plain-torch definitions. `sample_draft` and
 `rejection_sample` run them, except for CUDA batches without truncation and top-N logprobs, which take the
@@ -30,14 +31,11 @@ from __future__ import annotations
 import torch
 
 from kernels.sampling_ref import counter_uniform, gumbel_noise, processed_logits_ref
+from runner.sampling_tensors import NO_TRUNCATION, SamplingTensors
 
 DRAFT_SALT = 0x0D2AF7ED
 ACCEPT_SALT = 0x0ACCE97E
 RESAMPLE_SALT = 0x0E5A3F1E
-
-
-NO_TRUNCATION = (False, False, False)
-"""`uses` of a batch where no row uses top-k, top-p or min-p."""
 
 
 def processed_logits(
@@ -68,29 +66,23 @@ def salted_gumbel(seeds: torch.Tensor, positions: torch.Tensor, vocab_size: int,
 
 def sample_draft(
     logits: torch.Tensor,  # [B, V] drafter logits
-    temperature: torch.Tensor,  # [B] f32, 0 = greedy
-    top_k: torch.Tensor,  # [B] int
-    top_p: torch.Tensor,  # [B] f32
-    min_p: torch.Tensor,  # [B] f32
-    seeds: torch.Tensor,  # [B] int64 uint32 values
-    positions: torch.Tensor,  # [B] int64; the drafted token's output position is positions + offset
-    uses: tuple[bool, bool, bool] | None = None,  # any row with (top-k, top-p, min-p), if known on the host
+    sampling: SamplingTensors,  # B rows; the drafted token's output position is sampling.positions + offset
     *,
     offset: int = 0,
     out: tuple[torch.Tensor, torch.Tensor] | None = None,  # (tokens [B] int64, q [B, V] f32) to write into
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """`sample_draft_ref` of positions + offset; (token_ids, q), written into `out` when given."""
-    if uses == NO_TRUNCATION and use_kernels(logits.device):
+    s = sampling
+    if s.uses == NO_TRUNCATION and use_kernels(logits.device):
         tokens, q = out if out is not None else (
             torch.empty(logits.shape[0], dtype=torch.int64, device=logits.device),
             torch.empty(logits.shape, dtype=torch.float32, device=logits.device),
         )
         from runner.spec_decode import rejection_kernel
 
-        rejection_kernel.draft_sample(logits, temperature, seeds, positions, offset, tokens, q, DRAFT_SALT)
+        rejection_kernel.draft_sample(logits, s.temperature, s.seeds, s.positions, offset, tokens, q, DRAFT_SALT)
         return tokens, q
-    tokens, q = sample_draft_ref(logits, temperature, top_k, top_p, min_p, seeds, positions + offset if offset else positions,
-                                 uses)
+    tokens, q = sample_draft_ref(logits, s.replace(positions=s.positions + offset) if offset else s)
     if out is None:
         return tokens, q
     out[0].copy_(tokens)
@@ -100,23 +92,18 @@ def sample_draft(
 
 def sample_draft_ref(
     logits: torch.Tensor,  # [B, V] drafter logits
-    temperature: torch.Tensor,  # [B] f32, 0 = greedy
-    top_k: torch.Tensor,  # [B] int
-    top_p: torch.Tensor,  # [B] f32
-    min_p: torch.Tensor,  # [B] f32
-    seeds: torch.Tensor,  # [B] int64 uint32 values
-    positions: torch.Tensor,  # [B] int64 output position of the drafted token
-    uses: tuple[bool, bool, bool] | None = None,  # any row with (top-k, top-p, min-p), if known on the host
+    sampling: SamplingTensors,  # B rows; positions: output position of the drafted token
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """One draft token per row and the distribution q it was drawn from.
 
     Returns (token_ids int64 [B], q float32 [B, V]); greedy rows take the argmax of the raw logits (their q
     is not used by the verifier).
     """
-    processed = processed_logits(logits, temperature, top_k, top_p, min_p, uses)  # [B, V]
+    s = sampling
+    processed = processed_logits(logits, s.temperature, s.top_k, s.top_p, s.min_p, s.uses)  # [B, V]
     q = torch.softmax(processed, dim=-1)
-    noisy = processed + salted_gumbel(seeds, positions, logits.shape[-1], DRAFT_SALT)
-    tokens = torch.where(temperature <= 0, torch.argmax(logits, dim=-1), torch.argmax(noisy, dim=-1))
+    noisy = processed + salted_gumbel(s.seeds, s.positions, logits.shape[-1], DRAFT_SALT)
+    tokens = torch.where(s.temperature <= 0, torch.argmax(logits, dim=-1), torch.argmax(noisy, dim=-1))
     return tokens, q
 
 
@@ -125,26 +112,19 @@ def rejection_sample(
     draft_token_ids: torch.Tensor,  # [R, K] int64
     draft_probs: torch.Tensor,  # [R, K, V] f32
     num_drafts: torch.Tensor,  # [R] int64 in [0, K]
-    temperature: torch.Tensor,  # [R] f32
-    top_k: torch.Tensor,  # [R] int
-    top_p: torch.Tensor,  # [R] f32
-    min_p: torch.Tensor,  # [R] f32
-    seeds: torch.Tensor,  # [R] int64 uint32 values
-    positions: torch.Tensor,  # [R] int64 output position of the first new token
-    num_top_logprobs: int = 0,
-    uses: tuple[bool, bool, bool] | None = None,
+    sampling: SamplingTensors,  # R rows; positions: output position of each row's first new token
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, tuple[torch.Tensor, torch.Tensor] | None]:
     """`rejection_sample_ref`; logprobs after a row's last new token are unspecified."""
-    if uses == NO_TRUNCATION and num_top_logprobs == 0 and use_kernels(target_logits.device):
+    s = sampling
+    if s.uses == NO_TRUNCATION and s.num_top_logprobs == 0 and use_kernels(target_logits.device):
         from runner.spec_decode import rejection_kernel
 
         output_ids, num_accepted, logprobs = rejection_kernel.rejection_sample(
-            target_logits, draft_token_ids, draft_probs, num_drafts, temperature, seeds, positions, ACCEPT_SALT,
+            target_logits, draft_token_ids, draft_probs, num_drafts, s.temperature, s.seeds, s.positions, ACCEPT_SALT,
             RESAMPLE_SALT,
         )
         return output_ids, num_accepted, logprobs, None
-    return rejection_sample_ref(target_logits, draft_token_ids, draft_probs, num_drafts, temperature, top_k, top_p,
-                                min_p, seeds, positions, num_top_logprobs, uses)
+    return rejection_sample_ref(target_logits, draft_token_ids, draft_probs, num_drafts, s)
 
 
 def rejection_sample_ref(
@@ -152,21 +132,17 @@ def rejection_sample_ref(
     draft_token_ids: torch.Tensor,  # [R, K] int64
     draft_probs: torch.Tensor,  # [R, K, V] f32, q each draft was drawn from
     num_drafts: torch.Tensor,  # [R] int64 in [0, K]: drafts of each row (the rest is padding)
-    temperature: torch.Tensor,  # [R] f32
-    top_k: torch.Tensor,  # [R] int
-    top_p: torch.Tensor,  # [R] f32
-    min_p: torch.Tensor,  # [R] f32
-    seeds: torch.Tensor,  # [R] int64 uint32 values
-    positions: torch.Tensor,  # [R] int64 output position of the first new token
-    num_top_logprobs: int = 0,
-    uses: tuple[bool, bool, bool] | None = None,  # any row with (top-k, top-p, min-p), if known on the host
+    sampling: SamplingTensors,  # R rows; positions: output position of each row's first new token
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, tuple[torch.Tensor, torch.Tensor] | None]:
-    """Verify drafts against the target; no host sync when `uses` is given.
+    """Verify drafts against the target; no host sync when `sampling.uses` is given.
 
     Returns (output_ids int64 [R, K + 1] with -1 after the last new token, num_accepted int64 [R] drafts
     accepted, logprobs f32 [R, K + 1], top) where row r's new tokens are output_ids[r, : num_accepted[r] + 1]
-    and top is None or (ids int64 [R, K + 1, N], logprobs f32 [R, K + 1, N]) of p at each position.
+    and top is None or (ids int64 [R, K + 1, N], logprobs f32 [R, K + 1, N]) of p at each position, N =
+    `sampling.num_top_logprobs`.
     """
+    s = sampling
+    temperature, seeds, positions = s.temperature, s.seeds, s.positions
     R, K1, V = target_logits.shape
     K = K1 - 1
     assert draft_token_ids.shape == (R, K) and draft_probs.shape == (R, K, V), (draft_token_ids.shape, draft_probs.shape)
@@ -176,7 +152,8 @@ def rejection_sample_ref(
         return x[:, None].expand(R, n).reshape(-1)
 
     flat = target_logits.reshape(R * K1, V)
-    processed = processed_logits(flat, per_pos(temperature), per_pos(top_k), per_pos(top_p), per_pos(min_p), uses)
+    processed = processed_logits(flat, per_pos(temperature), per_pos(s.top_k), per_pos(s.top_p), per_pos(s.min_p),
+                                 s.uses)
     processed = processed.view(R, K1, V)
     p = torch.softmax(processed, dim=-1)  # [R, K1, V]
     greedy = temperature <= 0  # [R]
@@ -218,7 +195,7 @@ def rejection_sample_ref(
     output_ids = torch.where(offsets[None, :] <= num_accepted[:, None], output_ids, torch.full_like(output_ids, -1))
     logprobs = logprobs_all.gather(-1, output_ids.clamp(min=0)[..., None]).squeeze(-1)  # [R, K1]
     top = None
-    if num_top_logprobs > 0:
-        vals, ids = torch.topk(logprobs_all, num_top_logprobs, dim=-1)
+    if s.num_top_logprobs > 0:
+        vals, ids = torch.topk(logprobs_all, s.num_top_logprobs, dim=-1)
         top = (ids, vals)
     return output_ids, num_accepted, logprobs, top

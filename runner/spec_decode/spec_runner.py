@@ -127,11 +127,9 @@ class SpeculativeRunner:
 
         last = cu[rows + 1] - 1  # [R] flat index of each sampling row's last token
         if R:
+            sampling = b.sampling(R, uses, top_n)
             if K == 0:
-                tokens, logprobs, top = r.sampler(
-                    target.compute_logits(hidden[b.logits_indices[:R]]), b.temperature[:R], b.top_k[:R],
-                    b.top_p[:R], b.min_p[:R], b.seeds[:R], b.sample_positions[:R], top_n, truncation=any(uses),
-                )
+                tokens, logprobs, top = r.sampler(target.compute_logits(hidden[b.logits_indices[:R]]), sampling)
                 output_ids, logprobs = tokens[:, None], logprobs[:, None]  # [R, 1]
                 num_accepted = torch.zeros(R, dtype=torch.int64, device=dev)
                 top = None if top is None else (top[0][:, None], top[1][:, None])
@@ -139,8 +137,7 @@ class SpeculativeRunner:
                 idx = np.minimum((last - num_drafts)[:, None] + np.arange(K + 1)[None, :], last[:, None])  # [R, K + 1]
                 logits = target.compute_logits(hidden[_upload(idx.reshape(-1), dev)])
                 output_ids, num_accepted, logprobs, top = rejection_sample(
-                    logits.view(R, K + 1, -1), drafts, q, _upload(num_drafts, dev), b.temperature[:R],
-                    b.top_k[:R], b.top_p[:R], b.min_p[:R], b.seeds[:R], b.sample_positions[:R], top_n, uses=uses,
+                    logits.view(R, K + 1, -1), drafts, q, _upload(num_drafts, dev), sampling,
                 )
         pending = np.setdiff1d(np.arange(cu.shape[0] - 1), rows)  # rows still prefilling
         prompt_next = None
@@ -176,14 +173,12 @@ class SpeculativeRunner:
         q = torch.zeros(R, K, V, dtype=torch.float32, device=dev)
         h = self.draft_hidden[_upload(slots_r, dev)]  # [R, H]
         last_pos = ib.num_tokens[slots_r] - 1  # [R] position of each row's last token
+        sampling = b.sampling(R)
         for j in range(K):
             act = np.nonzero(num_drafts > j)[0]
             act_t = _upload(act, dev)
-            tokens, q_j = sample_draft(
-                target.compute_logits(h[act_t]), b.temperature[:R][act_t], b.top_k[:R][act_t], b.top_p[:R][act_t],
-                b.min_p[:R][act_t], b.seeds[:R][act_t], b.sample_positions[:R][act_t] + j,
-                uses=ib.truncation_uses(slots_r[act], V),
-            )
+            tokens, q_j = sample_draft(target.compute_logits(h[act_t]),
+                                       sampling[act_t].replace(uses=ib.truncation_uses(slots_r[act], V)), offset=j)
             drafts[act_t, j] = tokens
             q[act_t, j] = q_j
             nxt = np.nonzero(num_drafts > j + 1)[0]
