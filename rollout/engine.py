@@ -36,7 +36,8 @@ from rollout.outputs import CompletionOutput, RequestOutput
 from rollout.request import Request, RequestGroup, StopStrings
 from rollout.sampling_params import SamplingParams
 from rollout.sleep import SleepState
-from rollout.scheduler import Scheduler, new_spec_stats, record_spec_step, spec_stats_summary
+from rollout.scheduler import Scheduler
+from rollout.spec_stats import SpecDecodeTotals, new_spec_stats, spec_stats_summary
 from rollout.tokenizer import Tokenizer
 
 logger = logging.getLogger(__name__)
@@ -93,7 +94,7 @@ class Engine:
 
             self.spec_controller = SpecController(config.speculative.num_speculative_tokens,
                                                   auto_off=config.speculative.auto_off)
-            self._spec_totals = new_spec_stats(config.speculative.num_speculative_tokens)
+            self._spec_totals = SpecDecodeTotals(config.speculative.num_speculative_tokens)
         self.recent_sequences: deque[list[int]] = deque(maxlen=1024)
         """Token ids (prompt + completion) of recently finished samples, for online drafter training."""
         if config.gc_freeze:
@@ -190,7 +191,9 @@ class Engine:
         out = self.executor.execute(sched)
         changed = self.scheduler.update(sched, out)
         if self.spec_controller is not None:
-            self._after_spec_step(batch_size, sched, out, changed, time.perf_counter() - start)
+            self._spec_totals.record_step(self.spec_controller, batch_size, self.scheduler.num_lookahead_tokens > 0,
+                                          sched, out, time.perf_counter() - start)
+            self.recent_sequences.extend(list(r.token_ids) for r in changed if r.status.finished)
         return changed
 
     def _step_async(self) -> list[Request]:
@@ -414,19 +417,7 @@ class Engine:
         bucket the measured tokens/s with and without speculation and whether it speculates there now."""
         if self.spec_controller is None:
             return None
-        return {**spec_stats_summary(self._spec_totals), "auto_off": self.spec_controller.stats()}
-
-    def _after_spec_step(self, batch_size: int, sched, out, changed: list[Request], seconds: float) -> None:
-        drafts = out.num_draft_tokens or [0] * len(out.req_ids)
-        for d, tokens in zip(drafts, out.sampled_token_ids):
-            if d > 0:
-                record_spec_step(self._spec_totals, d, len(tokens) - 1)
-        if len(out.req_ids) == len(sched.num_scheduled_tokens) and sched.total_num_scheduled_tokens == len(drafts) + sum(drafts):
-            num_tokens = sum(len(t) for t in out.sampled_token_ids)  # a pure decode step
-            self.spec_controller.record(batch_size, self.scheduler.num_lookahead_tokens > 0, num_tokens, seconds)
-        for req in changed:
-            if req.status.finished:
-                self.recent_sequences.append(list(req.token_ids))
+        return self._spec_totals.summary(self.spec_controller)
 
     # ---- helpers ----------------------------------------------------------------------------------------
     def _tokenize(self, prompt: Prompt) -> tuple[str | None, list[int]]:

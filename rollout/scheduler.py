@@ -30,6 +30,7 @@ from dataclasses import dataclass
 
 from rollout.kv_cache_manager import KVCacheManager
 from rollout.request import Request, RequestStatus
+from rollout.spec_stats import record_spec_step
 from runner.messages import CachedRequestData, NewRequestData, RunnerOutput, SchedulerOutput
 
 
@@ -328,32 +329,3 @@ class Scheduler:
         if req.req_id in self._in_runner:
             self._in_runner.discard(req.req_id)
             self._finished_ids.add(req.req_id)
-
-
-def new_spec_stats(num_speculative_tokens: int) -> dict:
-    """Empty speculative-decoding counters (per request, and the engine's totals).
-
-    num_draft_tokens / num_accepted_tokens: drafts proposed / accepted; num_spec_steps: verification steps
-    (steps with at least one draft); acceptance_histogram[a]: steps that accepted a drafts (each step adds
-    a + 1 tokens, the last one resampled or a bonus).
-    """
-    return {"num_draft_tokens": 0, "num_accepted_tokens": 0, "num_spec_steps": 0,
-            "acceptance_histogram": [0] * (num_speculative_tokens + 1)}
-
-
-def spec_stats_summary(stats: dict) -> dict:
-    """A copy of the counters plus mean_acceptance_length: tokens added per verification step (1 + accepted)."""
-    out = {**stats, "acceptance_histogram": list(stats["acceptance_histogram"])}
-    steps = stats["num_spec_steps"]
-    out["mean_acceptance_length"] = 1.0 + stats["num_accepted_tokens"] / steps if steps else 0.0
-    return out
-
-
-def record_spec_step(stats: dict, num_drafts: int, num_accepted: int) -> None:
-    """Add one verification step to counters made by `new_spec_stats`."""
-    stats["num_draft_tokens"] += num_drafts
-    stats["num_accepted_tokens"] += num_accepted
-    stats["num_spec_steps"] += 1
-    hist = stats["acceptance_histogram"]
-    hist.extend([0] * (num_accepted + 1 - len(hist)))
-    hist[num_accepted] += 1
