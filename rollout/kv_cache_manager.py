@@ -29,8 +29,6 @@ class BlockPool:
         self.block_key: list[BlockKey | None] = [None] * num_blocks
         self.free_queue: OrderedDict[int, None] = OrderedDict((i, None) for i in range(num_blocks))
         self.cached: dict[BlockKey, int] = {}
-        self.num_cache_hits = 0
-        self.num_cache_queries = 0
 
     @property
     def num_free_blocks(self) -> int:
@@ -109,8 +107,6 @@ class KVCacheManager:
             if block is None:
                 break
             hits.append(block)
-        self.pool.num_cache_queries += max_blocks
-        self.pool.num_cache_hits += len(hits)
         return hits
 
     def blocks_needed(self, req: Request, num_total_tokens: int, num_hit_blocks: int = 0) -> int:
