@@ -27,7 +27,7 @@ from runner.models import CheckpointSlot, ModelRegistry
 from runner.models.layout import module_layout, part
 from runner.models.llama import DecoderForCausalLM
 from runner.models.registry import _ModelRegistry
-from runner.parallel.layers import RowParallelLinear, even_partition
+from runner.parallel.layers import RowParallelLinear, even_partition, rank_and_size
 from runner.testing import write_random_checkpoint
 from weight_updates import Dense, PackedIndices, Patch, WeightDiffer, WeightReceiver, checksum
 
@@ -40,8 +40,7 @@ class UnfusedMLP(nn.Module):
     def __init__(self, cfg: ModelConfig, tp=None) -> None:
         super().__init__()
         self.hidden_size, self.intermediate_size = cfg.hidden_size, cfg.intermediate_size
-        start, end = even_partition(cfg.intermediate_size, *((0, 1) if tp is None else (tp.rank, tp.size)),
-                                    "intermediate_size")
+        start, end = even_partition(cfg.intermediate_size, *rank_and_size(tp), "intermediate_size")
         self.w1 = Linear(cfg.hidden_size, end - start)  # gate, the rank's rows
         self.w3 = Linear(cfg.hidden_size, end - start)  # up
         self.w2 = RowParallelLinear(cfg.intermediate_size, cfg.hidden_size, False, tp, "intermediate_size")  # down

@@ -34,7 +34,7 @@ from runner.layers import Linear, linear
 from runner.model_config import ModelConfig
 from runner.models.layout import CheckpointSlot, module_layout, part, whole
 from runner.parallel.layers import (
-    ParallelLMHead, RowParallelLinear, VocabParallelEmbedding, even_partition, head_partition,
+    ParallelLMHead, RowParallelLinear, VocabParallelEmbedding, even_partition, head_partition, rank_and_size,
 )
 
 if TYPE_CHECKING:
@@ -132,7 +132,7 @@ class Attention(nn.Module):
         super().__init__()
         self.hidden_size, self.head_dim = cfg.hidden_size, cfg.head_dim
         self.total_num_heads, self.total_num_kv_heads = cfg.num_heads, cfg.num_kv_heads
-        heads = head_partition(cfg.num_heads, cfg.num_kv_heads, *((0, 1) if tp is None else (tp.rank, tp.size)))
+        heads = head_partition(cfg.num_heads, cfg.num_kv_heads, *rank_and_size(tp))
         self.num_heads, self.num_kv_heads = heads.num_heads, heads.num_kv_heads  # this rank's
         self.q_size = self.num_heads * self.head_dim
         self.kv_size = self.num_kv_heads * self.head_dim
@@ -259,8 +259,7 @@ class MLP(nn.Module):
     def __init__(self, cfg: ModelConfig, tp: TPGroup | None = None) -> None:
         super().__init__()
         self.hidden_size, self.intermediate_size = cfg.hidden_size, cfg.intermediate_size
-        start, end = even_partition(cfg.intermediate_size, *((0, 1) if tp is None else (tp.rank, tp.size)),
-                                    "intermediate_size")
+        start, end = even_partition(cfg.intermediate_size, *rank_and_size(tp), "intermediate_size")
         self.intermediate = end - start  # this rank's rows of gate and up, columns of down
         self.gate_up_proj = Linear(cfg.hidden_size, 2 * self.intermediate, bias=False)
         self.down_proj = RowParallelLinear(cfg.intermediate_size, cfg.hidden_size, False, tp, "intermediate_size")
@@ -406,7 +405,7 @@ class DecoderForCausalLM(nn.Module):
         """Every checkpoint (Hugging Face) tensor name -> its slot for rank `tp_rank` of `tp_size` (default:
         this model's own rank), composed from the layers' declarations."""
         if tp_rank is None:
-            tp_rank, tp_size = (0, 1) if self.tp is None else (self.tp.rank, self.tp.size)
+            tp_rank, tp_size = rank_and_size(self.tp)
         parts = [("model.embed_tokens.", self.model.embed_tokens), ("model.norm.", self.model.norm),
                  ("lm_head.", self.lm_head)]  # first: the random-checkpoint writer's draw order
         parts += [(f"model.layers.{i}.", layer) for i, layer in enumerate(self.model.layers)]

@@ -24,6 +24,8 @@ logger = logging.getLogger(__name__)
 
 
 class _ModelRegistry:
+    """Architecture name -> model class; `ModelRegistry` is the one the loader reads."""
+
     def __init__(self) -> None:
         self._models: dict[str, type | str] = {}  # architecture -> model class, or "module:Class" until imported
 
@@ -58,7 +60,6 @@ class _ModelRegistry:
                 return arch, self._load(arch)
         raise ValueError(f"{source}: unknown architecture {list(architectures)!r}; "
                          f"supported: {self.get_supported_archs()}")
-
 
     def _load(self, arch: str) -> type:
         model_cls = self._models[arch]

@@ -66,7 +66,8 @@ def even_partition(n: int, rank: int, size: int, what: str) -> tuple[int, int]:
     return rank * share, (rank + 1) * share
 
 
-def _rank(tp: TPGroup | None) -> tuple[int, int]:
+def rank_and_size(tp: TPGroup | None) -> tuple[int, int]:
+    """(tp.rank, tp.size), or (0, 1) without a group."""
     return (0, 1) if tp is None else (tp.rank, tp.size)
 
 
@@ -80,7 +81,7 @@ class RowParallelLinear(Linear):
 
     def __init__(self, in_features: int, out_features: int, bias: bool, tp: TPGroup | None,
                  what: str = "in_features") -> None:
-        start, end = even_partition(in_features, *_rank(tp), what)
+        start, end = even_partition(in_features, *rank_and_size(tp), what)
         super().__init__(end - start, out_features, bias)
         self.full_in_features, self.what = in_features, what
         self.tp = tp
@@ -106,7 +107,7 @@ class VocabParallelEmbedding(nn.Module):
     def __init__(self, num_embeddings: int, embedding_dim: int, tp: TPGroup | None = None) -> None:
         super().__init__()
         self.num_embeddings, self.embedding_dim = num_embeddings, embedding_dim
-        self.vocab_start, self.vocab_end = even_partition(num_embeddings, *_rank(tp), "vocab_size")
+        self.vocab_start, self.vocab_end = even_partition(num_embeddings, *rank_and_size(tp), "vocab_size")
         self.weight = nn.Parameter(torch.empty(self.vocab_end - self.vocab_start, embedding_dim))
         self.tp = tp
 
@@ -128,7 +129,7 @@ class ParallelLMHead(Linear):
     """The LM head over the rank's vocabulary rows: weight [vocab / size, hidden], logits stay sharded."""
 
     def __init__(self, vocab_size: int, hidden_size: int, tp: TPGroup | None = None) -> None:
-        start, end = even_partition(vocab_size, *_rank(tp), "vocab_size")
+        start, end = even_partition(vocab_size, *rank_and_size(tp), "vocab_size")
         super().__init__(hidden_size, end - start, bias=False)
         self.vocab_size = vocab_size
 
