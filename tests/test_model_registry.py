@@ -137,6 +137,7 @@ def test_registered_model_takes_dense_then_patch_updates_bitwise(custom_ckpt):
     engine.apply_weight_update(engine.policy_version + 1, second.updates)
     differ.commit(second)
     _assert_engine_holds(engine, master)
+    assert engine.policy_version == 2
     # the pushed tensors landed where the model computes with them: transformers with the same weights agrees
     hf.load_state_dict(master)
     tokens = list(range(3, 40))
