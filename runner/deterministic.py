@@ -4,7 +4,9 @@
 reduction order does not depend on the batch, exactly what the rollout engine ran — and, when autograd is
 recording, differentiates through `reference`, a plain-torch function of the same math, recomputed in the
 backward pass. So the trainer's logprobs equal the engine's bitwise while its gradients come from
-ordinary kernels (they need not be batch invariant). Not here: the kernels themselves (kernels/).
+ordinary kernels (they need not be batch invariant). `set_deterministic_all(module, flag)` switches every
+submodule that has a deterministic mode (each defines `set_deterministic(flag)`). Not here: the kernels
+themselves (kernels/).
 """
 
 from __future__ import annotations
@@ -12,6 +14,7 @@ from __future__ import annotations
 from typing import Callable
 
 import torch
+from torch import nn
 
 
 class _KernelFunction(torch.autograd.Function):
@@ -39,3 +42,10 @@ def kernel_forward(kernel: Callable, reference: Callable, *inputs: torch.Tensor)
     if torch.is_grad_enabled() and any(x.requires_grad for x in inputs):
         return _KernelFunction.apply(kernel, reference, *inputs)
     return kernel(*inputs)
+
+
+def set_deterministic_all(module: nn.Module, deterministic: bool) -> None:
+    """Call `set_deterministic(deterministic)` on every submodule of `module` (itself excluded) that defines it."""
+    for sub in module.modules():
+        if sub is not module and callable(getattr(sub, "set_deterministic", None)):
+            sub.set_deterministic(deterministic)

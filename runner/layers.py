@@ -37,6 +37,9 @@ class Linear(nn.Module):
         self.bias = nn.Parameter(torch.empty(out_features)) if bias else None
         self.deterministic = False
 
+    def set_deterministic(self, deterministic: bool) -> None:
+        self.deterministic = deterministic
+
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return linear(x, self.weight, self.bias, self.deterministic)
 

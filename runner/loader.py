@@ -1,11 +1,13 @@
 """Checkpoint loading and the checkpoint-coordinate view of a live model.
 
-`load_model` builds the model on the meta device, allocates its parameters once on the target device, and
-copies each safetensors tensor (read one at a time, memory-mapped) into its rows of the fused runtime
-parameter — never two copies of the weights. Under tensor parallelism each rank reads only its slice of
-each tensor (`get_slice`), as its `checkpoint_layout` says. `CheckpointWeights` exposes the same map to
-weight updates: read, overwrite or patch a checkpoint tensor in place, by its Hugging Face name and flat
-coordinates. Not here: filtering full-tensor updates to a rank's slice (runner/parallel/weights.py).
+`load_model` builds the model class registered for the config's architecture (`runner.models.ModelRegistry`)
+on the meta device, allocates its parameters once on the target device, and copies each safetensors tensor
+(read one at a time, memory-mapped) into its slot of the runtime parameters (a slice of a fused or stacked
+tensor) — never two copies of the weights. Under tensor parallelism each rank reads only its slice of each
+tensor (`get_slice`). Both follow the model's `checkpoint_layout` (runner/models/layout.py), as does
+`CheckpointWeights`, which exposes the same map to weight updates: read, overwrite or patch a checkpoint
+tensor in place, by its Hugging Face name and flat coordinates. Not here: filtering full-tensor updates to
+a rank's slice (runner/parallel/weights.py).
 """
 
 from __future__ import annotations
@@ -17,7 +19,7 @@ from pathlib import Path
 import torch
 
 from runner.model_config import ModelConfig
-from runner.models.llama import CheckpointSlot, DecoderForCausalLM
+from runner.models import CausalLM, CheckpointSlot, ModelRegistry
 from weight_updates.target import ParamSpec
 
 logger = logging.getLogger(__name__)
@@ -84,13 +86,15 @@ def _read_shard(file: Path, name: str, lazy, slot: CheckpointSlot) -> torch.Tens
 def load_model(
     model_dir: str | Path, cfg: ModelConfig, dtype: torch.dtype, device: torch.device, backend, max_position: int,
     deterministic: bool = False, tp=None,
-) -> DecoderForCausalLM:
-    """Build on meta, allocate once on `device` in `dtype`, fill from the checkpoint, check completeness.
+) -> CausalLM:
+    """Build the registered class of `cfg.architecture` on meta, allocate once on `device` in `dtype`, fill
+    from the checkpoint, check completeness.
 
     With `tp` (a `runner.parallel.group.TPGroup`) the model is the rank's shard and only its slices are read.
     """
+    _, model_cls = ModelRegistry.resolve([cfg.architecture])
     with torch.device("meta"):
-        model = DecoderForCausalLM(cfg, backend, tp)
+        model = model_cls(cfg, backend, tp)
     model = model.to(dtype=dtype).to_empty(device=device)
     model.init_rotary(max_position, device)
     weights = CheckpointWeights(model)
@@ -121,24 +125,21 @@ def load_model(
 
 
 class CheckpointWeights:
-    """The live model seen through checkpoint names: each name is a contiguous row range of a parameter
-    (under tensor parallelism `view` is the rank's part, a row or column range; see `CheckpointSlot`).
+    """The live model seen through checkpoint names: each name is a view of a parameter, as its
+    `CheckpointSlot` says (a slice of a fused or stacked tensor; under tensor parallelism the rank's part).
 
     Writes are in place (`copy_` / `index_put_`), so parameters keep their storage and captured CUDA
     graphs stay valid. Callers validate before writing; this class only asserts its own invariants.
     """
 
-    def __init__(self, model: DecoderForCausalLM) -> None:
+    def __init__(self, model: CausalLM) -> None:
         self.layout: dict[str, CheckpointSlot] = model.checkpoint_layout()
         self._params = dict(model.named_parameters())
         self.device = next(iter(self._params.values())).device
 
     def view(self, name: str) -> torch.Tensor:
         slot = self.layout[name]
-        data = self._params[slot.param].data
-        view = data.narrow(slot.dim, slot.row_start, slot.row_end - slot.row_start)
-        assert tuple(view.shape) == slot.shard_shape, (name, tuple(view.shape), slot.shard_shape)
-        return view
+        return slot.view(self._params[slot.param].data)
 
     def checkpoint_specs(self) -> dict[str, ParamSpec]:
         return {n: ParamSpec(s.shape, self._params[s.param].dtype) for n, s in self.layout.items()}
@@ -148,9 +149,7 @@ class CheckpointWeights:
 
     def _own_part(self, name: str, tensor: torch.Tensor) -> torch.Tensor:
         """This rank's part of a full checkpoint-shaped tensor (all of it without tensor parallelism)."""
-        slot = self.layout[name]
-        start, end = slot.shard
-        return tensor.narrow(slot.dim, start, end - start)
+        return self.layout[name].own_part(tensor)
 
     def write_dense(self, name: str, tensor: torch.Tensor) -> None:
         self.view(name).copy_(self._own_part(name, tensor))
@@ -163,10 +162,17 @@ class CheckpointWeights:
         """The live views of `names` for patches scattered straight into them (flat indices are checkpoint
         coordinates); None unless each view is a whole, contiguous checkpoint tensor (not a TP shard)."""
         views = [self.view(name) for name in names]
-        whole = all(v.is_contiguous() and self.layout[n].shard_shape == self.layout[n].shape for n, v in zip(names, views))
+        whole = all(v.is_contiguous() and self.layout[n].is_whole for n, v in zip(names, views))
         return views if whole else None
 
     def write_patch(self, name: str, flat_indices: torch.Tensor, values: torch.Tensor) -> None:
         view = self.view(name)
-        assert view.is_contiguous()
-        view.view(-1).index_put_((flat_indices.to(view.device, torch.int64),), values.to(view.device, view.dtype))
+        scatter_flat(view, flat_indices.to(view.device, torch.int64), values.to(view.device, view.dtype))
+
+
+def scatter_flat(view: torch.Tensor, flat: torch.Tensor, values: torch.Tensor) -> None:
+    """view.reshape(-1)[flat] = values, in place, also for a view that is not contiguous (a column slice)."""
+    if view.is_contiguous():
+        view.view(-1).index_put_((flat,), values)
+    else:
+        view.index_put_(torch.unravel_index(flat, view.shape), values)

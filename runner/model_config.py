@@ -1,18 +1,25 @@
-"""Model hyper-parameters read from a Hugging Face `config.json` (Llama, Mistral, Qwen2, Qwen3 dense families).
+"""Model hyper-parameters read from a Hugging Face `config.json`.
 
-Reads both the transformers-5 rope format (`rope_parameters`) and the older `rope_theta` + `rope_scaling`.
-Raises ValueError for an unknown architecture or a missing field; knows nothing about weights.
+Accepts every architecture registered with `runner.models.ModelRegistry` (the built-in Llama, Mistral,
+Qwen2 and Qwen3 dense families, and any model registered from outside), and keeps the raw dict as
+`hf_config` for a model class's own keys. The fields here are those every decoder has; the Llama / Qwen
+family rules (q/k/v bias, o_proj bias, q/k norm) follow the built-in architectures, or config.json's
+`model_type` for another registered one. Reads both the transformers-5 rope format (`rope_parameters`) and
+the older `rope_theta` + `rope_scaling`. Raises ValueError for an unknown architecture or a missing field;
+knows nothing about weights.
 """
 
 from __future__ import annotations
 
 import json
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 
 import torch
 
-SUPPORTED_ARCHITECTURES = {
+from runner.models.registry import ModelRegistry
+
+_FAMILIES = {  # the built-in architectures' config rules
     "LlamaForCausalLM": "llama",
     "MistralForCausalLM": "llama",  # Llama's layers and names; sliding-window attention only as a length cap
     "Qwen2ForCausalLM": "qwen2",
@@ -30,8 +37,8 @@ def parse_dtype(name: str) -> torch.dtype:
 
 @dataclass(kw_only=True, slots=True)
 class ModelConfig:
-    architecture: str
-    family: str  # "llama" | "qwen2" | "qwen3"
+    architecture: str  # the registered name picked from config.json's `architectures`
+    family: str  # "llama" | "qwen2" | "qwen3" for the built-in architectures, else config.json's model_type
     vocab_size: int
     hidden_size: int
     intermediate_size: int
@@ -50,6 +57,7 @@ class ModelConfig:
     checkpoint_dtype: str | None
     eos_token_ids: list[int]
     sliding_window: int | None = None  # attention window of some layers; the engine keeps sequences within it
+    hf_config: dict = field(default_factory=dict)  # config.json as read, for keys a model class parses itself
 
     @classmethod
     def from_dir(cls, path: str | Path) -> "ModelConfig":
@@ -76,12 +84,10 @@ class ModelConfig:
     @classmethod
     def from_dict(cls, raw: dict, source: str = "config.json") -> "ModelConfig":
         archs = raw.get("architectures") or []
-        arch = next((a for a in archs if a in SUPPORTED_ARCHITECTURES), None)
-        if arch is None:
-            raise ValueError(
-                f"{source}: unknown architecture {archs!r}; supported: {sorted(SUPPORTED_ARCHITECTURES)}"
-            )
-        family = SUPPORTED_ARCHITECTURES[arch]
+        if isinstance(archs, str) or not all(isinstance(a, str) for a in archs):
+            raise ValueError(f"{source}: architectures must be a list of names, got {archs!r}")
+        arch, _ = ModelRegistry.resolve(archs, source)
+        family = _FAMILIES.get(arch, str(raw.get("model_type", "")))
 
         def need(key: str):
             if key not in raw or raw[key] is None:
@@ -123,6 +129,7 @@ class ModelConfig:
             checkpoint_dtype=dtype if isinstance(dtype, str) else None,
             eos_token_ids=_as_id_list(raw.get("eos_token_id")),
             sliding_window=int(window) if window is not None else None,
+            hf_config=dict(raw),
         )
 
 

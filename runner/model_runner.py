@@ -71,7 +71,7 @@ class ModelRunner:
         self.model = load_model(
             config.model, model_config, self.dtype, self.device, self.backend, max_model_len, config.deterministic, tp
         )
-        self.num_kv_heads = self.model.model.layers[0].self_attn.num_kv_heads  # this rank's
+        self.num_kv_heads = self.model.num_kv_heads  # this rank's
         if tp is None:
             self.weights = CheckpointWeights(self.model)
             self.sampler = Sampler(self.device, config.deterministic)

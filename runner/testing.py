@@ -1,7 +1,9 @@
 """Write small random-weight checkpoints in the Hugging Face layout without transformers.
 
-Used by the demo and benchmarks on machines where no weights can be downloaded. The layout (names,
-shapes, config.json keys) is that of transformers' Llama/Qwen2/Qwen3 `save_pretrained`.
+Used by the demo and benchmarks on machines where no weights can be downloaded. The tensors (names and
+shapes) are those the registered model class declares in its `checkpoint_layout` (runner/models/layout.py),
+which for the built-in families is the layout of transformers' Llama/Qwen2/Qwen3 `save_pretrained`; the
+config.json keys are transformers'.
 """
 
 from __future__ import annotations
@@ -10,6 +12,9 @@ import json
 from pathlib import Path
 
 import torch
+
+from runner.model_config import ModelConfig
+from runner.models import ModelRegistry
 
 ARCH = {"llama": "LlamaForCausalLM", "qwen2": "Qwen2ForCausalLM", "qwen3": "Qwen3ForCausalLM"}
 
@@ -20,46 +25,29 @@ QWEN25_05B = dict(
 )
 
 
-def random_state_dict(config: dict, family: str, dtype: torch.dtype, seed: int, std: float) -> dict[str, torch.Tensor]:
+def random_state_dict(config: dict, dtype: torch.dtype, seed: int, std: float) -> dict[str, torch.Tensor]:
+    """A random tensor for every checkpoint name the model of `config` (config.json as a dict) declares, in
+    declaration order from one generator: N(0, std^2), or 1 + N(0, 0.01) for norm weights."""
+    cfg = ModelConfig.from_dict(config)
+    _, model_cls = ModelRegistry.resolve([cfg.architecture])
+    with torch.device("meta"):
+        model = model_cls(cfg, None, None)
     g = torch.Generator().manual_seed(seed)
-    h, inter = config["hidden_size"], config["intermediate_size"]
-    nh, nkv = config["num_attention_heads"], config["num_key_value_heads"]
-    hd = config.get("head_dim") or h // nh
-    vocab = config["vocab_size"]
-
-    def rnd(*shape):
-        return (torch.randn(*shape, generator=g) * std).to(dtype)
-
-    def ones(n):
-        return (1.0 + 0.1 * torch.randn(n, generator=g)).to(dtype)
-
-    sd = {"model.embed_tokens.weight": rnd(vocab, h), "model.norm.weight": ones(h)}
-    if not config.get("tie_word_embeddings"):
-        sd["lm_head.weight"] = rnd(vocab, h)
-    for i in range(config["num_hidden_layers"]):
-        p = f"model.layers.{i}."
-        sd[p + "self_attn.q_proj.weight"] = rnd(nh * hd, h)
-        sd[p + "self_attn.k_proj.weight"] = rnd(nkv * hd, h)
-        sd[p + "self_attn.v_proj.weight"] = rnd(nkv * hd, h)
-        if family == "qwen2":
-            for n, rows in (("q", nh * hd), ("k", nkv * hd), ("v", nkv * hd)):
-                sd[p + f"self_attn.{n}_proj.bias"] = rnd(rows)
-        if family == "qwen3":
-            sd[p + "self_attn.q_norm.weight"] = ones(hd)
-            sd[p + "self_attn.k_norm.weight"] = ones(hd)
-        sd[p + "self_attn.o_proj.weight"] = rnd(h, nh * hd)
-        sd[p + "mlp.gate_proj.weight"] = rnd(inter, h)
-        sd[p + "mlp.up_proj.weight"] = rnd(inter, h)
-        sd[p + "mlp.down_proj.weight"] = rnd(h, inter)
-        sd[p + "input_layernorm.weight"] = ones(h)
-        sd[p + "post_attention_layernorm.weight"] = ones(h)
+    sd = {}
+    for name, slot in model.checkpoint_layout(0, 1).items():
+        noise = torch.randn(slot.shape, generator=g)
+        sd[name] = (1.0 + 0.1 * noise if slot.init == "ones" else noise * std).to(dtype)
     return sd
 
 
 def write_random_checkpoint(
-    path: str | Path, *, family: str = "llama", dtype: str = "float32", seed: int = 0, std: float = 0.1, **overrides
+    path: str | Path, *, family: str = "llama", dtype: str = "float32", seed: int = 0, std: float = 0.1,
+    architecture: str | None = None, **overrides
 ) -> Path:
-    """A random model in HF layout at `path` (config.json, generation_config.json, model.safetensors)."""
+    """A random model in HF layout at `path` (config.json, generation_config.json, model.safetensors).
+
+    `family` sets config.json's model_type and, unless `architecture` names another registered one, its
+    architecture."""
     from safetensors.torch import save_file
 
     path = Path(path)
@@ -72,9 +60,9 @@ def write_random_checkpoint(
     config.update(overrides)
     if family == "qwen3":
         config.setdefault("head_dim", config["hidden_size"] // config["num_attention_heads"])
-    config.update(architectures=[ARCH[family]], model_type=family, dtype=dtype)
+    config.update(architectures=[architecture or ARCH[family]], model_type=family, dtype=dtype)
     torch_dtype = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}[dtype]
-    sd = random_state_dict(config, family, torch_dtype, seed, std)
+    sd = random_state_dict(config, torch_dtype, seed, std)
     save_file({k: v.contiguous() for k, v in sd.items()}, str(path / "model.safetensors"), metadata={"format": "pt"})
     (path / "config.json").write_text(json.dumps(config, indent=2))
     (path / "generation_config.json").write_text(json.dumps({"eos_token_id": config["eos_token_id"]}))

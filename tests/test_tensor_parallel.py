@@ -4,6 +4,8 @@ sampling memory, weight updates, worker shutdown. Each TP engine spawns one work
 from __future__ import annotations
 
 import dataclasses
+import math
+from types import SimpleNamespace
 
 import pytest
 import torch
@@ -59,15 +61,17 @@ def test_sharded_layouts_cover_every_checkpoint_coordinate(num_kv_heads):
                                  "num_key_value_heads": num_kv_heads})
     with torch.device("meta"):
         model = DecoderForCausalLM(cfg)
+        rank_params = [dict(DecoderForCausalLM(cfg, None, SimpleNamespace(rank=r, size=2)).named_parameters())
+                       for r in range(2)]  # each rank's shard of the model (built, never run)
     full = model.checkpoint_layout()
-    layouts = [model._sharded_checkpoint_layout(r, 2) for r in range(2)]
+    layouts = [model.checkpoint_layout(r, 2) for r in range(2)]  # every rank's, from the unsharded model
     for name, slot in full.items():
-        covered = torch.zeros(slot.shape[0] if layouts[0][name].dim == 0 else slot.shape[1], dtype=torch.int64)
-        for layout in layouts:
+        covered = torch.zeros(slot.shape[layouts[0][name].dim], dtype=torch.int64)
+        for layout, params in zip(layouts, rank_params):
             s = layout[name]
             assert s.shape == slot.shape  # full checkpoint shapes on every rank
             start, end = s.shard
-            assert s.row_end - s.row_start == end - start
+            assert tuple(s.view(params[s.param]).shape) == s.shard_shape  # fits the rank's parameter
             covered[start:end] += 1
         assert covered.min() >= 1, name
         replicated = name.endswith(("k_proj.weight", "v_proj.weight", "k_proj.bias", "v_proj.bias")) and num_kv_heads < 2
@@ -84,18 +88,19 @@ def test_bad_head_counts_are_value_errors():
     assert head_partition(8, 2, 3, 4).kv_start == 1  # ranks 2, 3 share kv head 1
 
 
-@pytest.mark.parametrize("dim", [0, 1])
-def test_patch_indices_map_to_the_rank_slice(dim):
-    from runner.models.llama import CheckpointSlot
+@pytest.mark.parametrize("shape,dim", [((6, 8), 0), ((6, 8), 1), ((7,), 0), ((6, 7, 5), 0), ((6, 7, 5), 1),
+                                       ((6, 7, 5), 2)])
+def test_patch_indices_map_to_the_rank_slice(shape, dim):
+    from runner.models import CheckpointSlot
 
-    full = torch.arange(6 * 8, dtype=torch.float32).view(6, 8)
-    slot = CheckpointSlot("p", 0, 3, (6, 8), dim, 2, 5)
+    full = torch.arange(math.prod(shape), dtype=torch.float32).view(shape)
+    slot = CheckpointSlot(param="p", shape=shape, dim=dim, shard=(2, 5))
     shard = full.narrow(dim, 2, 3).contiguous()
-    flat = torch.tensor([0, 3, 10, 17, 20, 28, 47])
+    flat = torch.randperm(full.numel(), generator=torch.Generator().manual_seed(0))[: full.numel() // 2]
     local, keep = local_flat_indices(slot, flat)
     assert torch.equal(shard.view(-1)[local], full.view(-1)[flat[keep]])
-    coord = flat // 8 if dim == 0 else flat % 8
-    assert torch.equal(keep, (coord >= 2) & (coord < 5))
+    coord = torch.unravel_index(flat, shape)[dim]
+    assert torch.equal(keep, (coord >= 2) & (coord < 5)) and 0 < keep.sum() < flat.numel()
 
 
 # ---- engines: 1 rank vs 2 ranks --------------------------------------------------------------------------

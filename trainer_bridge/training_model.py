@@ -1,11 +1,12 @@
 """The trainer-side model: the engine's own model code in training mode, parameters in checkpoint names.
 
-`TrainingModel` wraps the same `DecoderForCausalLM` the engine serves, with a full-sequence forward (no
-KV cache) and autograd. Because the code is shared, rollout logprobs and trainer logprobs differ only by
-kernel numerics; with `deterministic=True` on both sides they are bitwise equal (batch-invariant kernels,
-see `runner/layers.py` and `kernels/attention_ref.rowwise_attention_ref`). The backward pass differentiates
-through the same ops. `checkpoint_state()` gives views of the
-parameters under Hugging Face names — exactly what `TrainerBridge.push_weights` sends.
+`TrainingModel` wraps the same model class the engine serves (the one registered for the checkpoint's
+architecture, e.g. `DecoderForCausalLM`), with a full-sequence forward (no KV cache) and autograd. Because
+the code is shared, rollout logprobs and trainer logprobs differ only by kernel numerics; with
+`deterministic=True` on both sides they are bitwise equal (batch-invariant kernels, see `runner/layers.py`
+and `kernels/attention_ref.rowwise_attention_ref`). The backward pass differentiates through the same ops.
+`checkpoint_state()` gives views of the parameters under Hugging Face names, through the model's
+`checkpoint_layout` — exactly what `TrainerBridge.push_weights` sends.
 """
 
 from __future__ import annotations
@@ -18,11 +19,11 @@ from torch import nn
 from runner.deterministic import kernel_forward
 from runner.loader import CheckpointWeights, load_model
 from runner.model_config import ModelConfig, parse_dtype
-from runner.models.llama import DecoderForCausalLM
+from runner.models import CausalLM
 
 
 class TrainingModel(nn.Module):
-    def __init__(self, model: DecoderForCausalLM) -> None:
+    def __init__(self, model: CausalLM) -> None:
         super().__init__()
         self.model = model
         self.config = model.config

@@ -1,16 +1,16 @@
 """Llama / Qwen2 / Qwen3 decoder over a paged KV cache.
 
-Projections are fused (q|k|v rows in `qkv_proj`, gate|up rows in `gate_up_proj`). Every runtime parameter
-is reached from checkpoint names through `checkpoint_layout()`: a checkpoint tensor is a row range of one
-runtime parameter, so the loader, the weight-update sessions and the trainer all write through the same
-map. Inputs are flat token lists `[T]` with positions `[T]`; attention reads and writes the paged cache
-bound to each layer (`bind_kv_cache`).
+Projections are fused (q|k|v rows in `qkv_proj`, gate|up rows in `gate_up_proj`). Each layer declares
+how its checkpoint tensors map into its parameters (`checkpoint_layout(tp_rank, tp_size)`, see
+runner/models/layout.py) and the model composes them, so the loader, the weight-update sessions, the
+trainer and the random-checkpoint writer all read the same map. Inputs are flat token lists `[T]` with
+positions `[T]`; attention reads and writes the paged cache bound to each layer (`bind_kv_cache`).
 
 Under tensor parallelism (`tp` given) each rank builds only its shard: its query / kv heads in `qkv_proj`
 and `o_proj`, its intermediate rows in `gate_up_proj` / `down_proj`, its vocabulary rows in the embedding
-and the LM head, and `compute_logits` returns the rank's vocabulary shard. `checkpoint_layout` then maps
-each checkpoint tensor's rows or columns to the rank's parameter. Not here: the collectives themselves
-(runner/parallel/), sampling.
+and the LM head, and `compute_logits` returns the rank's vocabulary shard; the layouts map each checkpoint
+tensor's rows or columns to the rank's parameter. Registered for the Llama, Mistral, Qwen2 and Qwen3
+architectures (runner/models/__init__.py). Not here: the collectives themselves (runner/parallel/), sampling.
 """
 
 from __future__ import annotations
@@ -29,37 +29,16 @@ from kernels.rotary_ref import (
 from kernels.activation_ref import silu_and_mul_ref
 from kernels.attention_ref import rowwise_attention_ref
 from runner.attention import AttentionBackend, AttentionMetadata
-from runner.deterministic import kernel_forward
+from runner.deterministic import kernel_forward, set_deterministic_all
 from runner.layers import Linear, linear
 from runner.model_config import ModelConfig
+from runner.models.layout import CheckpointSlot, module_layout, part, whole
+from runner.parallel.layers import (
+    ParallelLMHead, RowParallelLinear, VocabParallelEmbedding, even_partition, head_partition, rank_and_size,
+)
 
 if TYPE_CHECKING:
     from runner.parallel.group import TPGroup
-
-
-@dataclass(frozen=True, slots=True)
-class CheckpointSlot:
-    """Where a checkpoint tensor lives: its range [shard_start, shard_end) along `dim` (rows for 0, columns
-    for 1; all of the other dimension) is the range [row_start, row_end) along `dim` of runtime parameter
-    `param`. Without tensor parallelism dim is 0 and the shard is the whole tensor."""
-
-    param: str
-    row_start: int
-    row_end: int
-    shape: tuple[int, ...]  # the checkpoint tensor's (full) shape
-    dim: int = 0
-    shard_start: int = 0
-    shard_end: int | None = None  # None: shape[dim]
-
-    @property
-    def shard(self) -> tuple[int, int]:
-        return self.shard_start, self.shape[self.dim] if self.shard_end is None else self.shard_end
-
-    @property
-    def shard_shape(self) -> tuple[int, ...]:
-        """The shape of this rank's part of the checkpoint tensor."""
-        start, end = self.shard
-        return tuple(end - start if d == self.dim else n for d, n in enumerate(self.shape))
 
 
 def _linear_input(rows: int, cols: int, like: torch.Tensor) -> torch.Tensor:
@@ -79,6 +58,13 @@ class RMSNorm(nn.Module):
         self.weight = nn.Parameter(torch.ones(size))
         self.eps = eps
         self.deterministic = False
+
+    def set_deterministic(self, deterministic: bool) -> None:
+        self.deterministic = deterministic
+
+    def checkpoint_layout(self, tp_rank: int, tp_size: int) -> dict[str, CheckpointSlot]:
+        """weight [size], replicated."""
+        return {"weight": whole("weight", tuple(self.weight.shape), init="ones")}
 
     def forward(self, x: torch.Tensor, residual: torch.Tensor | None = None):
         eps = self.eps
@@ -144,16 +130,14 @@ class Rotary:
 class Attention(nn.Module):
     def __init__(self, cfg: ModelConfig, backend: AttentionBackend | None, tp: TPGroup | None = None) -> None:
         super().__init__()
-        self.num_heads, self.num_kv_heads, self.head_dim = cfg.num_heads, cfg.num_kv_heads, cfg.head_dim
-        if tp is not None:  # this rank's heads
-            from runner.parallel.layers import head_partition
-
-            part = head_partition(cfg.num_heads, cfg.num_kv_heads, tp.rank, tp.size)
-            self.num_heads, self.num_kv_heads = part.num_heads, part.num_kv_heads
+        self.hidden_size, self.head_dim = cfg.hidden_size, cfg.head_dim
+        self.total_num_heads, self.total_num_kv_heads = cfg.num_heads, cfg.num_kv_heads
+        heads = head_partition(cfg.num_heads, cfg.num_kv_heads, *rank_and_size(tp))
+        self.num_heads, self.num_kv_heads = heads.num_heads, heads.num_kv_heads  # this rank's
         self.q_size = self.num_heads * self.head_dim
         self.kv_size = self.num_kv_heads * self.head_dim
         self.qkv_proj = Linear(cfg.hidden_size, self.q_size + 2 * self.kv_size, bias=cfg.attention_bias)
-        self.o_proj = _row_linear(self.q_size, cfg.hidden_size, cfg.o_proj_bias, tp)
+        self.o_proj = RowParallelLinear(cfg.num_heads * cfg.head_dim, cfg.hidden_size, cfg.o_proj_bias, tp)
         self.q_norm = RMSNorm(self.head_dim, cfg.rms_norm_eps) if cfg.qk_norm else None
         self.k_norm = RMSNorm(self.head_dim, cfg.rms_norm_eps) if cfg.qk_norm else None
         self.scale = self.head_dim**-0.5
@@ -161,6 +145,28 @@ class Attention(nn.Module):
         self.deterministic = False
         self.k_cache: torch.Tensor | None = None  # [num_blocks, block_size, Hkv, D]
         self.v_cache: torch.Tensor | None = None
+
+    def set_deterministic(self, deterministic: bool) -> None:
+        self.deterministic = deterministic
+
+    def checkpoint_layout(self, tp_rank: int, tp_size: int) -> dict[str, CheckpointSlot]:
+        """q/k/v_proj: the rank's heads' rows (kv heads replicated on the ranks that share them), fused in
+        that order in qkv_proj; o_proj, q_norm, k_norm: their own declarations."""
+        hd, h = self.head_dim, self.hidden_size
+        heads = head_partition(self.total_num_heads, self.total_num_kv_heads, tp_rank, tp_size)
+        q_full, kv_full = self.total_num_heads * hd, self.total_num_kv_heads * hd
+        q0, q, kv0, kv = heads.q_start * hd, heads.num_heads * hd, heads.kv_start * hd, heads.num_kv_heads * hd
+        layout: dict[str, CheckpointSlot] = {}
+        for kind in ("weight", "bias") if self.qkv_proj.bias is not None else ("weight",):
+            tail = (h,) if kind == "weight" else ()
+            fused = f"qkv_proj.{kind}"
+            layout[f"q_proj.{kind}"] = part(fused, (q_full, *tail), shard=(q0, q0 + q), at=0)
+            layout[f"k_proj.{kind}"] = part(fused, (kv_full, *tail), shard=(kv0, kv0 + kv), at=q)
+            layout[f"v_proj.{kind}"] = part(fused, (kv_full, *tail), shard=(kv0, kv0 + kv), at=q + kv)
+        for name in ("q_norm", "k_norm", "o_proj"):
+            if getattr(self, name) is not None:
+                layout.update(module_layout(getattr(self, name), tp_rank, tp_size, f"{name}."))
+        return layout
 
     def forward(self, rope: Rotary, hidden, meta: AttentionMetadata | None) -> torch.Tensor:
         """Paged: hidden [T, H] with `meta`. Dense (training): hidden [B, T, H], meta None, causal per row."""
@@ -249,27 +255,28 @@ class Attention(nn.Module):
         return out.view(b, t, self.num_heads, self.head_dim)
 
 
-def _row_linear(in_features: int, out_features: int, bias: bool, tp: TPGroup | None) -> Linear:
-    """A Linear over the rank's input columns whose outputs are summed over ranks (plain Linear without TP)."""
-    if tp is None:
-        return Linear(in_features, out_features, bias=bias)
-    from runner.parallel.layers import RowParallelLinear
-
-    return RowParallelLinear(in_features, out_features, bias, tp)
-
-
 class MLP(nn.Module):
     def __init__(self, cfg: ModelConfig, tp: TPGroup | None = None) -> None:
         super().__init__()
-        self.intermediate = cfg.intermediate_size
-        if tp is not None:  # this rank's rows of gate and up, columns of down
-            from runner.parallel.layers import even_partition
-
-            start, end = even_partition(cfg.intermediate_size, tp.rank, tp.size, "intermediate_size")
-            self.intermediate = end - start
+        self.hidden_size, self.intermediate_size = cfg.hidden_size, cfg.intermediate_size
+        start, end = even_partition(cfg.intermediate_size, *rank_and_size(tp), "intermediate_size")
+        self.intermediate = end - start  # this rank's rows of gate and up, columns of down
         self.gate_up_proj = Linear(cfg.hidden_size, 2 * self.intermediate, bias=False)
-        self.down_proj = _row_linear(self.intermediate, cfg.hidden_size, False, tp)
+        self.down_proj = RowParallelLinear(cfg.intermediate_size, cfg.hidden_size, False, tp, "intermediate_size")
         self.deterministic = False
+
+    def set_deterministic(self, deterministic: bool) -> None:
+        self.deterministic = deterministic
+
+    def checkpoint_layout(self, tp_rank: int, tp_size: int) -> dict[str, CheckpointSlot]:
+        """gate_proj, up_proj [I, H]: the rank's rows, fused gate|up in gate_up_proj; down_proj: its own."""
+        rows = even_partition(self.intermediate_size, tp_rank, tp_size, "intermediate_size")
+        shape = (self.intermediate_size, self.hidden_size)
+        return {
+            "gate_proj.weight": part("gate_up_proj.weight", shape, shard=rows, at=0),
+            "up_proj.weight": part("gate_up_proj.weight", shape, shard=rows, at=rows[1] - rows[0]),
+            **module_layout(self.down_proj, tp_rank, tp_size, "down_proj."),
+        }
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         gate_up = self.gate_up_proj(x)  # [..., 2 * intermediate]
@@ -290,6 +297,12 @@ class DecoderLayer(nn.Module):
         self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.mlp = MLP(cfg, tp)
 
+    def checkpoint_layout(self, tp_rank: int, tp_size: int) -> dict[str, CheckpointSlot]:
+        layout: dict[str, CheckpointSlot] = {}
+        for name in ("self_attn", "mlp", "input_layernorm", "post_attention_layernorm"):  # the writer's draw order
+            layout.update(module_layout(getattr(self, name), tp_rank, tp_size, f"{name}."))
+        return layout
+
     def forward(self, rope, hidden, residual, meta):
         if residual is None:
             residual = hidden
@@ -304,12 +317,7 @@ class DecoderLayer(nn.Module):
 class DecoderModel(nn.Module):
     def __init__(self, cfg: ModelConfig, backend: AttentionBackend | None, tp: TPGroup | None = None) -> None:
         super().__init__()
-        if tp is None:
-            self.embed_tokens = nn.Embedding(cfg.vocab_size, cfg.hidden_size)
-        else:
-            from runner.parallel.layers import VocabParallelEmbedding
-
-            self.embed_tokens = VocabParallelEmbedding(cfg.vocab_size, cfg.hidden_size, tp)
+        self.embed_tokens = VocabParallelEmbedding(cfg.vocab_size, cfg.hidden_size, tp)
         self.layers = nn.ModuleList(DecoderLayer(cfg, backend, tp) for _ in range(cfg.num_layers))
         self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
 
@@ -322,10 +330,14 @@ class DecoderForCausalLM(nn.Module):
         self.config = cfg
         self.tp = tp
         self.model = DecoderModel(cfg, backend, tp)
-        vocab = cfg.vocab_size if tp is None else cfg.vocab_size // tp.size  # the embedding checked divisibility
-        self.lm_head = None if cfg.tie_word_embeddings else Linear(cfg.hidden_size, vocab, bias=False)
+        self.lm_head = None if cfg.tie_word_embeddings else ParallelLMHead(cfg.vocab_size, cfg.hidden_size, tp)
         self.register_buffer("cos_sin_cache", torch.empty(0), persistent=False)  # [max_pos, head_dim] f32
         self.deterministic = False
+
+    @property
+    def num_kv_heads(self) -> int:
+        """This rank's KV heads (the KV cache's third dimension)."""
+        return self.model.layers[0].self_attn.num_kv_heads
 
     def init_rotary(self, max_position: int, device: torch.device) -> None:
         """Fill the rotary table (a buffer outside the checkpoint) for positions < max_position."""
@@ -377,11 +389,10 @@ class DecoderForCausalLM(nn.Module):
         return hidden, (torch.cat(aux, dim=-1) if aux else None)
 
     def set_deterministic(self, deterministic: bool) -> None:
-        """Batch-invariant kernels everywhere (linears, LM head, dense attention) when True."""
+        """Batch-invariant kernels everywhere (linears, LM head, norms, attention, MLP) when True: every
+        submodule with a deterministic mode is switched through its own `set_deterministic`."""
         self.deterministic = deterministic
-        for module in self.modules():
-            if isinstance(module, (Linear, Attention, RMSNorm, MLP)):
-                module.deterministic = deterministic
+        set_deterministic_all(self, deterministic)
 
     def lm_head_weight(self) -> torch.Tensor:
         return self.model.embed_tokens.weight if self.lm_head is None else self.lm_head.weight
@@ -390,87 +401,16 @@ class DecoderForCausalLM(nn.Module):
         """hidden [N, hidden] -> logits [N, vocab] in the model dtype; under TP the rank's shard [N, vocab / P]."""
         return linear(hidden, self.lm_head_weight(), None, self.deterministic)
 
-    def checkpoint_layout(self) -> dict[str, CheckpointSlot]:
-        """Every checkpoint (Hugging Face) tensor name -> its rows in a runtime parameter (under TP: the
-        rank's rows or columns of it -> their place in the rank's parameter)."""
-        if self.tp is not None:
-            return self._sharded_checkpoint_layout(self.tp.rank, self.tp.size)
-        cfg = self.config
+    def checkpoint_layout(self, tp_rank: int | None = None, tp_size: int | None = None) -> dict[str, CheckpointSlot]:
+        """Every checkpoint (Hugging Face) tensor name -> its slot for rank `tp_rank` of `tp_size` (default:
+        this model's own rank), composed from the layers' declarations."""
+        if tp_rank is None:
+            tp_rank, tp_size = rank_and_size(self.tp)
+        parts = [("model.embed_tokens.", self.model.embed_tokens), ("model.norm.", self.model.norm),
+                 ("lm_head.", self.lm_head)]  # first: the random-checkpoint writer's draw order
+        parts += [(f"model.layers.{i}.", layer) for i, layer in enumerate(self.model.layers)]
         layout: dict[str, CheckpointSlot] = {}
-
-        def add(name: str, param: str, start: int, end: int, tail: tuple[int, ...]) -> None:
-            layout[name] = CheckpointSlot(param, start, end, (end - start, *tail))
-
-        h, q, kv, inter = cfg.hidden_size, cfg.num_heads * cfg.head_dim, cfg.num_kv_heads * cfg.head_dim, cfg.intermediate_size
-        add("model.embed_tokens.weight", "model.embed_tokens.weight", 0, cfg.vocab_size, (h,))
-        add("model.norm.weight", "model.norm.weight", 0, h, ())
-        if not cfg.tie_word_embeddings:
-            add("lm_head.weight", "lm_head.weight", 0, cfg.vocab_size, (h,))
-        for i in range(cfg.num_layers):
-            p = f"model.layers.{i}."
-            qkv = p + "self_attn.qkv_proj."
-            for kind in ("weight", "bias") if cfg.attention_bias else ("weight",):
-                tail = (h,) if kind == "weight" else ()
-                add(p + f"self_attn.q_proj.{kind}", qkv + kind, 0, q, tail)
-                add(p + f"self_attn.k_proj.{kind}", qkv + kind, q, q + kv, tail)
-                add(p + f"self_attn.v_proj.{kind}", qkv + kind, q + kv, q + 2 * kv, tail)
-            add(p + "self_attn.o_proj.weight", p + "self_attn.o_proj.weight", 0, h, (q,))
-            if cfg.o_proj_bias:
-                add(p + "self_attn.o_proj.bias", p + "self_attn.o_proj.bias", 0, h, ())
-            if cfg.qk_norm:
-                add(p + "self_attn.q_norm.weight", p + "self_attn.q_norm.weight", 0, cfg.head_dim, ())
-                add(p + "self_attn.k_norm.weight", p + "self_attn.k_norm.weight", 0, cfg.head_dim, ())
-            add(p + "mlp.gate_proj.weight", p + "mlp.gate_up_proj.weight", 0, inter, (h,))
-            add(p + "mlp.up_proj.weight", p + "mlp.gate_up_proj.weight", inter, 2 * inter, (h,))
-            add(p + "mlp.down_proj.weight", p + "mlp.down_proj.weight", 0, h, (inter,))
-            add(p + "input_layernorm.weight", p + "input_layernorm.weight", 0, h, ())
-            add(p + "post_attention_layernorm.weight", p + "post_attention_layernorm.weight", 0, h, ())
-        return layout
-
-    def _sharded_checkpoint_layout(self, rank: int, size: int) -> dict[str, CheckpointSlot]:
-        """`checkpoint_layout` of rank `rank` of `size`: what it loads and what weight updates write on it."""
-        from runner.parallel.layers import even_partition, head_partition
-
-        cfg = self.config
-        hd, h = cfg.head_dim, cfg.hidden_size
-        q_full, kv_full, inter = cfg.num_heads * hd, cfg.num_kv_heads * hd, cfg.intermediate_size
-        part = head_partition(cfg.num_heads, cfg.num_kv_heads, rank, size)
-        q0, q = part.q_start * hd, part.num_heads * hd
-        kv0, kv = part.kv_start * hd, part.num_kv_heads * hd
-        i0, i1 = even_partition(inter, rank, size, "intermediate_size")
-        v0, v1 = even_partition(cfg.vocab_size, rank, size, "vocab_size")
-        i_loc = i1 - i0
-        layout: dict[str, CheckpointSlot] = {}
-
-        def add(name, param, dst, src, shape, dim=0):
-            """checkpoint[src range along dim] (full shape `shape`) -> param[dst range along dim]."""
-            layout[name] = CheckpointSlot(param, dst[0], dst[1], shape, dim, src[0], src[1])
-
-        def full(name, n, tail=()):  # replicated on every rank
-            add(name, name, (0, n), (0, n), (n, *tail))
-
-        add("model.embed_tokens.weight", "model.embed_tokens.weight", (0, v1 - v0), (v0, v1), (cfg.vocab_size, h))
-        full("model.norm.weight", h)
-        if not cfg.tie_word_embeddings:
-            add("lm_head.weight", "lm_head.weight", (0, v1 - v0), (v0, v1), (cfg.vocab_size, h))
-        for i in range(cfg.num_layers):
-            p = f"model.layers.{i}."
-            qkv = p + "self_attn.qkv_proj."
-            for kind in ("weight", "bias") if cfg.attention_bias else ("weight",):
-                tail = (h,) if kind == "weight" else ()
-                add(p + f"self_attn.q_proj.{kind}", qkv + kind, (0, q), (q0, q0 + q), (q_full, *tail))
-                add(p + f"self_attn.k_proj.{kind}", qkv + kind, (q, q + kv), (kv0, kv0 + kv), (kv_full, *tail))
-                add(p + f"self_attn.v_proj.{kind}", qkv + kind, (q + kv, q + 2 * kv), (kv0, kv0 + kv), (kv_full, *tail))
-            add(p + "self_attn.o_proj.weight", p + "self_attn.o_proj.weight", (0, q), (q0, q0 + q), (h, q_full), dim=1)
-            if cfg.o_proj_bias:
-                full(p + "self_attn.o_proj.bias", h)
-            if cfg.qk_norm:
-                full(p + "self_attn.q_norm.weight", hd)
-                full(p + "self_attn.k_norm.weight", hd)
-            gate_up = p + "mlp.gate_up_proj.weight"
-            add(p + "mlp.gate_proj.weight", gate_up, (0, i_loc), (i0, i1), (inter, h))
-            add(p + "mlp.up_proj.weight", gate_up, (i_loc, 2 * i_loc), (i0, i1), (inter, h))
-            add(p + "mlp.down_proj.weight", p + "mlp.down_proj.weight", (0, i_loc), (i0, i1), (h, inter), dim=1)
-            full(p + "input_layernorm.weight", h)
-            full(p + "post_attention_layernorm.weight", h)
+        for prefix, module in parts:
+            if module is not None:
+                layout.update(module_layout(module, tp_rank, tp_size, prefix))
         return layout

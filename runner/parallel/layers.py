@@ -1,23 +1,30 @@
-"""Tensor-parallel partitions and the layers that need a collective.
+"""Tensor-parallel partitions and the layers whose sharding is their own.
 
 Partitions (pure functions of the model config, the rank and the group size) say which heads, rows or
-vocabulary entries a rank holds; the model's `checkpoint_layout` turns them into checkpoint coordinates.
-Column-parallel projections need no layer of their own: qkv, gate_up and the LM head are plain `Linear`s
-over the rank's rows and their outputs stay sharded. Row-parallel projections (o_proj, down_proj) sum
-partial products over ranks; the vocab-parallel embedding sums each rank's rows (zero elsewhere).
-Not here: loading (runner/loader.py) and sampling from sharded logits (sampling.py).
+vocabulary entries a rank holds. The layers here work with or without a group (`tp=None`: one rank holding
+everything, no collective) and each declares its checkpoint layout for any (tp_rank, tp_size) from its
+full sizes (runner/models/layout.py): row-parallel projections (o_proj, down_proj) hold the rank's input
+columns and sum partial products over ranks; the vocab-parallel embedding and LM head hold the rank's
+vocabulary rows (the embedding sums each rank's rows, zero elsewhere; the LM head's logits stay sharded).
+Column-parallel projections that fuse several checkpoint tensors (qkv, gate_up) are plain `Linear`s over
+the rank's rows, declared by the layer that owns them. Not here: loading (runner/loader.py) and sampling
+from sharded logits (sampling.py).
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 import torch
 import torch.nn.functional as F
 from torch import nn
 
 from runner.layers import Linear, linear
-from runner.parallel.group import TPGroup
+from runner.models.layout import CheckpointSlot, part, whole
+
+if TYPE_CHECKING:
+    from runner.parallel.group import TPGroup
 
 
 @dataclass(frozen=True, slots=True)
@@ -59,33 +66,74 @@ def even_partition(n: int, rank: int, size: int, what: str) -> tuple[int, int]:
     return rank * share, (rank + 1) * share
 
 
+def rank_and_size(tp: TPGroup | None) -> tuple[int, int]:
+    """(tp.rank, tp.size), or (0, 1) without a group."""
+    return (0, 1) if tp is None else (tp.rank, tp.size)
+
+
 class RowParallelLinear(Linear):
     """y = sum over ranks of x_r @ W_r^T, plus the (replicated) bias once.
 
     weight [out, in / size] holds the rank's input columns; x [..., in / size] is the rank's slice of the
-    input (the output of a column-parallel layer).
+    input (the output of a column-parallel layer). `in_features` is the full input size; `what` names it
+    in partition errors. Without a group it is a plain `Linear`.
     """
 
-    def __init__(self, in_features: int, out_features: int, bias: bool, tp: TPGroup) -> None:
-        super().__init__(in_features, out_features, bias)
+    def __init__(self, in_features: int, out_features: int, bias: bool, tp: TPGroup | None,
+                 what: str = "in_features") -> None:
+        start, end = even_partition(in_features, *rank_and_size(tp), what)
+        super().__init__(end - start, out_features, bias)
+        self.full_in_features, self.what = in_features, what
         self.tp = tp
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.tp is None:
+            return super().forward(x)
         y = self.tp.all_reduce(linear(x, self.weight, None, self.deterministic))
         return y if self.bias is None else y + self.bias
+
+    def checkpoint_layout(self, tp_rank: int, tp_size: int) -> dict[str, CheckpointSlot]:
+        """weight [out, in]: the rank's columns; bias [out]: replicated."""
+        cols = even_partition(self.full_in_features, tp_rank, tp_size, self.what)
+        layout = {"weight": part("weight", (self.out_features, self.full_in_features), dim=1, shard=cols)}
+        if self.bias is not None:
+            layout["bias"] = whole("bias", (self.out_features,))
+        return layout
 
 
 class VocabParallelEmbedding(nn.Module):
     """Embedding over the rank's vocabulary rows [vocab_start, vocab_end); weight [vocab / size, hidden]."""
 
-    def __init__(self, num_embeddings: int, embedding_dim: int, tp: TPGroup) -> None:
+    def __init__(self, num_embeddings: int, embedding_dim: int, tp: TPGroup | None = None) -> None:
         super().__init__()
-        self.vocab_start, self.vocab_end = even_partition(num_embeddings, tp.rank, tp.size, "vocab_size")
+        self.num_embeddings, self.embedding_dim = num_embeddings, embedding_dim
+        self.vocab_start, self.vocab_end = even_partition(num_embeddings, *rank_and_size(tp), "vocab_size")
         self.weight = nn.Parameter(torch.empty(self.vocab_end - self.vocab_start, embedding_dim))
         self.tp = tp
 
     def forward(self, input_ids: torch.Tensor) -> torch.Tensor:
+        if self.tp is None:
+            return F.embedding(input_ids, self.weight)
         mine = (input_ids >= self.vocab_start) & (input_ids < self.vocab_end)  # [*S]
         local_ids = torch.where(mine, input_ids - self.vocab_start, torch.zeros_like(input_ids))
         out = F.embedding(local_ids, self.weight) * mine.unsqueeze(-1).to(self.weight.dtype)  # [*S, hidden]
         return self.tp.all_reduce(out)
+
+    def checkpoint_layout(self, tp_rank: int, tp_size: int) -> dict[str, CheckpointSlot]:
+        """weight [vocab, hidden]: the rank's vocabulary rows."""
+        rows = even_partition(self.num_embeddings, tp_rank, tp_size, "vocab_size")
+        return {"weight": part("weight", (self.num_embeddings, self.embedding_dim), shard=rows)}
+
+
+class ParallelLMHead(Linear):
+    """The LM head over the rank's vocabulary rows: weight [vocab / size, hidden], logits stay sharded."""
+
+    def __init__(self, vocab_size: int, hidden_size: int, tp: TPGroup | None = None) -> None:
+        start, end = even_partition(vocab_size, *rank_and_size(tp), "vocab_size")
+        super().__init__(hidden_size, end - start, bias=False)
+        self.vocab_size = vocab_size
+
+    def checkpoint_layout(self, tp_rank: int, tp_size: int) -> dict[str, CheckpointSlot]:
+        """weight [vocab, hidden]: the rank's vocabulary rows."""
+        rows = even_partition(self.vocab_size, tp_rank, tp_size, "vocab_size")
+        return {"weight": part("weight", (self.vocab_size, self.in_features), shard=rows)}
