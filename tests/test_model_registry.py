@@ -22,7 +22,6 @@ from rollout import Engine, EngineConfig, SamplingParams
 from runner.layers import Linear
 from runner.loader import CheckpointWeights
 from runner.model_config import ModelConfig
-from runner.model_runner import full_sequence_logits
 from runner.models import CheckpointSlot, ModelRegistry
 from runner.models.layout import module_layout, part
 from runner.models.llama import DecoderForCausalLM
@@ -101,11 +100,28 @@ def test_registered_model_is_served_and_matches_transformers(custom_ckpt):
     tokens = torch.randint(0, 128, (60,), generator=torch.Generator().manual_seed(1)).tolist()
     ref = _hf_logits(hf, tokens)
     assert ref.std() > 0.5, "logits too flat for a meaningful comparison"
-    torch.testing.assert_close(full_sequence_logits(engine.runner, tokens), ref, atol=1e-4, rtol=1e-4)
+    torch.testing.assert_close(engine.collective_rpc("full_sequence_logits", tokens)[0], ref, atol=1e-4, rtol=1e-4)
     outs = engine.generate(PROMPTS, SamplingParams(temperature=0, max_tokens=24, ignore_eos=True))
     for prompt, out in zip(PROMPTS, outs):
         want = hf.generate(torch.tensor([prompt]), max_new_tokens=24, do_sample=False, eos_token_id=None, pad_token_id=0)
         assert out.outputs[0].token_ids == want[0, len(prompt):].tolist(), prompt
+
+
+def test_registered_model_serves_every_tensor_parallel_rank(custom_ckpt, single_thread):
+    """The worker ranks are spawned processes: they get rank 0's registrations as import paths, so the class
+    defined in this file is every rank's model, and two ranks compute what one does."""
+    path, _ = custom_ckpt
+    tokens = list(range(7, 40))
+    want = _engine(path).collective_rpc("full_sequence_logits", tokens)[0]
+    with Engine(EngineConfig(model=str(path), dtype="float32", max_num_seqs=8, num_kv_blocks=64,
+                             tensor_parallel_size=2)) as engine:
+        kinds = engine.collective_rpc("test_model_registry:model_kind")
+        assert kinds == ["UnfusedLlama/UnfusedMLP"] * 2
+        torch.testing.assert_close(engine.collective_rpc("full_sequence_logits", tokens)[0], want, atol=1e-5, rtol=1e-5)
+
+
+def model_kind(runner) -> str:
+    return f"{type(runner.model).__name__}/{type(runner.model.model.layers[0].mlp).__name__}"
 
 
 def _assert_engine_holds(engine, state: dict[str, torch.Tensor]) -> None:
@@ -141,7 +157,7 @@ def test_registered_model_takes_dense_then_patch_updates_bitwise(custom_ckpt):
     # the pushed tensors landed where the model computes with them: transformers with the same weights agrees
     hf.load_state_dict(master)
     tokens = list(range(3, 40))
-    torch.testing.assert_close(full_sequence_logits(engine.runner, tokens), _hf_logits(hf, tokens), atol=1e-4, rtol=1e-4)
+    torch.testing.assert_close(engine.collective_rpc("full_sequence_logits", tokens)[0], _hf_logits(hf, tokens), atol=1e-4, rtol=1e-4)
 
 
 def test_unknown_architecture_is_refused_naming_the_supported_list(tmp_path):

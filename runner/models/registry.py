@@ -6,10 +6,9 @@ models register so in `runner/models/__init__.py`). `get_supported_archs()` list
 `resolve(architectures)` is what `runner.model_config.ModelConfig` and the loader use. A class must offer
 `runner.models.interface.CausalLM`; the registry checks that its methods exist, not their signatures.
 
-Registrations are per process. The tensor-parallel worker ranks are spawned processes: they see the
-built-in models, and a model registered at the top level of the script that starts the engine (spawn
-runs that script's top level again in each worker, as `__mp_main__`), or in a module they import.
-Not here: building or loading a model (runner/loader.py).
+Registrations are per process; the tensor-parallel worker ranks (spawned processes) receive rank 0's as
+import paths (`import_paths`), so a model class defined at the top level of any importable module (a
+test file included) serves every rank. Not here: building or loading a model (runner/loader.py).
 """
 
 from __future__ import annotations
@@ -51,6 +50,16 @@ class _ModelRegistry:
     def get_supported_archs(self) -> list[str]:
         """Every registered architecture, sorted."""
         return sorted(self._models)
+
+    def import_paths(self) -> dict[str, str]:
+        """Every registration as "module:Class", for another process to register the same; classes that no
+        other process can import (defined in a function, or in a script run as __main__) are left out."""
+        paths = {}
+        for arch, model_cls in self._models.items():
+            path = _name(model_cls)
+            if "<locals>" not in path and not path.startswith("__main__:"):
+                paths[arch] = path
+        return paths
 
     def resolve(self, architectures: Sequence[str], source: str = "config.json") -> tuple[str, type]:
         """(architecture, class) of the first registered name in `architectures`; ValueError naming the

@@ -110,11 +110,15 @@ def _run_and_gather(tp, runner, method: str, args: list):
 
 
 def run_worker(rank: int, size: int, store_path: str, config: RunnerConfig, model_config: ModelConfig,
-               max_model_len: int, num_threads: int) -> None:
-    """Entry point of a spawned worker rank: follow rank 0's calls until "release"."""
+               max_model_len: int, num_threads: int, models: dict[str, str]) -> None:
+    """Entry point of a spawned worker rank: register rank 0's models (`models`: architecture -> import
+    path), then follow rank 0's calls until "release"."""
     from runner.model_runner import ModelRunner
+    from runner.models import ModelRegistry
     from runner.parallel.group import TPGroup
 
+    for arch, path in models.items():
+        ModelRegistry.register_model(arch, path)
     torch.set_num_threads(num_threads)
     tp = TPGroup(rank, size, rank_device(config.device, rank), store_path)
     try:
@@ -145,6 +149,7 @@ class TensorParallelExecutor:
         import torch.multiprocessing as mp
 
         from runner.model_runner import ModelRunner
+        from runner.models import ModelRegistry
         from runner.parallel.group import TPGroup
 
         size = config.tensor_parallel_size
@@ -156,7 +161,8 @@ class TensorParallelExecutor:
         ctx = mp.get_context("spawn")
         self._workers = [
             ctx.Process(target=run_worker, daemon=True, name=f"tp-rank-{r}",
-                        args=(r, size, store, config, model_config, max_model_len, torch.get_num_threads()))
+                        args=(r, size, store, config, model_config, max_model_len, torch.get_num_threads(),
+                              ModelRegistry.import_paths()))
             for r in range(1, size)
         ]
         for w in self._workers:
