@@ -30,8 +30,10 @@ def trainer(conns) -> None:
     sender = NixlSender(conns, timeout_s=60)
     adamw_like_step(master, torch.Generator().manual_seed(SEED))
     pending = differ.encode(master)
-    results = sender.send(1, [layer_slice(pending.updates, r) for r in range(len(conns))])
-    assert [r["version"] for r in results] == [1, 1]
+    slices = [layer_slice(pending.updates, r) for r in range(len(conns))]
+    result = sender.send(1, slices)
+    assert [r.version for r in result.received] == [1, 1] and result.num_receivers == 2
+    assert [r.num_dense + r.num_patch for r in result.received] == [len(s) for s in slices]
     differ.commit(pending)
 
     adamw_like_step(master, torch.Generator().manual_seed(SEED + 1))
