@@ -311,7 +311,8 @@ class Engine:
                 from weight_updates import WeightReceiver
 
                 receiver = WeightReceiver(self.runner.weights, version=self.policy_version, dense_rollback=False)
-            self._sink = EngineSink(receiver, begin=self._begin_weight_update, publish=self.scheduler.on_weights_updated,
+            self._sink = EngineSink(receiver, begin=self._begin_weight_update,
+                                    publish=lambda version: self.scheduler.on_weights_updated(version),
                                     device=self.runner.device)
         return self._sink
 

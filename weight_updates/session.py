@@ -483,7 +483,7 @@ class UpdateSession:
 
     def _write(self) -> None:
         """Phase 2: write, keeping old values for rollback; on failure restore and raise."""
-        receiver, target, p = self._receiver, self._receiver.target, self._prepared
+        target, p = self._receiver.target, self._prepared
         dense = p.dense
         written: list[_DenseRecord] = []
         written_groups: list[_PatchGroup] = []

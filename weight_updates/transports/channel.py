@@ -37,7 +37,10 @@ def recv_json(conn: Connection, *, timeout_s: float | None, waiting_for: str) ->
 def send_result(conn: Connection, result: UpdateResult | None, error: str | None) -> None:
     """The receiver's answer: ``{"op": "result", "ok": true, "result": ...}`` or ``{"op": "result", "ok": false,
     "error": ...}``. A sender that is gone is not an error here (the receiver's caller gets the session's)."""
-    message = {"op": "result", "ok": False, "error": error} if error is not None else {"op": "result", "ok": True, "result": result.to_json()}
+    if error is not None:
+        message = {"op": "result", "ok": False, "error": error}
+    else:
+        message = {"op": "result", "ok": True, "result": result.to_json()}
     try:
         send_json(conn, message)
     except OSError:

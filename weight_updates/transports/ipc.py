@@ -225,8 +225,8 @@ class _IpcSource:
         return Start(version=msg["version"], names=msg["names"])
 
     def chunks(self) -> Iterator:
-        waiting_for = f"the next chunk of version {self.version}"
-        while (msg := recv_json(self.conn, timeout_s=self.timeout_s, waiting_for=waiting_for))["op"] != "finish":
+        waiting = {"timeout_s": self.timeout_s, "waiting_for": f"the next chunk of version {self.version}"}
+        while (msg := recv_json(self.conn, **waiting))["op"] != "finish":
             if msg["op"] != "chunk":
                 raise WeightUpdateError(f"expected 'chunk' or 'finish', got {msg['op']!r}")
             yield functools.partial(_read_chunk, msg)
