@@ -60,7 +60,7 @@ def test_nixl_read_of_each_ranks_slice_is_bitwise_exact():
         proc.join(60)
     assert proc.exitcode == 0
     assert_bitwise_equal(targets[1].snapshot_runtime(), after_v1)
-    assert [r.receiver.version for r in receivers] == [2, 1]
+    assert [r.sink.version for r in receivers] == [2, 1]
     master = new_trainer(FakeTarget(torch.bfloat16, seed=SEED))
     adamw_like_step(master, torch.Generator().manual_seed(SEED))
     v1 = {n: t.bfloat16() for n, t in master.items()}

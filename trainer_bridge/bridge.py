@@ -223,7 +223,7 @@ class TrainerBridge:
         noise) and the batch is reproducible on any engine, local or pool. `sampling.logprobs` is forced on.
         `min_finished_prompts` (a local engine): stop once that many prompts are done; the other samples come
         back cut short, `finish_reason == "abort"` (over-sampling: keep the finished groups, drop or resume
-        the rest).
+        the rest). `use_tqdm` (a local engine): a progress bar.
         """
         if not isinstance(sampling, SamplingParams):
             raise ValueError(f"sampling must be SamplingParams, got {type(sampling).__name__}")
@@ -236,7 +236,7 @@ class TrainerBridge:
         ]
         start = time.perf_counter()
         extra = {} if min_finished_prompts is None else {"min_finished_prompts": min_finished_prompts}
-        if use_tqdm:  # a local engine's progress bar
+        if use_tqdm:
             extra["use_tqdm"] = True
         outputs = self.engine.generate(prompts, params, **extra)
         seconds = time.perf_counter() - start

@@ -112,12 +112,12 @@ class _DistSource:
 
 
 class DistReceiver:
-    """A receiving rank: serves sessions from ``src`` on ``receiver`` (a ``WeightReceiver``, or an engine's
+    """A receiving rank: serves sessions from ``src`` on ``sink`` (a ``WeightReceiver``, or an engine's
     ``weight_sink()``)."""
 
-    def __init__(self, receiver: UpdateSink, *, src: int, group=None, device: torch.device | str = "cpu") -> None:
-        self.receiver, self.src, self.group, self.device = receiver, src, group, torch.device(device)
+    def __init__(self, sink: UpdateSink, *, src: int, group=None, device: torch.device | str = "cpu") -> None:
+        self.sink, self.src, self.group, self.device = sink, src, group, torch.device(device)
 
     def serve_one(self) -> UpdateResult:
         """Take part in one broadcast session; raises WeightUpdateError if it failed here."""
-        return serve_session(self.receiver, _DistSource(self))
+        return serve_session(self.sink, _DistSource(self))

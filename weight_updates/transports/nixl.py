@@ -116,18 +116,18 @@ class _NixlSource:
 
 
 class NixlReceiver:
-    """A rollout rank: pulls its slice with a NIXL READ and applies it on ``receiver`` (a ``WeightReceiver``, or an
+    """A rollout rank: pulls its slice with a NIXL READ and applies it on ``sink`` (a ``WeightReceiver``, or an
     engine's ``weight_sink()``)."""
 
-    def __init__(self, conn: Connection, receiver: UpdateSink, *, timeout_s: float = 120.0) -> None:
+    def __init__(self, conn: Connection, sink: UpdateSink, *, timeout_s: float = 120.0) -> None:
         self.conn = conn
-        self.receiver = receiver
+        self.sink = sink
         self.timeout_s = timeout_s
         self._agent = None
 
     def serve_one(self, *, start_timeout_s: float | None = None) -> UpdateResult:
         """Wait for an offer, pull, apply; raises WeightUpdateError (after replying) on failure."""
-        return serve_session(self.receiver, _NixlSource(self, start_timeout_s))
+        return serve_session(self.sink, _NixlSource(self, start_timeout_s))
 
     def _pull(self, start: dict) -> torch.Tensor:
         """[nbytes] uint8 on the target's device: the slice READ from the trainer's memory."""
@@ -136,7 +136,7 @@ class NixlReceiver:
         agent = self._agent
         remote = start["remote"]
         nbytes = int(remote["nbytes"])
-        local = torch.empty(max(1, nbytes), dtype=torch.uint8, device=self.receiver.device)
+        local = torch.empty(max(1, nbytes), dtype=torch.uint8, device=self.sink.device)
         if nbytes == 0:
             return local[:0]
         peer = agent.add_remote_agent(base64.b64decode(start["agent"]))

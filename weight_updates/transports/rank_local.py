@@ -117,9 +117,9 @@ class _MappedBucket:
         pass  # the votes told every rank; the engine's caller gets the error
 
 
-def serve_rank_local(receiver: UpdateSink, version: int, handle: dict, *, exchange: Exchange) -> UpdateResult:
+def serve_rank_local(sink: UpdateSink, version: int, handle: dict, *, exchange: Exchange) -> UpdateResult:
     """Apply this rank's bucket as part of one update of every rank; call on every rank with its own
     ``handle``. Returns this rank's result once every rank has published ``version``; otherwise raises
     WeightUpdateError naming each failing rank and its error, with every rank's weights and version
     unchanged."""
-    return serve_session(receiver, _MappedBucket(version, handle), votes=ExchangeVotes(exchange, version))
+    return serve_session(sink, _MappedBucket(version, handle), votes=ExchangeVotes(exchange, version))
