@@ -7,8 +7,11 @@
         done  = scheduler.update(sched, out)  append tokens, finish, free blocks
     generate(prompts, params) = add all, step until done, outputs in prompt order
 
-Weight updates apply between steps only (`apply_weight_update`), and bump `policy_version`; every token
-records the version it was sampled under. A bad request is refused at `add_request` with a ValueError
+Weight updates apply between steps only, and bump `policy_version` once; every token records the version
+it was sampled under. Every path is a session of `weight_sink()` (which drains the step in flight first):
+`apply_weight_update` in one call, a transport's receiver (IPC, NIXL, torch.distributed) session by
+session, or a two-phase update staged by a pool (`prepare_weight_update` -> `commit_weight_update` ->
+`publish_weight_update`, or `drop_weight_update`). A bad request is refused at `add_request` with a ValueError
 and never reaches the scheduler, so it cannot disturb the requests already running.
 
 Between rollout batches `sleep(level)` frees the KV cache and graphs (level 2: also moves the weights to
@@ -86,6 +89,8 @@ class Engine:
         self._groups: dict[str, RequestGroup] = {}
         self._ids = itertools.count()
         self._sleep = SleepState(self.collective_rpc, self.kv_manager.reset_prefix_cache)
+        self._sink = None  # weight_sink(), made on first use
+        self._staged = None  # the session of prepare_weight_update, until published or dropped
         self._inflight = None  # async scheduling: (SchedulerOutput, StepHandle) launched, not yet collected
         self._drained: list[Request] = []  # requests that got tokens in a drain, reported by the next step
         self.spec_controller = None  # SpecController (auto-off) when speculating
@@ -290,25 +295,49 @@ class Engine:
         return self.executor.collective_rpc(method, *args)
 
     # ---- weights ----------------------------------------------------------------------------------------
-    @property
-    def weight_receiver(self):
-        """The rollout side of weight updates (validate -> apply in place -> verify), created on first use.
+    def weight_sink(self) -> "EngineSink":  # noqa: F821
+        """What a transport's receiver writes into: `IpcReceiver(conn, engine.weight_sink())`, `NixlReceiver`,
+        `DistReceiver`, `InProcessSender` (weight_updates.transports). Each of its sessions finishes the step in
+        flight and checks that the weights are on the device before it starts, and one that publishes moves
+        `policy_version` once: running requests' later tokens record the new version, and no new request
+        reuses prefix-cache blocks of older weights. Nothing else is to be called.
 
-        Transports that write through it directly (IPC, torch.distributed, NIXL) should call
-        `on_weights_updated(version)` afterwards; with async scheduling the step in flight is finished first.
-        Every record is checked (shape, dtype, bounds, checksum) before anything is written; the engine keeps
-        no copy of the old values of densely updated tensors (it would need as much free device memory as
-        the update), so only a target that fails to hold written bits, caught by the read-back, could leave
-        them changed, and that error says so."""
-        self._drain()
-        self._sleep.check_awake("weight updates", "weights")
-        if self.config.tensor_parallel_size > 1:
-            raise ValueError("with tensor_parallel_size > 1, weight updates go through apply_weight_update (every rank)")
-        return self.runner.weight_sync.receiver("full", self.policy_version)
+        Every record is checked (shape, dtype, bounds, checksum) before anything is written. In one process the
+        records are written in place and verified here; under tensor parallelism rank 0 checks names, shapes
+        and dtypes against `weight_specs` and holds the records, and at commit every rank validates them,
+        writes its shard and verifies (`collective_rpc("weight_sync.apply", ...)`). The sink's sessions keep no copy of the
+        old values of densely updated tensors (it would need as much free device memory as the update), so
+        only a target that fails to hold written bits, caught by the read-back, could leave them changed, and
+        that error says so."""
+        if self._sink is None:
+            from rollout.weight_sink import EngineSink
+
+            if self.config.tensor_parallel_size > 1:
+                from weight_updates import StagingReceiver
+
+                receiver = StagingReceiver(self.weight_specs(), self._apply_on_every_rank, version=self.policy_version,
+                                           device=self.runner.device)
+            else:
+                receiver = self.runner.weight_sync.receiver("full", self.policy_version)
+            self._sink = EngineSink(receiver, begin=self._begin_weight_update,
+                                    publish=lambda version: self.scheduler.on_weights_updated(version),
+                                    device=self.runner.device)
+        return self._sink
 
     def weight_specs(self) -> dict:
         """Checkpoint name -> (shape, dtype) of every tensor a weight update may carry."""
         return self.runner.weights.checkpoint_specs()
+
+    def export_weights(self) -> list:
+        """Every weight as a `Dense` record (checkpoint names and shapes), e.g. to bring another engine to these
+        weights. The tensors are views of the live weights: use them before the next update, or clone them.
+        One process only: under tensor parallelism each rank holds only its shards."""
+        if self.config.tensor_parallel_size > 1:
+            raise ValueError("export_weights with tensor_parallel_size > 1: each rank holds only its shards")
+        from weight_updates import Dense
+
+        weights = self.runner.weights
+        return [Dense.of(name, weights.view(name)) for name in weights.layout]
 
     def apply_weight_update(self, version: int, updates) -> "UpdateResult":  # noqa: F821
         """Apply Dense/Patch records between steps; on success `policy_version` becomes `version`.
@@ -316,12 +345,83 @@ class Engine:
         Nothing is written unless every record validates; a failed update raises (a ValueError naming the
         problem) and leaves the weights and the version as they were. Running requests keep going; their
         later tokens record the new version, and no new request reuses prefix-cache blocks of older weights.
+        One session of `weight_sink()`: prepare, commit and publish in one call.
         """
-        self._drain()  # tokens of a step in flight belong to the old version
-        self._sleep.check_awake("apply_weight_update", "weights")
-        result = self.collective_rpc("weight_sync.apply", version, list(updates), self.policy_version)[0]
-        self.on_weights_updated(result.version)
-        return result
+        session = self._stage(version, updates, dense_rollback=False)
+        session.commit()
+        return session.publish()
+
+    def prepare_weight_update(self, version: int, updates) -> None:
+        """Stage an update that peers must agree on (the workers of a `RolloutPool`): finish the step in flight,
+        validate every record, write nothing. Then `commit_weight_update()` (write and verify) and
+        `publish_weight_update()` (the version moves), or `drop_weight_update()` at any point before publishing.
+        Raises a ValueError (WeightUpdateError) and stages nothing if the update is refused.
+
+        A staged update keeps the old values of densely updated tensors from commit until publish or drop (as
+        much device memory as its dense records), so that a drop after commit restores them. The engine does
+        not sleep while an update is staged, and must not step between commit and publish (tokens would be
+        sampled from new weights under the old version). Under tensor parallelism the records are applied on
+        every rank at commit and a drop after commit cannot restore them (the drop's text says so)."""
+        if self._staged is not None:
+            from weight_updates import WeightUpdateError
+
+            raise WeightUpdateError(f"an update is staged already ({self._staged.state}): publish or drop it first")
+        self._staged = self._stage(version, updates, dense_rollback=True)
+
+    def commit_weight_update(self) -> None:
+        """Write and verify the staged update; the version does not move yet. A failure writes the old values
+        back, leaves nothing staged and raises."""
+        session = self._staged_in("commit_weight_update", "prepared")
+        try:
+            session.commit()
+        except BaseException:
+            self._staged = None
+            raise
+
+    def publish_weight_update(self) -> "UpdateResult":  # noqa: F821
+        """Make the committed update current: `policy_version` becomes its version."""
+        session = self._staged_in("publish_weight_update", "committed")
+        self._staged = None
+        return session.publish()
+
+    def drop_weight_update(self) -> str:
+        """Drop the staged update, writing back what its commit wrote; returns what was restored, in words
+        ("nothing staged" if no update is)."""
+        session, self._staged = self._staged, None
+        return "nothing staged" if session is None else session.rollback()
+
+    def _stage(self, version: int, updates, *, dense_rollback: bool):
+        """A session of `weight_sink()` that validated `updates` (start, add, prepare); it raises having
+        staged nothing."""
+        session = self.weight_sink().session(dense_rollback=dense_rollback)
+        session.start(version)
+        session.add(updates)
+        session.prepare()
+        return session
+
+    def _staged_in(self, call: str, state: str):
+        if self._staged is None or self._staged.state != state:
+            from weight_updates import WeightUpdateError
+
+            held = "nothing is staged" if self._staged is None else f"the staged update is {self._staged.state}"
+            raise WeightUpdateError(f"{call}() needs a staged update that is {state}; {held}")
+        return self._staged
+
+    def _begin_weight_update(self) -> int:
+        """Ready the engine for a write: finish the step in flight (its tokens belong to the old weights) and
+        check that the weights are on the device. Returns the current policy version."""
+        from weight_updates import WeightUpdateError
+
+        self._drain()
+        try:
+            self._sleep.check_awake("weight update", "weights")
+        except ValueError as e:
+            raise WeightUpdateError(str(e)) from None
+        return self.policy_version
+
+    def _apply_on_every_rank(self, version: int, records: list) -> "UpdateResult":  # noqa: F821
+        """Under tensor parallelism: every rank validates, writes its shard and verifies (rank 0's result)."""
+        return self.collective_rpc("weight_sync.apply", version, records, self.policy_version)[0]
 
     def load_weights(self, path: str, version: int | None = None) -> "UpdateResult":  # noqa: F821
         """Overwrite the weights in place with a checkpoint directory's (safetensors, the same architecture:
@@ -368,17 +468,16 @@ class Engine:
         rank has written and verified; otherwise a WeightUpdateError (a ValueError) names the failing ranks
         and their errors, and every rank's weights and the version are as they were. Returns rank 0's result.
         """
-        self._drain()
-        self._sleep.check_awake("update_weights_rank_local", "weights")
         if len(handles) != self.config.tensor_parallel_size:
             raise ValueError(f"{len(handles)} handles for tensor_parallel_size={self.config.tensor_parallel_size}")
-        result = self.collective_rpc("weight_sync.apply_rank_local", version, list(handles), self.policy_version)[0]
-        self.on_weights_updated(result.version)
-        return result
+        if self.config.tensor_parallel_size == 1:
+            from weight_updates.transports.rank_local import serve_rank_local
 
-    def on_weights_updated(self, version: int) -> None:
-        """Record a new policy version (weights were written in place between steps)."""
-        self.scheduler.on_weights_updated(version)
+            return serve_rank_local(self.weight_sink(), version, handles[0], exchange=lambda value: [value])
+        current = self._begin_weight_update()
+        result = self.collective_rpc("weight_sync.apply_rank_local", version, list(handles), current)[0]
+        self.scheduler.on_weights_updated(result.version)
+        return result
 
     # ---- sleep / wake (rollout/sleep.py) ---------------------------------------------------------------
     def sleep(self, level: int = 1) -> None:
@@ -391,6 +490,8 @@ class Engine:
         """
         if self.has_unfinished_requests():
             raise ValueError("sleep() with unfinished requests: finish or abort them first")
+        if self._staged is not None:
+            raise ValueError("sleep() with a staged weight update: publish or drop it first")
         self._sleep.sleep(level)
 
     def wake_up(self, tags: Sequence[str] | None = None) -> None:

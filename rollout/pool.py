@@ -4,12 +4,16 @@
     pool.generate(prompts, params)       prompts split into N contiguous shards, one actor call each,
                                          outputs back in prompt order (request_id = prompt index)
     pool.apply_weight_update(v, updates) records -> one flat uint8 numpy bucket + a JSON header
-                                         (weight_updates.wire) -> ONE ray.put -> every worker applies it
+                                         (weight_updates.wire) -> ONE ray.put -> two-phase on every worker:
+                                         all validate and stage, then all commit or all drop, then publish
     pool.weight_specs(), pool.policy_version, pool.shutdown()
 
 Failures: a worker that dies mid-rollout has its shard re-run on a live worker and is restarted from the
 checkpoint, then brought to the pool's weights (a full Dense export from a live worker, applied as a
-normal update), so no sample is lost. A seeded request gives the same tokens on any worker, as on a local
+normal update), so no sample is lost. A weight push that one worker refuses or fails (a worker asleep
+at level 2, out of memory, a corrupt copy) leaves every worker on the old weights and version
+(`weight_updates.transports.protocol.commit_on_all`); a worker that dies during a push is restarted with
+the pool's weights afterwards. A seeded request gives the same tokens on any worker, as on a local
 engine, because seeded sampling is batch-invariant. No torch tensor is pickled: weights travel as numpy
 bytes plus JSON, samples as plain lists.
 
@@ -21,6 +25,7 @@ from __future__ import annotations
 
 import json
 import os
+import time
 import warnings
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -29,9 +34,6 @@ from typing import Any, Sequence
 from rollout.config import EngineConfig, from_mapping, load_yaml
 from rollout.outputs import RequestOutput
 from rollout.sampling_params import SamplingParams
-
-_TRANSPORTS = ("ray_object",)
-
 
 @dataclass(kw_only=True, slots=True)
 class WorkerResources:
@@ -61,8 +63,6 @@ class PoolConfig:
     """EngineConfig fields other than `model`, the same for every worker."""
     sampling: dict[str, Any] = field(default_factory=dict)
     """SamplingParams defaults for `generate` calls that pass none."""
-    weight_transport: str = "ray_object"
-    """"ray_object": one Ray object per update (numpy bytes + JSON header), read by every worker."""
     ray_num_cpus: int | None = None
     """CPUs for `ray.init` when this pool starts Ray (None: Ray's default). Ignored if Ray is running."""
     max_restarts: int = 3
@@ -71,8 +71,6 @@ class PoolConfig:
     def __post_init__(self) -> None:
         if not isinstance(self.num_workers, int) or self.num_workers < 1:
             raise ValueError(f"num_workers must be an integer >= 1, got {self.num_workers!r}")
-        if self.weight_transport not in _TRANSPORTS:
-            raise ValueError(f"weight_transport must be one of {_TRANSPORTS}, got {self.weight_transport!r}")
         if "model" in self.engine:
             raise ValueError("engine.model: set the top-level `model` key instead")
         if self.max_restarts < 0:
@@ -124,22 +122,46 @@ class _EngineWorker:
         self.engine.wake_up(tags)
 
     def apply_update(self, version: int, message: dict) -> dict:
-        """message = {"header": JSON str, "data": uint8 numpy array}; returns the UpdateResult as JSON."""
-        import torch
+        """message = {"header": JSON str, "data": uint8 numpy array}; returns the UpdateResult as JSON. For a
+        restarted worker catching up; pushes go through the two phases below."""
+        return self.engine.apply_weight_update(version, _records(message)).to_json()
 
-        from weight_updates.wire import read_bucket
+    # The two phases of a push (weight_updates.transports.protocol.commit_on_all); each returns an `answer`.
+    def prepare_update(self, version: int, message: dict) -> dict:
+        from weight_updates.transports.protocol import answer
 
-        with warnings.catch_warnings():  # the object store's array is read-only; the update only reads it
-            warnings.simplefilter("ignore", UserWarning)
-            data = torch.from_numpy(message["data"])
-        return self.engine.apply_weight_update(version, read_bucket(json.loads(message["header"]), data)).to_json()
+        return answer(lambda: self.engine.prepare_weight_update(version, _records(message)))
+
+    def commit_update(self) -> dict:
+        from weight_updates.transports.protocol import answer
+
+        return answer(self.engine.commit_weight_update)
+
+    def publish_update(self) -> dict:
+        from weight_updates.transports.protocol import answer
+
+        return answer(lambda: self.engine.publish_weight_update().to_json())
+
+    def drop_update(self) -> dict:
+        from weight_updates.transports.protocol import answer
+
+        return answer(self.engine.drop_weight_update)
 
     def export_weights(self) -> dict:
         """Every parameter as Dense records, in the same message format as `apply_update` takes."""
-        from weight_updates import Dense
+        return _pack(self.engine.export_weights())
 
-        updates = [Dense.of(n, self.engine.runner.weights.view(n)) for n in self.engine.weight_specs()]
-        return _pack(updates)
+
+def _records(message: dict) -> list:
+    """The records of a message made by `_pack`: views into its (read-only) array."""
+    import torch
+
+    from weight_updates.wire import read_bucket
+
+    with warnings.catch_warnings():  # the object store's array is read-only; an update only reads it
+        warnings.simplefilter("ignore", UserWarning)
+        data = torch.from_numpy(message["data"])
+    return read_bucket(json.loads(message["header"]), data)
 
 
 def _pack(updates) -> dict:
@@ -216,11 +238,10 @@ class RolloutPool:
         return self._specs
 
     def generate(
-        self, prompts, params: SamplingParams | Sequence[SamplingParams] | None = None, *, use_tqdm: bool = False,
+        self, prompts, params: SamplingParams | Sequence[SamplingParams] | None = None, *,
         min_finished_prompts: int | None = None,
     ) -> list[RequestOutput]:
-        """Like Engine.generate; `use_tqdm` is accepted for interface parity and ignored. Early stopping
-        (`min_finished_prompts`) is not offered across workers."""
+        """Like Engine.generate. Early stopping (`min_finished_prompts`) is not offered across workers."""
         if min_finished_prompts is not None:
             raise ValueError("min_finished_prompts is not supported by RolloutPool; use a local Engine")
         return self.collect(self.submit(prompts, params))
@@ -268,31 +289,49 @@ class RolloutPool:
         assert all(r is not None for r in results)
         return results
 
-    def apply_weight_update(self, version: int, updates) -> dict:
-        """Send one update to every worker as one Ray object; returns worker 0's UpdateResult (JSON).
+    def apply_weight_update(self, version: int, updates) -> "SendResult":  # noqa: F821
+        """Send one update to every worker as one Ray object, in two phases: every worker validates and stages
+        it (`Engine.prepare_weight_update`), then all commit it (write, verify) or all drop it, then all publish.
+        Returns a `SendResult` with every worker's UpdateResult.
 
-        Raises ValueError (a WeightUpdateError from the workers) if the update is rejected; the workers'
-        validation is deterministic, so they all reject it and keep their weights and version.
+        Raises a WeightUpdateError (a ValueError) naming the workers that refused or failed it; every worker
+        then holds the weights and version it had, and so does the pool. A worker that dies during the push
+        takes no part in it and is restarted afterwards with the pool's weights.
         """
         import ray
         from ray.exceptions import RayActorError
 
+        from weight_updates import UpdateResult
+        from weight_updates.transports.protocol import SendResult, commit_on_all
+
         if not isinstance(version, int) or version <= self._version:
             raise ValueError(f"version must be an int > the current version {self._version}, got {version!r}")
-        ref = ray.put(_pack(list(updates)))
-        refs = [w.apply_update.remote(version, ref) for w in self.workers]
-        results, died = [], []
-        for i, r in enumerate(refs):
-            try:
-                results.append(ray.get(r))
-            except RayActorError:
-                died.append(i)
-        if not results:
-            raise RuntimeError("every pool worker died during a weight update")
-        self._version = version
-        for i in died:  # restarted after the others applied, so they copy the new weights
-            self._restart(i)
-        return results[0]
+        started, updates = time.perf_counter(), list(updates)
+        ref = ray.put(_pack(updates))
+        died: set[int] = set()
+
+        def run(step: str) -> list[dict | None]:
+            """`step` on every live worker at once; per worker its answer, None once it died."""
+            args = (version, ref) if step == "prepare" else ()
+            refs = [None if i in died else getattr(w, f"{step}_update").remote(*args) for i, w in enumerate(self.workers)]
+            replies: list[dict | None] = []
+            for i, r in enumerate(refs):
+                try:
+                    replies.append(None if r is None else ray.get(r))
+                except RayActorError:
+                    died.add(i)
+                    replies.append(None)
+            return replies
+
+        try:
+            published = commit_on_all(version, run)
+            self._version = version
+        finally:
+            if len(died) < len(self.workers):  # restarted after the others published or dropped: they copy the pool's weights
+                for i in sorted(died):
+                    self._restart(i)
+        received = [UpdateResult.from_json(r["result"]) for r in published if r is not None]
+        return SendResult.of(version, updates, started, num_receivers=len(received), received=received)
 
     def sleep(self, level: int = 1) -> None:
         """`Engine.sleep(level)` on every worker: free their KV caches (and at level 2 their weights)."""

@@ -194,13 +194,14 @@ def test_after_dense_patch_and_ipc_pushes_greedy_equals_a_fresh_engine(model_dir
     pending = bridge.differ.encode(model.checkpoint_state())
     trainer_end, rollout_end = mp.Pipe()
     version = engine.policy_version + 1
-    sender = threading.Thread(target=lambda: IpcSender(trainer_end, bucket_bytes=4096, timeout_s=30).send(version, pending.updates))
+    sent = []
+    sender = threading.Thread(target=lambda: sent.append(IpcSender(trainer_end, bucket_bytes=4096, timeout_s=30).send(version, pending.updates)))
     sender.start()
-    result = IpcReceiver(rollout_end, engine.weight_receiver, timeout_s=30).serve_one(start_timeout_s=30)
+    result = IpcReceiver(rollout_end, engine.weight_sink(), timeout_s=30).serve_one(start_timeout_s=30)
     sender.join(30)
-    engine.on_weights_updated(result.version)
     bridge.differ.commit(pending)
-    assert result.num_patch > 0 and engine.policy_version == version
+    assert result.num_patch > 0 and engine.policy_version == version  # the sink published the version
+    assert sent[0].received == (result,) and sent[0].num_patch == result.num_patch
 
     fresh_dir = tmp_path / "updated"
     shutil.copytree(model_dir, fresh_dir)

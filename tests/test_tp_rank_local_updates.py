@@ -1,6 +1,7 @@
 """Rank-local weight updates: the session's prepare / commit / publish / rollback split, the two-vote
 protocol between ranks, and an engine with 2 gloo ranks on the CPU taking each rank's part from its own
-/dev/shm segment. Each TP engine spawns one worker process; the protocol test spawns two ranks."""
+/dev/shm segment; and a full-checkpoint IPC push into such an engine's weight sink. Each TP engine spawns
+one worker process; the protocol test spawns two ranks."""
 
 from __future__ import annotations
 
@@ -8,17 +9,18 @@ import json
 import multiprocessing as mp
 import os
 import shutil
+import threading
 
 import pytest
 import torch
 from safetensors.torch import load_file, save_file
 
-from conftest import tp_config
+from conftest import tp_config, update_records
 from rollout import Engine, SamplingParams
 from runner.parallel.rpc import decode
 from trainer_bridge import TrainerBridge
 from weight_updates import Dense, PackedIndices, Patch, TensorDictTarget, WeightReceiver, WeightUpdateError, checksum
-from weight_updates.transports.ipc import SHM_DIR
+from weight_updates.transports.ipc import SHM_DIR, IpcReceiver, IpcSender
 from weight_updates.transports.rank_local import serve_rank_local, shard_weights, stage_bucket
 
 # kv heads (1) < ranks (2): k/v replicated; tied embeddings: the embedding is vocab-sharded
@@ -132,6 +134,9 @@ def _protocol_rank(rank: int, store: str, out: str) -> None:
             error = str(e)
     with open(out, "w") as f:
         json.dump({"error": error, "unchanged": _bitwise_equal(_state(target), before), "version": receiver.version}, f)
+    # leave at once, as a released engine rank does (runner/parallel/worker.py): tearing the interpreter down
+    # while the peer's last gloo exchange is still closing its sockets can abort the process
+    os._exit(0)
 
 
 def test_a_peer_failing_after_writing_rolls_back_every_rank(tmp_path):
@@ -324,3 +329,57 @@ def test_single_rank_engine_takes_the_same_path(tp_model_dir, single_thread):
 def _assert_holds_single(engine, weights: dict) -> None:
     held = engine.runner.weights
     assert _bitwise_equal({n: held.view(n).clone() for n in weights}, weights)
+
+
+# ---- an IPC push of full checkpoint tensors into a TP engine ---------------------------------------------
+def _ipc_push(sink, version: int, records: list):
+    """One IPC session from a sender thread into ``sink``: (the receiver's result or its error, what the sender
+    got: its SendResult or its error's text)."""
+    trainer_end, rollout_end = mp.Pipe()
+    sent = []
+
+    def send():
+        try:
+            sent.append(IpcSender(trainer_end, bucket_bytes=4096, timeout_s=60).send(version, records))
+        except WeightUpdateError as e:
+            sent.append(str(e))
+
+    thread = threading.Thread(target=send)
+    thread.start()
+    try:
+        received = IpcReceiver(rollout_end, sink, timeout_s=60).serve_one(start_timeout_s=60)
+    except WeightUpdateError as e:
+        received = e
+    thread.join(60)
+    return received, sent[0]
+
+
+def test_an_ipc_push_into_a_tp_engine_applies_on_every_rank_and_publishes_once(tp_model_dir, single_thread, monkeypatch):
+    """The receiver writes into `engine.weight_sink()` and nothing else is called: rank 0 checks the records,
+    every rank validates and writes its shard, and the version moves once. A corrupt push changes no rank."""
+    with Engine(tp_config(tp_model_dir)) as single:
+        records = update_records(single.runner.weights)  # dense records and patches, full checkpoint coordinates
+        single.apply_weight_update(1, records)
+        expected = _tokens(single.generate(PROMPTS, GREEDY))
+    last = records[-1]
+    assert isinstance(last, Patch)
+    corrupt = records[:-1] + [Patch(name=last.name, indices=last.indices, values=last.values, checksum=last.checksum + 1)]
+    with Engine(tp_config(tp_model_dir, tensor_parallel_size=2)) as engine:
+        published = []
+        plain = engine.scheduler.on_weights_updated
+        monkeypatch.setattr(engine.scheduler, "on_weights_updated", lambda version: (published.append(version), plain(version)))
+        before, held = _tokens(engine.generate(PROMPTS, GREEDY)), _held(engine)
+        assert before != expected
+
+        received, sent = _ipc_push(engine.weight_sink(), 1, corrupt)
+        assert isinstance(received, WeightUpdateError) and "checksum mismatch" in str(received)
+        assert sent.startswith("receiver rejected version 1:") and "checksum mismatch" in sent
+        sums, rank0 = _held(engine)
+        assert engine.policy_version == 0 and published == [] and sums == held[0] and _bitwise_equal(rank0, held[1])
+
+        received, sent = _ipc_push(engine.weight_sink(), 1, records)
+        assert received.version == 1 == engine.policy_version and published == [1]
+        assert sent.received == (received,) and (sent.num_dense, sent.num_patch) == (received.num_dense, received.num_patch)
+        assert _tokens(engine.generate(PROMPTS, GREEDY)) == expected
+        received, _ = _ipc_push(engine.weight_sink(), 1, records)  # the same version again is refused
+        assert "version must be an int > the current version 1" in str(received) and published == [1]

@@ -4,6 +4,7 @@
 checkpoint-coordinate -> runtime-row mapping. Other test_weight_updates_* files import its helpers.
 """
 
+import json
 import math
 import os
 import subprocess
@@ -17,7 +18,10 @@ from weight_updates import (
     PackedIndices,
     ParamSpec,
     Patch,
+    SendResult,
+    StagingReceiver,
     TensorDictTarget,
+    UpdateResult,
     WeightDiffer,
     WeightReceiver,
     WeightUpdateError,
@@ -25,6 +29,7 @@ from weight_updates import (
     patch_checksum_delta,
 )
 from weight_updates.transports.inprocess import InProcessSender
+from weight_updates.transports.protocol import Start, serve_session
 from weight_updates.wire import plan_bucket, read_bucket, to_safetensors_prefix, write_bucket
 
 HIDDEN, Q_ROWS, KV_ROWS, INTER, VOCAB = 16, 16, 8, 24, 40
@@ -718,6 +723,180 @@ def test_parameters_keep_their_storage():
     adamw_like_step(master, torch.Generator().manual_seed(10))
     push(differ, InProcessSender(receiver), 2, master)
     assert {k: v.data_ptr() for k, v in target.runtime.items()} == ptrs
+
+
+def test_in_process_send_reports_what_it_sent_and_what_was_applied():
+    target, receiver, differ, master = make_pair(torch.bfloat16)
+    differ.commit(differ.encode(master))
+    differ.reset(["model.norm.weight"])  # one dense record among the patches
+    adamw_like_step(master, torch.Generator().manual_seed(12), frac=0.1)
+    pending = differ.encode(master)
+    sent = InProcessSender(receiver).send(1, pending.updates)
+    stats = pending.stats
+    assert (sent.version, sent.num_receivers, sent.num_dense, sent.num_patch, sent.nbytes) == (1, 1, 1, stats.num_patch, stats.nbytes)
+    (got,) = sent.received
+    assert (got.version, got.num_dense, got.num_patch, got.nbytes) == (1, 1, stats.num_patch, stats.nbytes)
+    assert sent.seconds >= got.validate_s + got.apply_s + got.verify_s
+    assert SendResult.of(1, [], 0.0).received == () and json.loads(json.dumps(sent.to_json()))["received"][0] == got.to_json()
+
+
+def test_a_session_may_keep_the_dense_rollback_copy_its_receiver_skips():
+    class FlakyOnce(FakeTarget):
+        """Flips a bit of its first dense write only (a transient fault; the restore writes true bits)."""
+
+        flipped = False
+
+        def write_dense(self, name, tensor):
+            if not self.flipped:
+                tensor = tensor.clone()
+                tensor.view(-1).view(torch.int16)[0] ^= 1
+                self.flipped = True
+            super().write_dense(name, tensor)
+
+    target = FlakyOnce(torch.bfloat16)
+    receiver = WeightReceiver(target, dense_rollback=False)
+    name, shape = next(iter(target.shapes.items()))
+    before = target.snapshot_runtime()
+    session = receiver.session(dense_rollback=True)
+    session.start(1)
+    session.add([Dense.of(name, torch.full(shape, 3.0, dtype=torch.bfloat16))])
+    with pytest.raises(WeightUpdateError, match="verification after write failed.*weights restored"):
+        session.finish()
+    assert_bitwise_equal(target.snapshot_runtime(), before)
+    assert receiver.version == 0
+
+
+# --- the session loop every receiver runs ---------------------------------------------------------
+
+
+class ListSource:
+    """A message source over in-memory chunks; ``bad`` chunks fail to read, ``break_at`` breaks the stream."""
+
+    def __init__(self, version, chunks, *, names=None, bad=(), break_at=None):
+        self.version, self.chunk_list, self.names, self.bad, self.break_at = version, chunks, names, set(bad), break_at
+        self.read = []  # positions of the chunks the stream delivered
+        self.replies = []
+
+    def start(self):
+        return Start(version=self.version, names=self.names)
+
+    def chunks(self):
+        for i, chunk in enumerate(self.chunk_list):
+            if i == self.break_at:
+                raise WeightUpdateError("timed out after 1 s waiting for the next chunk")
+            self.read.append(i)
+            yield (lambda: (_ for _ in ()).throw(KeyError("header"))) if i in self.bad else (lambda chunk=chunk: chunk)
+
+    def reply(self, result, error):
+        self.replies.append((result, error))
+
+
+def _three_chunks(target):
+    records = [Dense.of(n, torch.full(s, 1.0, dtype=torch.bfloat16)) for n, s in list(target.shapes.items())[:3]]
+    return [[r] for r in records], [r.name for r in records]
+
+
+def test_serve_session_reads_every_chunk_after_a_bad_one_and_reports_the_first_error():
+    target = FakeTarget(torch.bfloat16)
+    receiver = WeightReceiver(target)
+    chunks, names = _three_chunks(target)
+    before = target.snapshot_runtime()
+    source = ListSource(1, chunks, names=names, bad={1})
+    with pytest.raises(WeightUpdateError, match="malformed message: KeyError\\('header'\\)"):
+        serve_session(receiver, source)
+    assert source.read == [0, 1, 2]  # the sender got to its end
+    assert source.replies == [(None, "malformed message: KeyError('header')")]
+    assert_bitwise_equal(target.snapshot_runtime(), before)
+    source = ListSource(1, chunks, names=names)
+    assert serve_session(receiver, source).version == 1 == receiver.version  # the receiver is free again
+    assert source.replies[0][0].num_dense == 3 and source.replies[0][1] is None
+
+
+def test_serve_session_stops_at_a_broken_stream_and_still_answers():
+    target = FakeTarget(torch.bfloat16)
+    receiver = WeightReceiver(target)
+    chunks, names = _three_chunks(target)
+    before = target.snapshot_runtime()
+    source = ListSource(1, chunks, names=names, break_at=1)
+    with pytest.raises(WeightUpdateError, match="timed out"):
+        serve_session(receiver, source)
+    assert source.read == [0] and source.replies == [(None, "timed out after 1 s waiting for the next chunk")]
+    assert_bitwise_equal(target.snapshot_runtime(), before)
+    source = ListSource(0, chunks, names=names)  # a refused start: the chunks are still read, then refused
+    with pytest.raises(WeightUpdateError, match="version must be an int > the current version 0"):
+        serve_session(receiver, source)
+    assert source.read == [0, 1, 2] and receiver.version == 0
+
+
+# --- a staging receiver (weights out of reach) ----------------------------------------------------
+
+
+def _staging(calls, *, fail=None):
+    specs = {"a": ParamSpec((2, 3), torch.bfloat16), "b": ParamSpec((4,), torch.float32)}
+
+    def apply(version, records):
+        calls.append((version, [r.name for r in records]))
+        if fail is not None:
+            raise WeightUpdateError(fail)
+        return UpdateResult(version=version, num_dense=len(records), num_patch=0, nbytes=sum(r.nbytes for r in records),
+                            validate_s=0.0, apply_s=0.0, verify_s=0.0)
+
+    return StagingReceiver(specs, apply, version=3)
+
+
+def test_staging_receiver_checks_records_at_add_and_applies_them_at_commit():
+    calls = []
+    receiver = _staging(calls)
+    good = [Dense.of("a", torch.ones(2, 3, dtype=torch.bfloat16)), Dense.of("b", torch.ones(4))]
+    for bad, match in [(Dense.of("c", torch.ones(4)), "unknown parameter 'c'"),
+                       (Dense.of("a", torch.ones(3, 2, dtype=torch.bfloat16)), "shape \\(3, 2\\) != checkpoint shape"),
+                       (Dense.of("b", torch.ones(4, dtype=torch.bfloat16)), "dtype torch.bfloat16 != engine dtype")]:
+        session = receiver.session()
+        session.start(4)
+        with pytest.raises(WeightUpdateError, match=match):
+            session.add([good[1] if bad.name == "a" else good[0], bad])  # a good record first: nothing may stay held
+        assert session.state == "failed"
+    session = receiver.session()
+    session.start(4, expected_names=["a", "b"])
+    session.add(good[:1])
+    with pytest.raises(WeightUpdateError, match="stream cut short"):
+        session.prepare()
+    assert calls == [] and receiver.version == 3  # nothing reached the weights
+    session = receiver.session()
+    session.start(4)
+    session.add(good)
+    session.prepare()
+    assert calls == []
+    session.commit()
+    assert calls == [(4, ["a", "b"])] and receiver.version == 3  # applied; the version moves at publish
+    assert session.publish().version == 4 == receiver.version
+    with pytest.raises(WeightUpdateError, match="version must be an int > the current version 4"):
+        receiver.session().start(4)
+
+
+def test_staging_receiver_after_a_failed_apply_and_a_rollback():
+    calls = []
+    receiver = _staging(calls, fail="checksum mismatch on rank 1")
+    record = Dense.of("b", torch.ones(4))
+    session = receiver.session()
+    session.start(4)
+    session.add([record])
+    session.prepare()
+    with pytest.raises(WeightUpdateError, match="checksum mismatch on rank 1"):
+        session.commit()
+    assert session.state == "failed" and receiver.version == 3
+    receiver = _staging(calls)
+    session = receiver.session()
+    session.start(4)
+    session.add([record])
+    session.prepare()
+    assert session.rollback() == "nothing written"
+    session = receiver.session()  # free again
+    session.start(4)
+    session.add([record])
+    session.prepare()
+    session.commit()
+    assert "not restored" in session.rollback() and receiver.version == 3
 
 
 # --- wire format ----------------------------------------------------------------------------------

@@ -36,7 +36,9 @@ def trainer() -> None:
     gen = torch.Generator().manual_seed(SEED + 1)
     adamw_like_step(master, gen)
     pending = differ.encode(master)
-    assert sender.send(1, pending.updates) == {"version": 1, "num_ranks": 2}
+    result = sender.send(1, pending.updates)
+    assert (result.version, result.num_receivers, result.received) == (1, 2, ())
+    assert (result.num_dense, result.num_patch, result.nbytes) == (pending.stats.num_dense, pending.stats.num_patch, pending.stats.nbytes)
     differ.commit(pending)
 
     adamw_like_step(master, gen)

@@ -30,8 +30,10 @@ def trainer(conns) -> None:
     sender = NixlSender(conns, timeout_s=60)
     adamw_like_step(master, torch.Generator().manual_seed(SEED))
     pending = differ.encode(master)
-    results = sender.send(1, [layer_slice(pending.updates, r) for r in range(len(conns))])
-    assert [r["version"] for r in results] == [1, 1]
+    slices = [layer_slice(pending.updates, r) for r in range(len(conns))]
+    result = sender.send(1, slices)
+    assert [r.version for r in result.received] == [1, 1] and result.num_receivers == 2
+    assert [r.num_dense + r.num_patch for r in result.received] == [len(s) for s in slices]
     differ.commit(pending)
 
     adamw_like_step(master, torch.Generator().manual_seed(SEED + 1))
@@ -58,7 +60,7 @@ def test_nixl_read_of_each_ranks_slice_is_bitwise_exact():
         proc.join(60)
     assert proc.exitcode == 0
     assert_bitwise_equal(targets[1].snapshot_runtime(), after_v1)
-    assert [r.receiver.version for r in receivers] == [2, 1]
+    assert [r.sink.version for r in receivers] == [2, 1]
     master = new_trainer(FakeTarget(torch.bfloat16, seed=SEED))
     adamw_like_step(master, torch.Generator().manual_seed(SEED))
     v1 = {n: t.bfloat16() for n, t in master.items()}

@@ -223,7 +223,7 @@ class TrainerBridge:
         noise) and the batch is reproducible on any engine, local or pool. `sampling.logprobs` is forced on.
         `min_finished_prompts` (a local engine): stop once that many prompts are done; the other samples come
         back cut short, `finish_reason == "abort"` (over-sampling: keep the finished groups, drop or resume
-        the rest).
+        the rest). `use_tqdm` (a local engine): a progress bar.
         """
         if not isinstance(sampling, SamplingParams):
             raise ValueError(f"sampling must be SamplingParams, got {type(sampling).__name__}")
@@ -236,7 +236,9 @@ class TrainerBridge:
         ]
         start = time.perf_counter()
         extra = {} if min_finished_prompts is None else {"min_finished_prompts": min_finished_prompts}
-        outputs = self.engine.generate(prompts, params, use_tqdm=use_tqdm, **extra)
+        if use_tqdm:
+            extra["use_tqdm"] = True
+        outputs = self.engine.generate(prompts, params, **extra)
         seconds = time.perf_counter() - start
         samples = []
         for i, out in enumerate(outputs):
@@ -331,13 +333,15 @@ class TrainerBridge:
         """
         if self._rank_layouts is not None:
             return self._adopt_rank_local(_named_weights(weights))
-        receiver = getattr(self.engine, "weight_receiver", None)
-        if receiver is None:
+        if not hasattr(self.engine, "rank_local_checksums"):
             raise ValueError("adopt_engine_weights needs a local Engine; push the weights to a pool instead")
+        if len(self.engine.rank_local_layouts()) > 1:
+            raise ValueError("adopt_engine_weights of a tensor-parallel engine needs TrainerBridge(rank_local=True)")
         weights = _named_weights(weights)
         with torch.no_grad():
             push = self.differ.encode(weights)
-        differ_names = [u.name for u in push.updates if int(receiver.current_checksum(u.name, refresh=True)) != u.checksum]
+        (held,) = self.engine.rank_local_checksums()  # one rank: its part is the whole tensor
+        differ_names = [u.name for u in push.updates if held[u.name] != u.checksum]
         if differ_names:
             raise ValueError(f"the engine does not hold these weights: {len(differ_names)} tensors differ, e.g. "
                              f"{differ_names[:3]}; push them instead")

@@ -23,7 +23,7 @@
    target's; a target with ``write_dense_many`` gets all dense records in one call, and on CUDA a target
    with ``writable_views`` gets all patches of a dtype in one scatter); the dense parameters are first
    copied aside for rollback (one batched copy), unless the receiver was made with
-   ``dense_rollback=False``.
+   ``dense_rollback=False`` (or the session, ``receiver.session(dense_rollback=False)``).
 3. verify by reading back through ``read_checkpoint_tensor``: dense parameters by a full checksum,
    patches by the exact bits at their indices (together with phase 1 that proves the post-update
    checksum). Any failure in 2 or 3 writes the old values back (dense ones only with the rollback copy),
@@ -46,6 +46,10 @@ runs per patch, except where the target does not lend its live tensors to the ba
 or ``batched_scatter=False``): there old values are gathered by one indexing op per patch. Host syncs: one
 after phase 1 (every check of the session at once), one for the write, one after phase 3. Host metadata
 travels to the device in one pinned copy per session. The cached checksums live in one device table.
+``StagingReceiver`` offers the same sessions for weights it cannot reach (a tensor-parallel engine's, on
+several ranks): it checks names, shapes and dtypes, holds the records, and hands them at ``commit`` to a
+function that applies them where the weights are.
+
 This module does not move bytes between processes (see ``transports``) and does not decide encodings
 (see ``differ``).
 """
@@ -53,7 +57,7 @@ This module does not move bytes between processes (see ``transports``) and does 
 import contextlib
 import dataclasses
 import time
-from collections.abc import Collection, Iterable
+from collections.abc import Callable, Collection, Iterable, Mapping
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
@@ -83,6 +87,14 @@ class UpdateResult:
 
     def to_json(self) -> dict:
         return dataclasses.asdict(self)
+
+    @classmethod
+    def from_json(cls, data: dict) -> "UpdateResult":
+        """The inverse of ``to_json`` (a peer's answer); WeightUpdateError for a malformed one."""
+        try:
+            return cls(**data)
+        except TypeError as e:
+            raise WeightUpdateError(f"malformed update result {data!r}: {e}") from None
 
 
 @dataclass(kw_only=True, slots=True)
@@ -175,7 +187,9 @@ class WeightReceiver:
 
     ``dense_rollback`` (default True) copies every densely updated parameter aside before writing, so
     that a failed read-back can restore it; False saves that copy's time and memory (the size of the
-    dense update) at the cost described in the module docstring.
+    dense update) at the cost described in the module docstring. A session may override it
+    (``session(dense_rollback=...)``): an engine that applies updates on its own skips the copy, and the
+    same engine keeps it when it stages an update that a peer's failure may make it undo.
 
     ``batched_scatter`` (default: on CUDA) reads and writes all patches of a dtype in one Triton launch
     each (`kernels/scatter.py`) when the target lends its live tensors (``writable_views``); off, or for a
@@ -199,8 +213,14 @@ class WeightReceiver:
         self._known = np.zeros(len(self.specs), dtype=bool)  # [num params] whether the table row is current
         self._active: UpdateSession | None = None
 
-    def session(self) -> "UpdateSession":
-        return UpdateSession(self)
+    @property
+    def device(self) -> torch.device:
+        """Where the target's weights live (where a transport should land what it receives)."""
+        return self.target.device
+
+    def session(self, *, dense_rollback: bool | None = None) -> "UpdateSession":
+        """A new session; ``dense_rollback`` overrides the receiver's for this session (None: the receiver's)."""
+        return UpdateSession(self, dense_rollback=self.dense_rollback if dense_rollback is None else dense_rollback)
 
     def apply(self, version: int, updates: Iterable[Update], *, expected_names: Collection[str] | None = None) -> UpdateResult:
         """start -> one chunk -> finish."""
@@ -244,8 +264,9 @@ class UpdateSession:
     instead of ``publish``.
     """
 
-    def __init__(self, receiver: WeightReceiver) -> None:
+    def __init__(self, receiver: WeightReceiver, *, dense_rollback: bool = True) -> None:
         self._receiver = receiver
+        self._dense_rollback = dense_rollback  # copy dense parameters aside before writing (see WeightReceiver)
         self._state = "new"  # new -> started -> prepared -> committed -> finished; any -> failed
         self._version = -1
         self._expected: frozenset[str] | None = None
@@ -375,6 +396,12 @@ class UpdateSession:
             self._end()
             raise
 
+    def _check_arrived(self) -> None:
+        """Raise unless every parameter announced at ``start`` arrived."""
+        missing = sorted((self._expected or frozenset()) - self._updates.keys())
+        if missing:
+            raise WeightUpdateError(f"stream cut short: {len(missing)} announced parameters never arrived, e.g. {missing[:5]}")
+
     def _note(self, update: Update) -> None:
         """Check what a record allows without reading its data (name, shapes, dtypes, counts) and note what
         phase 1 needs of it; raise WeightUpdateError for a record that cannot be applied."""
@@ -421,9 +448,7 @@ class UpdateSession:
         """Phase 1: stage on device, decode and check index streams, predict checksums; one host sync."""
         receiver, target = self._receiver, self._receiver.target
         device = target.device
-        missing = sorted((self._expected or frozenset()) - self._updates.keys())
-        if missing:
-            raise WeightUpdateError(f"stream cut short: {len(missing)} announced parameters never arrived, e.g. {missing[:5]}")
+        self._check_arrived()
         t0 = time.perf_counter()
         records = list(self._updates.values())
         rows = np.array(self._rows, dtype=np.int64)  # [R] the records' rows of the receiver's arrays
@@ -458,12 +483,12 @@ class UpdateSession:
 
     def _write(self) -> None:
         """Phase 2: write, keeping old values for rollback; on failure restore and raise."""
-        receiver, target, p = self._receiver, self._receiver.target, self._prepared
+        target, p = self._receiver.target, self._prepared
         dense = p.dense
         written: list[_DenseRecord] = []
         written_groups: list[_PatchGroup] = []
         try:
-            if dense and receiver.dense_rollback:
+            if dense and self._dense_rollback:
                 current = [target.read_checkpoint_tensor(d.update.name) for d in dense]
                 olds = [torch.empty_like(t) for t in current]
                 torch._foreach_copy_(olds, current)
@@ -620,7 +645,7 @@ class UpdateSession:
             )
 
     def _restored_what(self, dense: list[_DenseRecord]) -> str:
-        if not dense or self._receiver.dense_rollback:
+        if not dense or self._dense_rollback:
             return "weights restored"
         self._receiver.invalidate_checksums([d.update.name for d in dense])
         return (f"patches undone, but the {len(dense)} dense parameters were written without a rollback copy "
@@ -638,3 +663,132 @@ class UpdateSession:
 def apply_update(target: WeightTarget, version: int, updates: Iterable[Update], *, current_version: int = 0) -> UpdateResult:
     """One-shot session on a target without a long-lived receiver (no checksum cache)."""
     return WeightReceiver(target, version=current_version).apply(version, updates)
+
+
+class _SpecsOnly:
+    """A target that only says what it accepts: the checks of a ``StagingReceiver`` read no weights."""
+
+    def __init__(self, specs: Mapping[str, ParamSpec]) -> None:
+        self._specs = dict(specs)
+
+    def checkpoint_specs(self) -> Mapping[str, ParamSpec]:
+        return self._specs
+
+    @property
+    def device(self) -> torch.device:
+        return torch.device("cpu")
+
+
+class StagingReceiver:
+    """A receiver for weights it cannot reach itself (a tensor-parallel engine's, spread over its ranks).
+
+    Its sessions take the calls and states of an ``UpdateSession``. ``start`` and ``add`` check each record
+    as a ``WeightReceiver``'s do, against ``specs`` (names, shapes, dtypes, counts: nothing that reads tensor
+    data), and hold the records; ``prepare`` checks that every announced name arrived; ``commit`` hands the
+    records to ``apply(version, records)``, which validates, writes and verifies them where the weights are
+    and returns its ``UpdateResult`` (or raises, having changed nothing); ``publish`` takes the version. A
+    commit is final: ``rollback`` after it cannot restore the weights, and the text it returns says so.
+    ``device``: where a transport should land the records (the weights' first device).
+    """
+
+    def __init__(self, specs: Mapping[str, ParamSpec], apply: Callable[[int, list[Update]], UpdateResult], *,
+                 version: int = 0, device: torch.device | str = "cpu") -> None:
+        self._checks = WeightReceiver(_SpecsOnly(specs), version=version)
+        self._apply = apply
+        self._device = torch.device(device)
+
+    @property
+    def version(self) -> int:
+        return self._checks.version
+
+    @version.setter
+    def version(self, version: int) -> None:
+        self._checks.version = version
+
+    @property
+    def device(self) -> torch.device:
+        return self._device
+
+    def session(self, *, dense_rollback: bool | None = None) -> "StagedSession":
+        """A new session (``dense_rollback`` is the applying side's business and is ignored here)."""
+        return StagedSession(self)
+
+
+class StagedSession:
+    """One update through a ``StagingReceiver``: ``start`` -> ``add``* -> ``prepare`` -> ``commit`` -> ``publish``
+    (``finish`` runs the last three), as an ``UpdateSession``."""
+
+    def __init__(self, receiver: StagingReceiver) -> None:
+        self._receiver = receiver
+        self._checks = receiver._checks.session()  # checks and holds the records; never prepared
+        self._state = "new"  # new -> started -> prepared -> committed -> finished; any -> failed
+        self._result: UpdateResult | None = None  # what ``apply`` returned at commit
+
+    @property
+    def state(self) -> str:
+        return self._state
+
+    def start(self, version: int, *, expected_names: Collection[str] | None = None) -> None:
+        self._expect("start", "new")
+        self._checks.start(version, expected_names=expected_names)
+        self._state = "started"
+
+    def add(self, updates: Iterable[Update]) -> None:
+        self._expect("add", "started")
+        with self._ending_on_error():
+            self._checks.add(updates)
+
+    def finish(self) -> UpdateResult:
+        self._expect("finish", "started")
+        self.prepare()
+        self.commit()
+        return self.publish()
+
+    def prepare(self) -> None:
+        self._expect("prepare", "started")
+        with self._ending_on_error():
+            self._checks._check_arrived()
+        self._state = "prepared"
+
+    def commit(self) -> None:
+        self._expect("commit", "prepared")
+        with self._ending_on_error():
+            self._result = self._receiver._apply(self._checks._version, list(self._checks._updates.values()))
+        self._state = "committed"
+
+    def publish(self) -> UpdateResult:
+        self._expect("publish", "committed")
+        assert self._result is not None and self._result.version == self._checks._version
+        self._receiver.version = self._result.version
+        self._end("finished")
+        return self._result
+
+    def abort(self) -> None:
+        assert self._state != "committed", "abort() after commit(): a staged commit cannot be undone"
+        self._end()
+
+    def rollback(self) -> str:
+        assert self._state != "finished", "rollback() after publish()"
+        what = "nothing written"
+        if self._state == "committed":
+            what = "not restored: the update was applied where the weights are at commit, which a staging receiver cannot undo"
+        self._end()
+        return what
+
+    def _expect(self, call: str, state: str) -> None:
+        if self._state != state:
+            raise WeightUpdateError(f"{call}() on a session that is {self._state}")
+
+    def _end(self, state: str = "failed") -> None:
+        if self._checks.state == "started":
+            self._checks.abort()  # frees the receiver and drops the records
+        if self._state != "finished":
+            self._state = state
+
+    @contextlib.contextmanager
+    def _ending_on_error(self):
+        try:
+            yield
+        except BaseException:
+            self._end()
+            raise

@@ -11,6 +11,11 @@
   metadata as length-prefixed uint8 tensors.
 - ``nixl``: each rollout rank READs its own slice of the trainer's registered memory.
 
+Every transport speaks one protocol (``protocol``): each sender's ``send`` returns a ``SendResult``, and
+each receiver is a message source (start, chunks, reply) of the one session loop ``serve_session``, into
+any ``UpdateSink`` (a ``WeightReceiver``, or an engine's ``weight_sink()``). ``protocol.commit_on_all`` is the
+two-phase push of a coordinator over several engines (``rollout.pool``).
+
 Every transport moves safetensors-described flat buffers (``weight_updates.wire``) and JSON; tensor
 data is never pickled. Backends are imported inside the modules that need them; this package
 imports none of them.

@@ -7,6 +7,7 @@
                     buckets: [{header, nbytes}, ...]}  session.start
     broadcast bucket 0 .. k-1 (flat uint8)             session.add(read_bucket(header, bucket))
     all_reduce(num failed ranks)                       session.finish(); contribute 1 if it failed
+                                                       (the session loop: protocol.serve_session)
 
 JSON goes as an int64 length then a uint8 tensor. Buckets pack many records into flat buffers of
 about ``bucket_bytes``, so small tensors do not each pay a collective. Works with gloo (CPU tensors)
@@ -16,14 +17,17 @@ Every receiving rank gets every record; a target under tensor parallelism writes
 This module does not create or destroy process groups.
 """
 
+import functools
 import json
-from collections.abc import Sequence
+import time
+from collections.abc import Iterator, Sequence
 
 import torch
 
 from weight_updates.encoding import Update
 from weight_updates.errors import WeightUpdateError
-from weight_updates.session import UpdateResult, WeightReceiver
+from weight_updates.session import UpdateResult
+from weight_updates.transports.protocol import SendResult, Start, UpdateSink, serve_session
 from weight_updates.wire import plan_bucket, read_bucket, split_buckets, write_bucket
 
 
@@ -60,11 +64,12 @@ class DistSender:
     def __init__(self, *, src: int, group=None, device: torch.device | str = "cpu", bucket_bytes: int = 64 << 20) -> None:
         self.src, self.group, self.device, self.bucket_bytes = src, group, torch.device(device), bucket_bytes
 
-    def send(self, version: int, updates: Sequence[Update]) -> dict:
-        """Broadcast one session. Raises WeightUpdateError if any receiving rank rejected it."""
+    def send(self, version: int, updates: Sequence[Update]) -> SendResult:
+        """Broadcast one session. Raises WeightUpdateError if any receiving rank rejected it. The receivers
+        answer with a failure count only, so ``received`` is empty."""
         import torch.distributed as dist
 
-        updates = list(updates)
+        started, updates = time.perf_counter(), list(updates)
         plans = [plan_bucket(b) for b in split_buckets(updates, self.bucket_bytes)]
         start = {"op": "start", "version": version, "names": [u.name for u in updates], "buckets": [{"header": p.header, "nbytes": p.nbytes} for p in plans]}
         _broadcast_json(start, src=self.src, group=self.group, device=self.device)
@@ -75,43 +80,44 @@ class DistSender:
         num_failed = _count_failures(False, group=self.group, device=self.device)
         if num_failed:
             raise WeightUpdateError(f"{num_failed} receiving ranks rejected version {version} (see their logs)")
-        return {"version": version, "num_ranks": dist.get_world_size(self.group) - 1}
+        return SendResult.of(version, updates, started, num_receivers=dist.get_world_size(self.group) - 1)
+
+
+class _DistSource:
+    """A receiving rank's part of one broadcast session: it takes part in every broadcast whatever happened
+    here, and answers with its vote in the failure count."""
+
+    def __init__(self, owner: "DistReceiver") -> None:
+        self.owner = owner
+        self.start_message: dict = {}
+
+    def start(self) -> Start:
+        o = self.owner
+        self.start_message = _broadcast_json(None, src=o.src, group=o.group, device=o.device)
+        # a start without version or names is rejected by the session, and the buckets are still taken
+        return Start(version=self.start_message.get("version"), names=self.start_message.get("names"))
+
+    def chunks(self) -> Iterator:
+        import torch.distributed as dist
+
+        o = self.owner
+        for bucket in self.start_message.get("buckets", []):
+            buf = torch.empty(int(bucket["nbytes"]), dtype=torch.uint8, device=o.device)
+            dist.broadcast(buf, src=o.src, group=o.group)
+            yield functools.partial(read_bucket, bucket["header"], buf)
+
+    def reply(self, result: UpdateResult | None, error: str | None) -> None:
+        o = self.owner
+        _count_failures(error is not None, group=o.group, device=o.device)
 
 
 class DistReceiver:
-    """A receiving rank: serves sessions from ``src`` on ``receiver``."""
+    """A receiving rank: serves sessions from ``src`` on ``sink`` (a ``WeightReceiver``, or an engine's
+    ``weight_sink()``)."""
 
-    def __init__(self, receiver: WeightReceiver, *, src: int, group=None, device: torch.device | str = "cpu") -> None:
-        self.receiver, self.src, self.group, self.device = receiver, src, group, torch.device(device)
+    def __init__(self, sink: UpdateSink, *, src: int, group=None, device: torch.device | str = "cpu") -> None:
+        self.sink, self.src, self.group, self.device = sink, src, group, torch.device(device)
 
     def serve_one(self) -> UpdateResult:
         """Take part in one broadcast session; raises WeightUpdateError if it failed here."""
-        import torch.distributed as dist
-
-        session = self.receiver.session()
-        error: WeightUpdateError | None = None
-        start = _broadcast_json(None, src=self.src, group=self.group, device=self.device)
-        try:
-            session.start(start["version"], expected_names=start["names"])
-        except (WeightUpdateError, KeyError, TypeError) as e:
-            error = e if isinstance(e, WeightUpdateError) else WeightUpdateError(f"malformed start message: {e!r}")
-        for bucket in start.get("buckets", []):
-            buf = torch.empty(int(bucket["nbytes"]), dtype=torch.uint8, device=self.device)
-            dist.broadcast(buf, src=self.src, group=self.group)
-            if error is None:
-                try:
-                    session.add(read_bucket(bucket["header"], buf))
-                except WeightUpdateError as e:
-                    error = e
-        result = None
-        if error is None:
-            try:
-                result = session.finish()
-            except WeightUpdateError as e:
-                error = e
-        session.abort()
-        _count_failures(error is not None, group=self.group, device=self.device)
-        if error is not None:
-            raise error
-        assert result is not None
-        return result
+        return serve_session(self.sink, _DistSource(self))

@@ -19,25 +19,28 @@ Where a bucket lives:
   A handle is mapped in the process that made it too (rank 0 of a tensor-parallel engine maps the
   bucket its own process staged): CUDA cannot open it there, so that process uses the buffer itself.
 
-Only JSON crosses the connection; tensor data crosses only through the shared memory. A receiver
-that sees a bad chunk keeps reading until ``finish`` and then reports the first error, so the
-sender never blocks. A sender that dies or goes silent makes ``serve_one`` raise after
-``timeout_s`` (or at once, if the connection closes). No gather through rank 0: each pair has
-its own connection.
+Only JSON crosses the connection; tensor data crosses only through the shared memory. The receiver is
+a message source of ``protocol.serve_session``: one that sees a bad chunk keeps reading until ``finish``
+and then reports the first error, so the sender never blocks. A sender that dies or goes silent makes
+``serve_one`` raise after ``timeout_s`` (or at once, if the connection closes). No gather through rank
+0: each pair has its own connection.
 """
 
+import functools
 import os
+import time
 import uuid
 import weakref
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
 from multiprocessing.connection import Connection
 
 import torch
 
 from weight_updates.encoding import Update
 from weight_updates.errors import WeightUpdateError
-from weight_updates.session import UpdateResult, WeightReceiver
-from weight_updates.transports.channel import recv_json, send_json
+from weight_updates.session import UpdateResult
+from weight_updates.transports.channel import recv_json, recv_result, send_json, send_result
+from weight_updates.transports.protocol import SendResult, Start, UpdateSink, serve_session
 from weight_updates.wire import (
     BucketPlan,
     parse_safetensors_prefix,
@@ -178,12 +181,12 @@ class IpcSender:
         self.bucket_bytes = bucket_bytes
         self.timeout_s = timeout_s
 
-    def send(self, version: int, updates: Sequence[Update]) -> dict:
-        """Run one session; returns the receiver's ``UpdateResult.to_json()``.
+    def send(self, version: int, updates: Sequence[Update]) -> SendResult:
+        """Run one session; ``received`` holds the receiver's result.
 
         Raises WeightUpdateError if the receiver rejected the push or did not answer in time.
         """
-        updates = list(updates)
+        started, updates = time.perf_counter(), list(updates)
         shm_paths: list[str] = []
         cuda_buffers: list[torch.Tensor] = []  # kept alive until the receiver has answered
         try:
@@ -198,23 +201,53 @@ class IpcSender:
                     cuda_buffers.append(buf)
                     send_json(self.conn, {"op": "chunk", **chunk})
             send_json(self.conn, {"op": "finish"})
-            reply = recv_json(self.conn, timeout_s=self.timeout_s, waiting_for=f"the receiver's result for version {version}")
+            result, error = recv_result(self.conn, timeout_s=self.timeout_s, waiting_for=f"the receiver's result for version {version}")
         finally:
             for path in shm_paths:
                 os.unlink(path)
-        if reply.get("op") != "result":
-            raise WeightUpdateError(f"expected a result message, got {reply.get('op')!r}")
-        if not reply.get("ok"):
-            raise WeightUpdateError(f"receiver rejected version {version}: {reply.get('error')}")
-        return reply["result"]
+        if error is not None:
+            raise WeightUpdateError(f"receiver rejected version {version}: {error}")
+        return SendResult.of(version, updates, started, received=(result,))
+
+
+class _IpcSource:
+    """The rollout side's messages of one session: start, chunks until finish; the answer goes back."""
+
+    def __init__(self, conn: Connection, *, timeout_s: float, start_timeout_s: float | None) -> None:
+        self.conn, self.timeout_s, self.start_timeout_s = conn, timeout_s, start_timeout_s
+        self.version = None
+
+    def start(self) -> Start:
+        msg = recv_json(self.conn, timeout_s=self.start_timeout_s, waiting_for="a session start")
+        if msg["op"] != "start":
+            raise WeightUpdateError(f"expected 'start', got {msg['op']!r}")
+        self.version = msg["version"]
+        return Start(version=msg["version"], names=msg["names"])
+
+    def chunks(self) -> Iterator:
+        waiting = {"timeout_s": self.timeout_s, "waiting_for": f"the next chunk of version {self.version}"}
+        while (msg := recv_json(self.conn, **waiting))["op"] != "finish":
+            if msg["op"] != "chunk":
+                raise WeightUpdateError(f"expected 'chunk' or 'finish', got {msg['op']!r}")
+            yield functools.partial(_read_chunk, msg)
+
+    def reply(self, result: UpdateResult | None, error: str | None) -> None:
+        send_result(self.conn, result, error)
+
+
+def _read_chunk(msg: dict) -> list[Update]:
+    """The records of a chunk message: views into its mapped bucket, which they keep mapped."""
+    header, data = map_chunk(msg)
+    return read_bucket(header, data)
 
 
 class IpcReceiver:
-    """Rollout side of one rank-local pair: serves sessions on ``receiver``."""
+    """Rollout side of one rank-local pair: serves sessions on ``sink`` (a ``WeightReceiver``, or an engine's
+    ``weight_sink()``)."""
 
-    def __init__(self, conn: Connection, receiver: WeightReceiver, *, timeout_s: float = 120.0) -> None:
+    def __init__(self, conn: Connection, sink: UpdateSink, *, timeout_s: float = 120.0) -> None:
         self.conn = conn
-        self.receiver = receiver
+        self.sink = sink
         self.timeout_s = timeout_s
 
     def serve_one(self, *, start_timeout_s: float | None = None) -> UpdateResult:
@@ -222,43 +255,4 @@ class IpcReceiver:
 
         Raises WeightUpdateError, after telling the sender when it still can, if the session failed.
         """
-        session = self.receiver.session()
-        mapped: list[torch.Tensor] = []  # buffers the session's records are views into
-        error: WeightUpdateError | None = None
-        try:
-            start = recv_json(self.conn, timeout_s=start_timeout_s, waiting_for="a session start")
-            if start["op"] != "start":
-                raise WeightUpdateError(f"expected 'start', got {start['op']!r}")
-            version = start["version"]
-            session.start(version, expected_names=start["names"])
-            while (msg := recv_json(self.conn, timeout_s=self.timeout_s, waiting_for=f"the next chunk of version {version}"))["op"] != "finish":
-                if msg["op"] != "chunk":
-                    raise WeightUpdateError(f"expected 'chunk' or 'finish', got {msg['op']!r}")
-                if error is None:
-                    try:
-                        header, data = map_chunk(msg)
-                        mapped.append(data)
-                        session.add(read_bucket(header, data))
-                    except WeightUpdateError as e:
-                        error = e  # keep draining so the sender reaches 'finish'
-            if error is not None:
-                raise error
-            result = session.finish()
-        except WeightUpdateError as e:
-            session.abort()
-            self._reply({"op": "result", "ok": False, "error": str(e)})
-            raise
-        except (KeyError, TypeError) as e:
-            session.abort()
-            self._reply({"op": "result", "ok": False, "error": f"malformed message: {e!r}"})
-            raise WeightUpdateError(f"malformed message: {e!r}") from None
-        finally:
-            mapped.clear()
-        self._reply({"op": "result", "ok": True, "result": result.to_json()})
-        return result
-
-    def _reply(self, message: dict) -> None:
-        try:
-            send_json(self.conn, message)
-        except OSError:
-            pass  # the sender is gone; the caller still gets the error
+        return serve_session(self.sink, _IpcSource(self.conn, timeout_s=self.timeout_s, start_timeout_s=start_timeout_s))

@@ -14,22 +14,23 @@
 The control messages travel on a ``multiprocessing.connection.Connection`` per rollout rank (a
 ``Listener``/``Client`` pair works across hosts); agent metadata is base64 inside the JSON. Data moves
 only through NIXL (UCX; on CPU UCX needs its tcp transport). ``nixl`` is imported on first use.
-This module does not pick slices: the caller passes one list of records per rollout rank (the same
+The rollout side is a message source of ``protocol.serve_session``. This module does not pick slices: the caller passes one list of records per rollout rank (the same
 list for every rank when there is no sharding).
 """
 
 import base64
 import time
 import uuid
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
 from multiprocessing.connection import Connection
 
 import torch
 
 from weight_updates.encoding import Update
 from weight_updates.errors import WeightUpdateError
-from weight_updates.session import UpdateResult, WeightReceiver
-from weight_updates.transports.channel import recv_json, send_json
+from weight_updates.session import UpdateResult
+from weight_updates.transports.channel import recv_json, recv_result, send_json, send_result
+from weight_updates.transports.protocol import SendResult, Start, UpdateSink, serve_session
 from weight_updates.wire import plan_bucket, read_bucket, write_bucket
 
 
@@ -52,14 +53,15 @@ class NixlSender:
         self.timeout_s = timeout_s
         self._agent = None
 
-    def send(self, version: int, slices: Sequence[Sequence[Update]]) -> list[dict]:
+    def send(self, version: int, slices: Sequence[Sequence[Update]]) -> SendResult:
         """Offer ``slices[r]`` to rollout rank r and wait until all have pulled and applied it.
 
-        Returns each rank's ``UpdateResult.to_json()``; raises WeightUpdateError naming the ranks
-        that rejected the push or did not answer.
+        ``received`` holds each rank's result; raises WeightUpdateError naming the ranks that rejected the
+        push or did not answer.
         """
         if len(slices) != len(self.conns):
             raise ValueError(f"{len(slices)} slices for {len(self.conns)} rollout ranks")
+        started = time.perf_counter()
         if self._agent is None:
             self._agent = _new_agent("weight-source")
         agent = self._agent
@@ -77,47 +79,55 @@ class NixlSender:
             for conn, slice_, plan, offset in zip(self.conns, slices, plans, offsets):
                 remote = {"addr": buf.data_ptr() + offset, "nbytes": plan.nbytes, "dev": dev_id, "mem_type": mem_type}
                 send_json(conn, {"op": "start", "version": version, "names": [u.name for u in slice_], "agent": metadata, "header": plan.header, "remote": remote})
-            replies = []
+            replies = []  # per rank: (result, error)
             for rank, conn in enumerate(self.conns):
                 try:
-                    replies.append(recv_json(conn, timeout_s=self.timeout_s, waiting_for=f"rollout rank {rank}'s result"))
+                    replies.append(recv_result(conn, timeout_s=self.timeout_s, waiting_for=f"rollout rank {rank}'s result"))
                 except WeightUpdateError as e:
-                    replies.append({"op": "result", "ok": False, "error": str(e)})
+                    replies.append((None, str(e)))
         finally:
             agent.deregister_memory(registered)
-        failed = {rank: r.get("error") for rank, r in enumerate(replies) if not r.get("ok")}
+        failed = {rank: error for rank, (_, error) in enumerate(replies) if error is not None}
         if failed:
             raise WeightUpdateError(f"rollout ranks rejected version {version}: {failed}")
-        return [r["result"] for r in replies]
+        return SendResult.of(version, [u for s in slices for u in s], started, num_receivers=len(self.conns),
+                             received=[result for result, _ in replies])
+
+
+class _NixlSource:
+    """A rollout rank's messages of one session: the offer (start), one chunk pulled with a NIXL READ."""
+
+    def __init__(self, owner: "NixlReceiver", start_timeout_s: float | None) -> None:
+        self.owner, self.start_timeout_s = owner, start_timeout_s
+        self.offer: dict | None = None
+
+    def start(self) -> Start:
+        offer = recv_json(self.owner.conn, timeout_s=self.start_timeout_s, waiting_for="a session start")
+        if offer["op"] != "start":
+            raise WeightUpdateError(f"expected 'start', got {offer['op']!r}")
+        self.offer = offer
+        return Start(version=offer["version"], names=offer["names"])
+
+    def chunks(self) -> Iterator:
+        yield lambda: read_bucket(self.offer["header"], self.owner._pull(self.offer))
+
+    def reply(self, result: UpdateResult | None, error: str | None) -> None:
+        send_result(self.owner.conn, result, error)
 
 
 class NixlReceiver:
-    """A rollout rank: pulls its slice with a NIXL READ and applies it on ``receiver``."""
+    """A rollout rank: pulls its slice with a NIXL READ and applies it on ``sink`` (a ``WeightReceiver``, or an
+    engine's ``weight_sink()``)."""
 
-    def __init__(self, conn: Connection, receiver: WeightReceiver, *, timeout_s: float = 120.0) -> None:
+    def __init__(self, conn: Connection, sink: UpdateSink, *, timeout_s: float = 120.0) -> None:
         self.conn = conn
-        self.receiver = receiver
+        self.sink = sink
         self.timeout_s = timeout_s
         self._agent = None
 
     def serve_one(self, *, start_timeout_s: float | None = None) -> UpdateResult:
         """Wait for an offer, pull, apply; raises WeightUpdateError (after replying) on failure."""
-        session = self.receiver.session()
-        try:
-            start = recv_json(self.conn, timeout_s=start_timeout_s, waiting_for="a session start")
-            if start["op"] != "start":
-                raise WeightUpdateError(f"expected 'start', got {start['op']!r}")
-            session.start(start["version"], expected_names=start["names"])
-            data = self._pull(start)
-            session.add(read_bucket(start["header"], data))
-            result = session.finish()
-        except (WeightUpdateError, KeyError, TypeError) as e:
-            session.abort()
-            error = e if isinstance(e, WeightUpdateError) else WeightUpdateError(f"malformed message: {e!r}")
-            self._reply({"op": "result", "ok": False, "error": str(error)})
-            raise error from None
-        self._reply({"op": "result", "ok": True, "result": result.to_json()})
-        return result
+        return serve_session(self.sink, _NixlSource(self, start_timeout_s))
 
     def _pull(self, start: dict) -> torch.Tensor:
         """[nbytes] uint8 on the target's device: the slice READ from the trainer's memory."""
@@ -126,7 +136,7 @@ class NixlReceiver:
         agent = self._agent
         remote = start["remote"]
         nbytes = int(remote["nbytes"])
-        local = torch.empty(max(1, nbytes), dtype=torch.uint8, device=self.receiver.target.device)
+        local = torch.empty(max(1, nbytes), dtype=torch.uint8, device=self.sink.device)
         if nbytes == 0:
             return local[:0]
         peer = agent.add_remote_agent(base64.b64decode(start["agent"]))
@@ -148,9 +158,3 @@ class NixlReceiver:
             agent.deregister_memory(registered)
             agent.remove_remote_agent(peer)
         return local
-
-    def _reply(self, message: dict) -> None:
-        try:
-            send_json(self.conn, message)
-        except OSError:
-            pass  # the sender is gone; the caller still gets the error

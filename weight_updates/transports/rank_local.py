@@ -28,21 +28,22 @@ written bits, a device error) makes every rank write its old values back; for de
 the receiver's rollback copy (``WeightReceiver(dense_rollback=True)``: the size of the rank's dense
 records, held during the session), and the error lists what each rank restored.
 
-``exchange`` is any all-gather of JSON values over the ranks, in rank order (``TPGroup.all_gather_json``).
+``exchange`` is any all-gather of JSON values over the ranks, in rank order (``TPGroup.all_gather_json``);
+the session loop and the votes are ``protocol.serve_session`` with ``protocol.ExchangeVotes``.
 ``shard_weights`` cuts a rank's part out of full checkpoint tensors for a trainer that holds them all.
 This module does not create process groups or know the engine (runner/parallel/worker.py).
 """
 
 import os
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
 
 import torch
 
 from weight_updates.encoding import Update
-from weight_updates.errors import WeightUpdateError
-from weight_updates.session import UpdateResult, WeightReceiver
+from weight_updates.session import UpdateResult
 from weight_updates.transports.ipc import map_chunk, shm_chunk, stage_cuda_bucket, write_shm_bucket
+from weight_updates.transports.protocol import ExchangeVotes, Start, UpdateSink, serve_session
 from weight_updates.wire import plan_bucket, read_bucket
 
 Exchange = Callable[[object], list]  # every rank's JSON value, in rank order
@@ -97,49 +98,28 @@ def shard_weights(weights: Mapping[str, torch.Tensor], layout: Mapping) -> dict[
     return parts
 
 
-def serve_rank_local(receiver: WeightReceiver, version: int, handle: dict, *, exchange: Exchange) -> UpdateResult:
+class _MappedBucket:
+    """The message source of one rank's part: its bucket, mapped at start (its names are the vote's)."""
+
+    def __init__(self, version: int, handle: dict) -> None:
+        self.version, self.handle = version, handle
+        self.records: list[Update] = []
+
+    def start(self) -> Start:
+        header, data = map_chunk(self.handle)
+        self.records = read_bucket(header, data)  # views into data, which they keep alive
+        return Start(version=self.version, names=sorted(u.name for u in self.records))
+
+    def chunks(self) -> Iterator:
+        yield lambda: self.records
+
+    def reply(self, result: UpdateResult | None, error: str | None) -> None:
+        pass  # the votes told every rank; the engine's caller gets the error
+
+
+def serve_rank_local(sink: UpdateSink, version: int, handle: dict, *, exchange: Exchange) -> UpdateResult:
     """Apply this rank's bucket as part of one update of every rank; call on every rank with its own
     ``handle``. Returns this rank's result once every rank has published ``version``; otherwise raises
     WeightUpdateError naming each failing rank and its error, with every rank's weights and version
     unchanged."""
-    session = receiver.session()
-    error, names = None, None
-    try:
-        header, data = map_chunk(handle)
-        records = read_bucket(header, data)  # views into data, which they keep alive
-        names = sorted(u.name for u in records)
-        session.start(version, expected_names=names)
-        session.add(records)
-        session.prepare()
-    except Exception as e:  # any error here must still reach the votes, or the other ranks would hang
-        error = _describe(e)
-    votes = exchange({"error": error, "names": names})
-    errors = [v["error"] for v in votes]
-    if not any(errors):  # every rank holds a part of every tensor: all ranks update the same ones
-        errors = [None if v["names"] == votes[0]["names"] else _names_differ(v["names"], votes[0]["names"]) for v in votes]
-    if any(errors):
-        session.rollback()
-        raise WeightUpdateError(f"version {version} rejected, nothing written on any rank: {_by_rank(errors)}")
-    try:
-        session.commit()
-    except Exception as e:  # as above; a failed commit has written this rank's old values back
-        error = _describe(e)
-    errors = exchange(error)
-    if any(errors):
-        outcomes = exchange(session.rollback() if error is None else "see its error")
-        raise WeightUpdateError(f"version {version} failed after writing: {_by_rank(errors)}; rolled back: "
-                                + "; ".join(f"rank {rank}: {o}" for rank, o in enumerate(outcomes)))
-    return session.publish()
-
-
-def _names_differ(mine: list[str], rank0: list[str]) -> str:
-    extra, missing = sorted(set(mine) - set(rank0)), sorted(set(rank0) - set(mine))
-    return f"its records name other tensors than rank 0's (not on rank 0: {extra[:3]}, only on rank 0: {missing[:3]})"
-
-
-def _describe(e: Exception) -> str:
-    return str(e) if isinstance(e, WeightUpdateError) else f"{type(e).__name__}: {e}"
-
-
-def _by_rank(errors: list) -> str:
-    return "; ".join(f"rank {rank}: {e}" for rank, e in enumerate(errors) if e)
+    return serve_session(sink, _MappedBucket(version, handle), votes=ExchangeVotes(exchange, version))
