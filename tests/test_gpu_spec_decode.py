@@ -1,5 +1,5 @@
 """GPU speculative decoding (skipped without CUDA): graph-captured uniform steps against the eager runner
-(`enforce_eager=True`) and against plain greedy decoding."""
+(`enforce_eager=True`) and against plain greedy decoding, and the KV-cache sizing of a speculative engine."""
 
 from __future__ import annotations
 
