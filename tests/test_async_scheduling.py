@@ -49,25 +49,44 @@ def test_async_equals_sync(model, engine_kw):
 
 
 def test_async_weight_update_drains_the_step_in_flight(model):
-    engine = Engine(EngineConfig(model=str(model), dtype="float32", async_scheduling=True, num_kv_blocks=64))
-    rid = engine.add_request([3, 4, 5], SamplingParams(max_tokens=20, ignore_eos=True, seed=0))
+    """A push while a step is in flight lands between steps: the tokens up to and including the one in flight
+    are the old weights' and carry version 0, every later one is the new weights' and carries version 1. The
+    push replaces the final norm and the LM head only, so the KV cache of the earlier tokens is the same under
+    both weights and a fresh engine holding the new ones, given the prompt and the old tokens, must continue
+    with exactly the pushed engine's tokens and logprobs."""
+    from weight_updates import Dense
+
+    kw = dict(model=str(model), dtype="float32", num_kv_blocks=64)
+    prompt, n = [3, 4, 5], 20
+    greedy = SamplingParams(temperature=0, max_tokens=n, ignore_eos=True)
+    engine = Engine(EngineConfig(async_scheduling=True, **kw))
+    specs = engine.weight_specs()
+    g = torch.Generator().manual_seed(0)
+    update = [Dense.of("model.norm.weight", 1 + 0.5 * torch.randn(specs["model.norm.weight"].shape, generator=g)),
+              Dense.of("lm_head.weight", 0.2 * torch.randn(specs["lm_head.weight"].shape, generator=g))]
+    rid = engine.add_request(prompt, greedy)
     for _ in range(5):
         engine.step()
     assert engine._inflight is not None
-    specs = engine.weight_specs()
-    from weight_updates import Dense
-
-    name = "model.norm.weight"
-    engine.apply_weight_update(1, [Dense.of(name, engine.runner.weights.view(name).clone())])
-    assert engine._inflight is None
+    engine.apply_weight_update(1, update)
+    assert engine._inflight is None and engine.policy_version == 1
     final = None
     while engine.has_unfinished_requests():
         for out in engine.step():
             if out.request_id == rid and out.finished:
                 final = out.outputs[0]
-    versions = final.policy_versions
-    assert len(versions) == 20 and versions == sorted(versions) and versions[0] == 0 and versions[-1] == 1
-    assert name in specs
+    m = final.policy_versions.count(0)  # tokens sampled before the push, the one in flight included
+    assert 0 < m < n and final.policy_versions == [0] * m + [1] * (n - m)
+
+    old = Engine(EngineConfig(**kw)).generate([prompt], greedy)[0].outputs[0]
+    fresh = Engine(EngineConfig(**kw))
+    fresh.apply_weight_update(1, update)  # before any request: an engine holding the new weights
+    cont = fresh.generate([prompt + final.token_ids[:m]],
+                          SamplingParams(temperature=0, max_tokens=n - m, ignore_eos=True))[0].outputs[0]
+    assert final.token_ids[:m] == old.token_ids[:m] and final.token_ids[m:] == cont.token_ids
+    assert torch.allclose(torch.tensor(final.logprobs), torch.tensor(old.logprobs[:m] + cont.logprobs), atol=1e-4)
+    # the push changed the distribution of every later token (an update that had not landed would not)
+    assert all(abs(a - b) > 1e-3 for a, b in zip(final.logprobs[m:], old.logprobs[m:]))
 
 
 def test_async_scheduling_default_and_errors():

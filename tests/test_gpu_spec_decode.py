@@ -1,5 +1,5 @@
 """GPU speculative decoding (skipped without CUDA): graph-captured uniform steps against the eager runner
-(`enforce_eager=True`) and against plain greedy decoding."""
+(`enforce_eager=True`) and against plain greedy decoding, and the KV-cache sizing of a speculative engine."""
 
 from __future__ import annotations
 
@@ -102,16 +102,92 @@ def test_graphs_follow_drafter_replacement_and_skip_truncation(model):
     assert sum(graphs.num_steps.values()) == before
 
 
-def test_auto_sized_kv_cache_counts_the_speculative_graphs(model):
-    """KV sizing captures the largest speculative graph (and releases it); the engine then runs within its
-    share of the device."""
+# ---- KV-cache sizing -------------------------------------------------------------------------------------
+# A model whose speculative graphs and drafter are large enough to be many KV blocks: vocabulary 2**18, so the
+# vocabulary-wide buffers of the largest graph (batch P = 512, k = 3 drafts, float32) are the target logits
+# [P * (k + 1), V] (2 GiB), the draft distributions q [P, k, V] (1.5 GiB) and one drafter logits [P, V]
+# (0.5 GiB): about 4 GiB of graph pool, ~87k blocks of 48 KiB, against ~0.5 GiB for the plain decode graph of
+# the same batch. Hidden 512 / intermediate 8192, so the EAGLE drafter (fc + one decoder layer) holds 52.5 MiB
+# of weights. Tied embeddings keep the checkpoint at ~0.6 GiB.
+WIDE = dict(vocab_size=2**18, hidden_size=512, intermediate_size=8192, num_hidden_layers=2, num_attention_heads=8,
+            num_key_value_heads=2, tie_word_embeddings=True, max_position_embeddings=1024)
+WIDE_SEQS = 512
+
+
+@pytest.fixture(scope="module")
+def wide_model(tmp_path_factory):
+    return make_checkpoint(tmp_path_factory.mktemp("gpu_spec_wide"), "qwen2", seed=7, **WIDE)
+
+
+def _used_bytes() -> int:
+    """Device bytes in use, after this process's unused cached blocks went back to the driver."""
     import gc
 
     gc.collect()
+    torch.cuda.synchronize()
     torch.cuda.empty_cache()
-    engine = _engine(model, max_num_seqs=64, num_kv_blocks=None, gpu_memory_utilization=0.3)
-    assert not engine.runner.spec.graphs.graphs  # the probe's graph is gone
-    out = engine.generate(_prompts(64, seed=4), SamplingParams(max_tokens=24, ignore_eos=True, seed=0))
-    assert all(len(o.outputs[0].token_ids) == 24 for o in out)
     free, total = torch.cuda.mem_get_info()
-    assert total - free <= 0.3 * total + 2**30  # within its share, give or take the allocator's slack
+    return total - free
+
+
+def test_auto_sized_kv_cache_counts_the_drafter_and_the_speculative_graphs(wide_model):
+    """The auto-sized KV cache leaves room for the drafter's weights and KV, and for every speculative graph.
+
+    Sizing fills `gpu_memory_utilization * total` with what is resident when the cache is sized (weights,
+    drafter, buffers, context, other processes), the KV cache, and a reserve for what comes later (the
+    activation peak and the graphs). So after start-up `reserve = utilization * total - in use` is that
+    reserve whatever the device held before: activation peak + counted graph bytes + under one block + the
+    KV tensors' rounding to 2 MiB segments (<= 6 x 2 MiB).
+
+    1. The speculative engine with enforce_eager against the plain eager engine: both profile the same step,
+       so their reserves agree within 16 MiB (rounding and one block). Drafter weights loaded after the
+       sizing would take their 52.5 MiB out of the speculative engine's reserve; drafter KV left out of the
+       per-block bytes would take a third of its KV cache (GiBs) out of it.
+    2. The graph-capturing engine, once it has captured every speculative graph (every batch size, 0..k
+       drafts), must still have the eager engine's reserve (the activation peak) left, within 512 MiB. The
+       sizing counts the largest graph by capturing it (`probe_bytes`: its pool plus the warm-up runs' about as
+       much again, which a lazy capture mid-run also leaves cached), ~8 GiB for a ~4 GiB pool, so the check
+       passes by >= 3 GiB, even after the <= 1 GiB of cuBLAS workspaces (32 MiB per new side stream, 32 pooled
+       streams) that first captures can add; with the speculative graphs left out (only the plain decode
+       graph's ~1 GiB counted) the engine would end >= 2 GiB short of the bound.
+    Device memory at utilization 0.2 on an H200 (139 GiB): ~28 GiB per engine, one engine alive at a time.
+    """
+    util = 0.2
+    kw = dict(max_num_seqs=WIDE_SEQS, num_kv_blocks=None, gpu_memory_utilization=util, gc_freeze=False)
+    budget = int(util * torch.cuda.mem_get_info()[1])
+
+    # 1. the drafter's weights and KV
+    eager = _engine(wide_model, enforce_eager=True, **kw)
+    r = eager.runner
+    assert r.spec.graphs is None
+    kv = [t for pair in r.kv_caches for t in pair] + list(r.spec.kv_cache)
+    assert sum(t.numel() * t.element_size() for t in kv) == eager.num_kv_blocks * r.kv_bytes_per_block()
+    drafter_bytes = sum(p.numel() * p.element_size() for p in r.spec.drafter.parameters())
+    eager_reserve = budget - _used_bytes()
+    eager.close()
+    del eager, r, kv
+    plain = _engine(wide_model, spec=False, enforce_eager=True, **kw)
+    plain_reserve = budget - _used_bytes()
+    plain.close()
+    del plain
+    tol = 16 * 2**20
+    assert drafter_bytes > 3 * tol  # the model keeps the check sharp
+    assert abs(eager_reserve - plain_reserve) <= tol, dict(eager=eager_reserve, plain=plain_reserve)
+
+    # 2. the speculative graphs
+    engine = _engine(wide_model, **kw)
+    graphs = engine.runner.spec.graphs
+    assert not graphs.graphs  # the probe's graph is gone
+    before = _used_bytes()
+    draft_counts = list(range(engine.runner.spec.k, -1, -1))  # largest first: the others reuse its pool
+    graphs.capture_all(WIDE_SEQS, draft_counts)
+    assert len(graphs.graphs) == len(graphs.sizes) * len(draft_counts)
+    after = _used_bytes()
+    tol = 512 * 2**20
+    assert after - before > 4 * tol  # the model keeps the check sharp
+    assert budget - after >= eager_reserve - tol, dict(left=budget - after, eager_reserve=eager_reserve,
+                                                       graph_bytes=after - before)
+    out = engine.generate(_prompts(64, vocab=WIDE["vocab_size"], seed=4),
+                          SamplingParams(max_tokens=16, ignore_eos=True, seed=0))
+    assert all(len(o.outputs[0].token_ids) == 16 for o in out) and sum(graphs.num_steps.values()) > 0
+    engine.close()
