@@ -6,7 +6,19 @@ fields (a bad value is a `ValueError` that names the field) and knows nothing ab
 
 from __future__ import annotations
 
+import enum
 from dataclasses import dataclass, field
+
+
+class RequestOutputKind(enum.IntEnum):
+    """Which outputs the engine builds for a request (vLLM's names; rollout/output_processor.py builds them)."""
+
+    CUMULATIVE = 0
+    """Every output carries everything so far."""
+    DELTA = 1
+    """Each output carries only what is new since the request's previous output."""
+    FINAL_ONLY = 2
+    """One output, once every sample has finished."""
 
 
 @dataclass(kw_only=True, slots=True)
@@ -55,6 +67,9 @@ class SamplingParams:
     speculative: bool = True
     """Let the engine speculate for this request when it has a drafter (outputs are distributed the same
     either way); False always decodes one token per step."""
+    output_kind: RequestOutputKind = RequestOutputKind.CUMULATIVE
+    """What `Engine.step` returns for this request (see RequestOutputKind). `Engine.generate` builds one final
+    output and `AsyncEngine.stream` deltas, whatever this says."""
 
     def __post_init__(self) -> None:
         if not isinstance(self.n, int) or self.n < 1:
@@ -85,6 +100,11 @@ class SamplingParams:
         self.stop = list(self.stop)
         if not all(isinstance(x, str) and x for x in self.stop):
             raise ValueError(f"SamplingParams.stop must be a list of non-empty strings, got {self.stop!r}")
+        try:
+            self.output_kind = RequestOutputKind(self.output_kind)
+        except ValueError:
+            raise ValueError(
+                f"SamplingParams.output_kind must be a RequestOutputKind, got {self.output_kind!r}") from None
 
     @property
     def greedy(self) -> bool:
