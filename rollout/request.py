@@ -9,7 +9,12 @@ from __future__ import annotations
 
 import enum
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
+
 from rollout.sampling_params import SamplingParams
+
+if TYPE_CHECKING:
+    from rollout.detokenizer import StopStrings
 
 
 class RequestStatus(enum.Enum):
@@ -66,8 +71,8 @@ class Request:
     num_preemptions: int = 0
     num_cached_prompt_tokens: int = 0
     spec_stats: dict | None = None
-    stop_strings: "StopStrings | None" = None  # rollout.detokenizer.StopStrings when params.stop is set (set by the
-    # engine's OutputProcessor; it shares the sample's incrementally decoded text)
+    stop_strings: "StopStrings | None" = None  # when params.stop is set: set by the engine's OutputProcessor, it
+    # reads the sample's incrementally decoded text
     stop_reason: int | str | None = None  # the stop token id or string that ended it; None for EOS / length
 
     def __post_init__(self) -> None:

@@ -143,6 +143,25 @@ def test_detokenizer_commits_whole_characters_only(model_dir):
     assert fresh.text() == TEXT
 
 
+def test_detokenizer_decodes_each_window_with_its_context():
+    """A SentencePiece-style decoder drops the leading space of a sequence's first token: decoding each new
+    token alone would lose every space, so each window is decoded after the previous window's tokens."""
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+
+    tok = Tokenizer(models.BPE(unk_token="<unk>"))
+    tok.pre_tokenizer = pre_tokenizers.Metaspace()
+    tok.decoder = decoders.Metaspace()
+    tok.train_from_iterator(["hello world the quick brown fox"] * 20,
+                            trainers.BpeTrainer(vocab_size=120, special_tokens=["<unk>"], show_progress=False))
+    text = "hello world the fox"
+    ids = tok.encode(text).ids
+    assert "".join(tok.decode([t]) for t in ids) != text  # context-free pieces lose the spaces
+    detok = IncrementalDetokenizer(tok.decode)
+    for k in range(1, len(ids) + 1):
+        detok.update(ids, 0, k)
+        assert detok.text() == tok.decode(ids[:k])
+
+
 def test_delta_outputs_concatenate_to_the_cumulative_and_final_ones(scripted):
     with pytest.raises(ValueError, match="SamplingParams.output_kind"):
         SamplingParams(output_kind=3)
