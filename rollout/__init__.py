@@ -10,7 +10,7 @@ Importing this package loads no CUDA, Ray or NIXL code; the engine's device code
 
 from rollout.config import EngineConfig, SpeculativeConfig
 from rollout.outputs import CompletionOutput, RequestOutput
-from rollout.sampling_params import SamplingParams
+from rollout.sampling_params import RequestOutputKind, SamplingParams
 
 
 def __getattr__(name: str):
@@ -26,4 +26,4 @@ def __getattr__(name: str):
 
 
 __all__ = ["Engine", "AsyncEngine", "EngineConfig", "SamplingParams", "SpeculativeConfig", "RequestOutput",
-           "CompletionOutput"]
+           "CompletionOutput", "RequestOutputKind"]

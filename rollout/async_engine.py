@@ -2,7 +2,8 @@
 
 Agentic and multi-turn RL rollouts are many independent episodes, each waiting on its own completion
 (then calling a tool, then asking again). `AsyncEngine` lets each episode `await generate(...)` (or
-`async for` over `stream(...)`) while the engine batches whatever requests are pending at every step::
+`async for` over `stream(...)`, which yields deltas: the new tokens and text of each step) while the engine
+batches whatever requests are pending at every step::
 
     engine = AsyncEngine(EngineConfig(model="path/to/hf_dir"))
 
@@ -26,6 +27,7 @@ templates.
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import itertools
 import logging
 import queue
@@ -35,7 +37,7 @@ from typing import Any
 
 from rollout.config import EngineConfig
 from rollout.outputs import RequestOutput
-from rollout.sampling_params import SamplingParams
+from rollout.sampling_params import RequestOutputKind, SamplingParams
 
 logger = logging.getLogger(__name__)
 
@@ -59,15 +61,28 @@ class AsyncEngine:
 
     # ---- coroutines ---------------------------------------------------------------------------------
     async def generate(self, prompt, params: SamplingParams | None = None, request_id: str | None = None) -> RequestOutput:
-        """The finished RequestOutput of one prompt (all n samples)."""
+        """The finished RequestOutput of one prompt (all n samples, cumulative), built once, when it finishes."""
         out = None
-        async for out in self.stream(prompt, params, request_id):
+        async for out in self._outputs(prompt, params, request_id, RequestOutputKind.FINAL_ONLY):
             pass
         return out
 
-    async def stream(self, prompt, params: SamplingParams | None = None,
-                     request_id: str | None = None) -> AsyncIterator[RequestOutput]:
-        """The prompt's RequestOutput after every step that gave it tokens, the last one finished."""
+    def stream(self, prompt, params: SamplingParams | None = None,
+               request_id: str | None = None) -> AsyncIterator[RequestOutput]:
+        """Delta outputs of one prompt (`params.output_kind` is set to DELTA): after every step that gave it
+        tokens, a RequestOutput of the samples that changed, each with only its new token ids, logprobs, top
+        logprobs, policy versions and text (from the first chunk on; a trailing partial character, or text
+        that could still begin a stop string, waits for the next). A sample's last delta carries its
+        finish_reason and the last output is `finished`; a sample's deltas concatenate to the text and lists
+        that `generate` returns (`RequestOutput.add` folds them)."""
+        return self._outputs(prompt, params, request_id, RequestOutputKind.DELTA)
+
+    async def _outputs(self, prompt, params: SamplingParams | None, request_id: str | None,
+                       kind: RequestOutputKind) -> AsyncIterator[RequestOutput]:
+        """The prompt's outputs of `kind`, the last one finished; aborts the request if the consumer stops early."""
+        params = params or SamplingParams()
+        if isinstance(params, SamplingParams):  # anything else is refused by add_request
+            params = dataclasses.replace(params, output_kind=kind)
         loop = asyncio.get_running_loop()
         outputs: asyncio.Queue = asyncio.Queue()
         rid = f"async-{next(self._ids)}" if request_id is None else str(request_id)
@@ -91,8 +106,8 @@ class AsyncEngine:
                 self._post(lambda engine: self._abort(engine, rid))
 
     async def abort(self, request_id: str) -> bool:
-        """Abort a request: its `generate` returns (its `stream` ends with) the output so far, finish_reason
-        "abort" for the samples still running. False for an id that is unknown or already finished."""
+        """Abort a request: its `generate` returns the output so far (its `stream` ends with a last delta),
+        finish_reason "abort" for the samples still running. False for an id that is unknown or already finished."""
         def abort(engine) -> bool:
             out = engine.abort_request(request_id)
             target = self._streams.pop(request_id, None)

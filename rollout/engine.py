@@ -5,6 +5,7 @@
         sched = scheduler.schedule()          which requests, how many tokens each, which blocks
         out   = runner.execute(sched)         forward + sample on the device; one copy out
         done  = scheduler.update(sched, out)  append tokens, finish, free blocks
+        return output_processor.process(done) the outputs of the prompts that changed (rollout/output_processor.py)
     generate(prompts, params) = add all, step until done, outputs in prompt order
 
 Weight updates apply between steps only, and bump `policy_version` once; every token records the version
@@ -35,12 +36,13 @@ from typing import Iterable, Sequence
 
 from rollout.config import EngineConfig
 from rollout.kv_cache_manager import KVCacheManager
-from rollout.outputs import CompletionOutput, RequestOutput
-from rollout.request import Request, RequestGroup, StopStrings
-from rollout.sampling_params import SamplingParams
-from rollout.sleep import SleepState
+from rollout.output_processor import OutputProcessor
+from rollout.outputs import RequestOutput
+from rollout.request import Request, RequestGroup
+from rollout.sampling_params import RequestOutputKind, SamplingParams
 from rollout.scheduler import Scheduler
-from rollout.spec_stats import SpecDecodeTotals, new_spec_stats, spec_stats_summary
+from rollout.sleep import SleepState
+from rollout.spec_stats import SpecDecodeTotals, new_spec_stats
 from rollout.tokenizer import Tokenizer
 
 logger = logging.getLogger(__name__)
@@ -86,7 +88,7 @@ class Engine:
         )
         self.eos_token_ids = frozenset(self.model_config.eos_token_ids)
         self._rng = random.Random(config.seed)
-        self._groups: dict[str, RequestGroup] = {}
+        self.output_processor = OutputProcessor(self.tokenizer)  # per-prompt output state; builds every output
         self._ids = itertools.count()
         self._sleep = SleepState(self.collective_rpc, self.kv_manager.reset_prefix_cache)
         self._sink = None  # weight_sink(), made on first use
@@ -124,19 +126,17 @@ class Engine:
             raise ValueError(f"params must be SamplingParams, got {type(params).__name__}")
         text, token_ids = self._tokenize(prompt)
         self._validate_prompt(token_ids, params)
-        return self._add(text, token_ids, params, request_id)
+        return self._add(text, token_ids, params, request_id, params.output_kind)
 
-    def _add(self, text: str | None, token_ids: list[int], params: SamplingParams, request_id: str | None) -> str:
-        """Queue a tokenized, validated prompt."""
+    def _add(self, text: str | None, token_ids: list[int], params: SamplingParams, request_id: str | None,
+             kind: RequestOutputKind) -> str:
+        """Queue a tokenized, validated prompt whose outputs are of `kind`."""
         request_id = str(next(self._ids)) if request_id is None else str(request_id)
-        if request_id in self._groups:
+        if request_id in self.output_processor:
             raise ValueError(f"request id {request_id!r} is already in use")
         max_tokens = min(params.max_tokens, self.max_model_len - len(token_ids))
         base_seed = params.seed if params.seed is not None else self._rng.getrandbits(32)
         group = RequestGroup(request_id, text, list(token_ids), params)
-        stop_strings = None
-        if params.stop:
-            stop_strings = StopStrings(params.stop, lambda ids: self.tokenizer.decode(ids, params.skip_special_tokens))
         for j in range(params.n):
             req = Request(
                 req_id=f"{request_id}-{j}",
@@ -148,41 +148,38 @@ class Engine:
                 token_ids=list(token_ids),
                 num_prompt_tokens=len(token_ids),
                 spec_stats=new_spec_stats(self.config.speculative.num_speculative_tokens) if self.config.speculative else None,
-                stop_strings=stop_strings,
                 cache_keys=() if params.cache_salt is None else (("cache_salt", params.cache_salt),),
             )
             group.members.append(req)
-        self._groups[request_id] = group
+        self.output_processor.add(group, kind)
         for req in group.members:
             self.scheduler.add_request(req)
         return request_id
 
     def abort_request(self, request_id: str) -> RequestOutput | None:
-        """Stop every sample of a prompt and free its blocks. Returns the prompt's output so far (samples
-        still running end with finish_reason "abort" and the tokens they had), or None for an id that is
-        unknown or already reported; the prompt is not reported again. For partial rollouts: abort the
-        stragglers once enough groups have finished, and keep or resubmit what they generated."""
-        group = self._groups.pop(request_id, None)
+        """Stop every sample of a prompt and free its blocks. Returns the prompt's last output, in its
+        output kind (cumulative: everything so far; delta: what is new; samples still running end with
+        finish_reason "abort" and the tokens they had), or None for an id that is unknown or already
+        reported; the prompt is not reported again. For partial rollouts: abort the stragglers once enough
+        groups have finished, and keep or resubmit what they generated."""
+        group = self.output_processor.get(request_id)
         if group is None:
             return None
         self.scheduler.abort([m.req_id for m in group.members])
-        return self._output(group)
+        return self.output_processor.abort(request_id)
 
     def has_unfinished_requests(self) -> bool:
-        return self.scheduler.has_unfinished() or self._inflight is not None or bool(self._drained)
+        return (self.scheduler.has_unfinished() or self._inflight is not None or bool(self._drained)
+                or self.output_processor.has_unreported())
 
     def step(self) -> list[RequestOutput]:
-        """Run one engine step; returns the current output of every prompt that changed.
+        """Run one engine step; returns an output of every prompt that changed, of the kind its
+        `SamplingParams.output_kind` asks for (by default everything so far: RequestOutputKind.CUMULATIVE).
 
         A prompt whose samples have all finished is reported once, finished, and then forgotten.
         """
         self._sleep.check_awake("step")
-        outs = []
-        for group in {id(r.group): r.group for r in self._step()}.values():
-            outs.append(self._output(group))
-            if group.finished:
-                self._groups.pop(group.request_id, None)
-        return outs
+        return self.output_processor.process(self._step())
 
     def _step(self) -> list[Request]:
         """schedule -> execute -> update; returns the requests that got tokens."""
@@ -253,31 +250,35 @@ class Engine:
             if not isinstance(p, SamplingParams):
                 raise ValueError(f"params must be SamplingParams, got {type(p).__name__}")
             self._validate_prompt(token_ids, p)
-        ids = [self._add(text, token_ids, p, None) for (text, token_ids), p in zip(tokenized, params)]
-        groups = [self._groups[i] for i in ids]
-        pending = {id(g) for g in groups}
+        final_only = RequestOutputKind.FINAL_ONLY
+        ids = [self._add(text, token_ids, p, None, final_only) for (text, token_ids), p in zip(tokenized, params)]
+        wanted, done = set(ids), {}
         bar = None
         if use_tqdm:
             from tqdm.auto import tqdm
 
             bar = tqdm(total=sum(p.n for p in params), desc="generate", unit="seq")
         start, num_tokens = time.perf_counter(), 0
-        enough = len(groups) if min_finished_prompts is None else min_finished_prompts
-        while pending and len(groups) - len(pending) < enough:
-            for req in self._step():  # outputs are built once, at the end, not every step
-                if req.status.finished:
-                    num_tokens += req.num_output_tokens
-                    if bar is not None:
+        enough = len(ids) if min_finished_prompts is None else min_finished_prompts
+        while len(done) < enough:
+            changed = self._step()
+            if bar is not None:
+                for req in changed:
+                    if req.status.finished:
+                        num_tokens += req.num_output_tokens
                         bar.update(1)
                         bar.set_postfix(tok_s=f"{num_tokens / (time.perf_counter() - start):.0f}")
-                    if req.group.finished:
-                        pending.discard(id(req.group))
+            # final-only: a prompt's output is built once, when it finishes; other callers' prompts wait
+            for out in self.output_processor.process(changed, only=wanted):
+                done[out.request_id] = out
         if bar is not None:
             bar.close()
-        aborted = {id(g): self.abort_request(g.request_id) for g in groups if id(g) in pending}
+        for rid in ids:
+            if rid not in done:
+                done[rid] = self.abort_request(rid)
         if not self.scheduler.has_unfinished():
             self._drain()  # a last step in flight can only hold tokens of finished or aborted requests
-        return [aborted[id(g)] if id(g) in aborted else self._output(self._groups.pop(g.request_id)) for g in groups]
+        return [done[rid] for rid in ids]
 
     def close(self) -> None:
         """Release device memory (graphs, KV cache, weights); the engine cannot be used afterwards."""
@@ -554,35 +555,3 @@ class Engine:
                 f"request needs up to {need} KV blocks but the cache has {self.num_kv_blocks}; "
                 "lower max_tokens or enlarge the cache"
             )
-
-    def _output(self, group: RequestGroup) -> RequestOutput:
-        outs = []
-        for r in group.members:
-            finished = r.status.finished
-            text = None
-            if finished and self.tokenizer is not None:
-                text = self.tokenizer.decode(r.output_token_ids, r.params.skip_special_tokens)
-                if isinstance(r.stop_reason, str):
-                    text = r.stop_strings.truncate(text, r.stop_reason, r.params.include_stop_str_in_output)
-            n_top = r.params.top_logprobs
-            outs.append(
-                CompletionOutput(
-                    index=r.sample_index,
-                    token_ids=r.output_token_ids,
-                    logprobs=list(r.logprobs) if r.params.logprobs else None,
-                    finish_reason=r.status.value if finished else None,
-                    policy_versions=list(r.policy_versions),
-                    text=text,
-                    top_logprobs=[t[:n_top] for t in r.top_logprobs] if n_top else None,
-                    num_preemptions=r.num_preemptions,
-                    spec_decode_stats=None if r.spec_stats is None else spec_stats_summary(r.spec_stats),
-                    stop_reason=r.stop_reason if finished else None,
-                )
-            )
-        return RequestOutput(
-            request_id=group.request_id,
-            prompt=group.prompt,
-            prompt_token_ids=group.prompt_token_ids,
-            outputs=outs,
-            num_cached_prompt_tokens=sum(r.num_cached_prompt_tokens for r in group.members),
-        )

@@ -1,6 +1,9 @@
 """What the engine returns: one `RequestOutput` per prompt, one `CompletionOutput` per sample.
 
-Field names follow vLLM's, so code written against vLLM's `LLM.generate` reads these unchanged.
+Field names follow vLLM's, so code written against vLLM's `LLM.generate` reads these unchanged. An output is
+cumulative (everything so far) or a delta (only what is new since the prompt's previous output), as the
+request's `SamplingParams.output_kind` says; `RequestOutput.add` folds deltas into a cumulative output.
+rollout/output_processor.py builds them.
 """
 
 from __future__ import annotations
@@ -10,7 +13,8 @@ from dataclasses import dataclass, field
 
 @dataclass(kw_only=True, slots=True)
 class CompletionOutput:
-    """One sampled completion. All per-token lists have the length of `token_ids`."""
+    """One sampled completion (or, in a delta output, what it has new). All per-token lists have the length
+    of `token_ids`."""
 
     index: int
     """Which of the prompt's n samples this is."""
@@ -23,6 +27,9 @@ class CompletionOutput:
     policy_versions: list[int]
     """The engine's policy_version when each token was sampled."""
     text: str | None = None
+    """The detokenized output (None without a tokenizer): mid-stream, all but a trailing partial character
+    and any end that could still begin a stop string; finished, cut before a matched stop string (after it
+    with include_stop_str_in_output)."""
     top_logprobs: list[list[tuple[int, float]]] | None = None
     num_preemptions: int = 0
     spec_decode_stats: dict | None = None
@@ -32,6 +39,21 @@ class CompletionOutput:
     @property
     def finished(self) -> bool:
         return self.finish_reason is not None
+
+    def add(self, delta: "CompletionOutput") -> None:
+        """Append the next delta of this sample (its per-token lists and text; its latest scalars)."""
+        self.token_ids.extend(delta.token_ids)
+        self.policy_versions.extend(delta.policy_versions)
+        if delta.logprobs is not None:
+            self.logprobs = self.logprobs or []
+            self.logprobs.extend(delta.logprobs)
+        if delta.top_logprobs is not None:
+            self.top_logprobs = self.top_logprobs or []
+            self.top_logprobs.extend(delta.top_logprobs)
+        if delta.text is not None:
+            self.text = (self.text or "") + delta.text
+        self.finish_reason, self.stop_reason = delta.finish_reason, delta.stop_reason
+        self.num_preemptions, self.spec_decode_stats = delta.num_preemptions, delta.spec_decode_stats
 
 
 @dataclass(kw_only=True, slots=True)
@@ -44,7 +66,21 @@ class RequestOutput:
     outputs: list[CompletionOutput] = field(default_factory=list)
     num_cached_prompt_tokens: int = 0
     """Prompt tokens served from the prefix cache (summed over samples)."""
+    finished: bool = False
+    """Every sample has finished: the prompt's last output. (A delta output's `outputs` are only the samples
+    that changed, so this is not a property of them.)"""
 
-    @property
-    def finished(self) -> bool:
-        return all(o.finished for o in self.outputs)
+    def add(self, delta: "RequestOutput") -> None:
+        """Fold the next delta output of this prompt into this one, which then reads as the cumulative output
+        (samples in index order; a sample first seen in `delta` is added)."""
+        mine = {c.index: c for c in self.outputs}
+        for d in delta.outputs:
+            c = mine.get(d.index)
+            if c is None:
+                c = mine[d.index] = CompletionOutput(index=d.index, token_ids=[], logprobs=None, finish_reason=None,
+                                                     policy_versions=[])
+                self.outputs.append(c)
+            c.add(d)
+        self.outputs.sort(key=lambda c: c.index)
+        self.finished = delta.finished
+        self.num_cached_prompt_tokens = delta.num_cached_prompt_tokens

@@ -9,9 +9,12 @@ from __future__ import annotations
 
 import enum
 from dataclasses import dataclass, field
-from typing import Callable
+from typing import TYPE_CHECKING
 
 from rollout.sampling_params import SamplingParams
+
+if TYPE_CHECKING:
+    from rollout.detokenizer import StopStrings
 
 
 class RequestStatus(enum.Enum):
@@ -71,7 +74,8 @@ class Request:
     num_preemptions: int = 0
     num_cached_prompt_tokens: int = 0
     spec_stats: dict | None = None
-    stop_strings: "StopStrings | None" = None  # when params.stop is set (the engine has a tokenizer)
+    stop_strings: "StopStrings | None" = None  # when params.stop is set: set by the engine's OutputProcessor, it
+    # reads the sample's incrementally decoded text
     stop_reason: int | str | None = None  # the stop token id or string that ended it; None for EOS / length
 
     def __post_init__(self) -> None:
@@ -88,36 +92,6 @@ class Request:
         return len(self.token_ids)
 
     @property
-    def output_token_ids(self) -> list[int]:
-        return self.token_ids[self.num_prompt_tokens :]
-
-    @property
     def num_output_tokens(self) -> int:
         return len(self.token_ids) - self.num_prompt_tokens
 
-
-class StopStrings:
-    """Finds `SamplingParams.stop` strings in a request's output as tokens arrive.
-
-    A string counts when an occurrence ends inside the newest token's text (so one that lay wholly within
-    the first `min_tokens` tokens does not end the request later). Only the last few tokens are
-    detokenized at each check: a string of L characters is completed within the last L + 3 tokens (every
-    token decodes to at least one character, or to part of one for byte-level vocabularies).
-    """
-
-    def __init__(self, stops: list[str], decode: Callable[[list[int]], str]) -> None:
-        self.stops = stops
-        self.decode = decode  # token ids -> text
-        self.window = max(len(s) for s in stops) + 3
-
-    def find(self, token_ids: list[int], start: int, end: int) -> str | None:
-        """The stop string ending in the text of token ``end - 1`` (output tokens start at ``start``), or None."""
-        window = token_ids[max(start, end - self.window) : end]
-        tail = self.decode(window)
-        before = len(self.decode(window[:-1]))  # characters ahead of the newest token's text
-        return next((s for s in self.stops if tail.find(s, max(0, before - len(s) + 1)) >= 0), None)
-
-    def truncate(self, text: str, stop: str, include: bool) -> str:
-        """``text`` (the whole output) cut before the first occurrence of ``stop`` (after it, if ``include``)."""
-        at = text.find(stop)
-        return text if at < 0 else text[: at + (len(stop) if include else 0)]

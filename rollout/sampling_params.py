@@ -6,9 +6,21 @@ fields (a bad value is a `ValueError` that names the field) and knows nothing ab
 
 from __future__ import annotations
 
+import enum
 from dataclasses import dataclass, field
 
 from runner.messages import RequestSampling
+
+
+class RequestOutputKind(enum.IntEnum):
+    """Which outputs the engine builds for a request (vLLM's names; rollout/output_processor.py builds them)."""
+
+    CUMULATIVE = 0
+    """Every output carries everything so far."""
+    DELTA = 1
+    """Each output carries only what is new since the request's previous output."""
+    FINAL_ONLY = 2
+    """One output, once every sample has finished."""
 
 
 @dataclass(kw_only=True, slots=True)
@@ -61,6 +73,9 @@ class SamplingParams:
     """Prefix-cache salt: a request shares cached KV blocks only with requests of the same salt (None: with
     the unsalted ones), so one tenant cannot detect another's prompts by their cache hits. The n samples of
     one prompt always share their prompt's blocks. Outputs do not depend on it."""
+    output_kind: RequestOutputKind = RequestOutputKind.CUMULATIVE
+    """What `Engine.step` returns for this request (see RequestOutputKind). `Engine.generate` builds one final
+    output and `AsyncEngine.stream` deltas, whatever this says."""
 
     def __post_init__(self) -> None:
         if not isinstance(self.n, int) or self.n < 1:
@@ -93,6 +108,11 @@ class SamplingParams:
             raise ValueError(f"SamplingParams.stop must be a list of non-empty strings, got {self.stop!r}")
         if self.cache_salt is not None and not (isinstance(self.cache_salt, str) and self.cache_salt):
             raise ValueError(f"SamplingParams.cache_salt must be a non-empty string or None, got {self.cache_salt!r}")
+        try:
+            self.output_kind = RequestOutputKind(self.output_kind)
+        except ValueError:
+            raise ValueError(
+                f"SamplingParams.output_kind must be a RequestOutputKind, got {self.output_kind!r}") from None
 
     @property
     def greedy(self) -> bool:

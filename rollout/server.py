@@ -7,7 +7,8 @@
     GET  /get_model_info              {"model_path", "policy_version", "has_tokenizer"}
     POST /generate                    {"input_ids" | "text", "sampling_params", "return_logprob", "rid"?,
                                       "stream"?}: one prompt or a list; one result per sample ({"text",
-                                      "output_ids", "meta_info"}); "stream": server-sent events of one prompt
+                                      "output_ids", "meta_info"}); "stream": server-sent events of one prompt,
+                                      each the result so far (cumulative text, as SGLang streams by default)
     POST /abort_request               {"rid"}: that /generate call returns what it has, finish_reason "abort"
     POST /v1/completions              {"prompt", "max_tokens", "temperature", "top_p", "top_k", "n", "stop",
                                       "seed", "logprobs"}: OpenAI's text_completion object
@@ -30,7 +31,7 @@ import logging
 import time
 
 from rollout.async_engine import AsyncEngine
-from rollout.outputs import RequestOutput
+from rollout.outputs import CompletionOutput, RequestOutput
 from rollout.sampling_params import SamplingParams
 
 logger = logging.getLogger(__name__)
@@ -148,7 +149,7 @@ def build_app(engine: AsyncEngine, model_path: str):
             if body.get("stream"):
                 if batched:
                     raise ValueError("stream takes one prompt")
-                return await stream(request, engine.stream(prompts[0], params, request_id=rids[0]),
+                return await stream(request, engine.stream(prompts[0], params, request_id=rids[0]), params.n,
                                     bool(body.get("return_logprob")))
             outs = await generate_all(prompts, params, rids)
         except (ValueError, TypeError) as e:  # TypeError: a field of the wrong JSON type
@@ -156,16 +157,27 @@ def build_app(engine: AsyncEngine, model_path: str):
         results = [r for out in outs for r in sglang_result(out, bool(body.get("return_logprob")))]
         return web.json_response(results if batched or len(results) > 1 else results[0])
 
-    async def stream(request, outputs, return_logprob: bool):
-        """Server-sent events: the result so far after every step that gave tokens, then [DONE]. The first
-        output is awaited before the response starts, so a refused request still gets its 400."""
+    async def stream(request, outputs, num_samples: int, return_logprob: bool):
+        """Server-sent events: after every step that gave tokens, the result so far, then [DONE]. As SGLang's
+        /generate streams by default (its --incremental-streaming-output off), each event is cumulative: the
+        text so far (never null with a tokenizer; a partial character or a possible stop string's start
+        waits for the next event, so every event's text is a prefix of the final one), output_ids and
+        meta_info so far; a list of one result per sample when n > 1. The engine's delta outputs are folded
+        into `so_far`. The first output is awaited before the response starts, so a refused request still
+        gets its 400."""
         try:
             out = await outputs.__anext__()
             response = web.StreamResponse(headers={"Content-Type": "text/event-stream", "Cache-Control": "no-cache"})
             await response.prepare(request)
+            text = "" if engine.engine.tokenizer is not None else None
+            empty = [CompletionOutput(index=j, token_ids=[], logprobs=None, finish_reason=None, policy_versions=[],
+                                      text=text) for j in range(num_samples)]
+            so_far = RequestOutput(request_id=out.request_id, prompt=out.prompt, prompt_token_ids=out.prompt_token_ids,
+                                   outputs=empty)
             while True:
-                results = sglang_result(out, return_logprob)
-                await response.write(f"data: {json.dumps(results if len(results) > 1 else results[0])}\n\n".encode())
+                so_far.add(out)
+                results = sglang_result(so_far, return_logprob)
+                await response.write(f"data: {json.dumps(results if num_samples > 1 else results[0])}\n\n".encode())
                 if out.finished:
                     break
                 out = await outputs.__anext__()

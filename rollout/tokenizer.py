@@ -1,8 +1,11 @@
-"""A thin wrapper over a `tokenizers` tokenizer.json (encode prompts, decode completions)."""
+"""A thin wrapper over a `tokenizers` tokenizer.json (encode prompts, decode completions; incremental decoding of
+streamed outputs is rollout/detokenizer.py)."""
 
 from __future__ import annotations
 
+import functools
 from pathlib import Path
+from typing import Callable
 
 
 class Tokenizer:
@@ -27,6 +30,11 @@ class Tokenizer:
 
     def decode(self, ids: list[int], skip_special_tokens: bool = True) -> str:
         return self._tok.decode(ids, skip_special_tokens=skip_special_tokens)
+
+    def decoder(self, skip_special_tokens: bool = True) -> Callable[[list[int]], str]:
+        """`decode` with `skip_special_tokens` bound, without this wrapper's call: what the incremental
+        detokenizer calls for every token."""
+        return functools.partial(self._tok.decode, skip_special_tokens=skip_special_tokens)
 
     def token_id(self, token: str) -> int | None:
         return self._tok.token_to_id(token)

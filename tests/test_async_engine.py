@@ -60,9 +60,15 @@ def test_concurrent_episodes_equal_the_synchronous_engine(model):
 def test_stream_bad_request_cancel_and_call_between_steps(model):
     async def main():
         with AsyncEngine(config(model)) as engine:
-            # streaming: growing outputs, the last one finished
-            lengths = [len(o.outputs[0].token_ids) async for o in engine.stream([5, 6, 7], SamplingParams(max_tokens=8, ignore_eos=True))]
-            assert lengths == sorted(lengths) and lengths[-1] == 8
+            # streaming: one delta per step (each step adds one token), only the last one finished; the deltas
+            # concatenate to what generate returns
+            seeded = SamplingParams(max_tokens=8, seed=4, ignore_eos=True)
+            deltas = [o async for o in engine.stream([5, 6, 7], seeded)]
+            assert [len(o.outputs[0].token_ids) for o in deltas] == [1] * 8
+            assert [o.finished for o in deltas] == [False] * 7 + [True]
+            whole = await engine.generate([5, 6, 7], seeded)
+            assert [t for o in deltas for t in o.outputs[0].token_ids] == whole.outputs[0].token_ids
+            assert [lp for o in deltas for lp in o.outputs[0].logprobs] == whole.outputs[0].logprobs
             # a bad request fails in its own coroutine; the good ones finish
             good = [engine.generate([4, 5], SamplingParams(max_tokens=6, seed=s, ignore_eos=True)) for s in range(3)]
             results = await asyncio.gather(engine.generate([], SamplingParams()), *good, return_exceptions=True)
@@ -80,7 +86,7 @@ def test_stream_bad_request_cancel_and_call_between_steps(model):
             task.cancel()
             with pytest.raises(asyncio.CancelledError):
                 await task
-            idle = await engine.call(lambda e: (e.has_unfinished_requests(), e.kv_manager.pool.num_used_blocks, len(e._groups)))
+            idle = await engine.call(lambda e: (e.has_unfinished_requests(), e.kv_manager.pool.num_used_blocks, len(e.output_processor)))
             assert idle == (False, 0, 0)
             # a command's error reaches its caller; the engine thread goes on
             with pytest.raises(ValueError, match="sleep level"):

@@ -100,7 +100,7 @@ def test_n_samples_hold_prompt_blocks_once(model_dir):
     prompt = list(range(10, 30))  # 20 tokens = 5 full blocks
     eng.add_request(prompt, SamplingParams(n=8, max_tokens=3, ignore_eos=True), request_id="p")
     pool = eng.kv_manager.pool
-    group = eng._groups["p"]
+    group = eng.output_processor.get("p")
     peak = 0
     while eng.has_unfinished_requests():
         eng.step()
@@ -113,7 +113,7 @@ def test_n_samples_hold_prompt_blocks_once(model_dir):
     # 4 shared prompt blocks + at most 2 own blocks per sample (prompt tail + 3 outputs), never 8 copies
     assert peak <= 4 + 8 * 2
     assert pool.num_used_blocks == 0
-    assert "p" not in eng._groups  # reported finished once, then forgotten
+    assert "p" not in eng.output_processor  # reported finished once, then forgotten
 
 
 @pytest.mark.parametrize(

@@ -70,15 +70,20 @@ def test_generate_and_completions_return_the_engine_results(model_dir):
         assert [x["text"] for x in batch] == [o.outputs[0].text for o in greedy]
         matched = [x["meta_info"]["finish_reason"].get("matched") for x in batch]
         assert matched == [o.outputs[0].stop_reason for o in greedy] and "0" in matched
-        # streamed: the result so far after each step, the last one equal to the whole answer, then [DONE]
-        r = await client.post("/generate", json={"input_ids": ids, "stream": True, "sampling_params": {
-            "max_new_tokens": 10, "sampling_seed": 3, "ignore_eos": True}})
-        events = [e.removeprefix("data: ") for e in (await r.text()).split("\n\n") if e]
-        assert r.status == 200 and events[-1] == "[DONE]" and len(events) >= 3
-        chunks = [json.loads(e) for e in events[:-1]]
-        lengths = [len(c["output_ids"]) for c in chunks]
-        assert lengths == sorted(lengths) and chunks[-1]["output_ids"] == local.generate(
-            [ids], SamplingParams(max_tokens=10, seed=3, ignore_eos=True))[0].outputs[0].token_ids
+        # streamed: the result so far after each step (its text too, never null, each a prefix of the next),
+        # the last one equal to the whole answer, then [DONE]; with a stop string, text past it is never sent
+        for stop in ([], ["0"]):
+            r = await client.post("/generate", json={"input_ids": ids, "stream": True, "sampling_params": {
+                "max_new_tokens": 10, "sampling_seed": 3, "ignore_eos": True, "stop": stop}})
+            events = [e.removeprefix("data: ") for e in (await r.text()).split("\n\n") if e]
+            assert r.status == 200 and events[-1] == "[DONE]" and len(events) >= 3
+            chunks = [json.loads(e) for e in events[:-1]]
+            whole = local.generate([ids], SamplingParams(max_tokens=10, seed=3, ignore_eos=True, stop=stop))[0].outputs[0]
+            lengths = [len(c["output_ids"]) for c in chunks]
+            assert lengths == sorted(lengths) and chunks[-1]["output_ids"] == whole.token_ids
+            texts = [c["text"] for c in chunks]
+            assert all(isinstance(t, str) and whole.text.startswith(t) for t in texts) and texts[-1] == whole.text
+            assert len(set(texts)) > 2  # growing with the tokens
         r = await client.post("/generate", json={"text": [PROMPT, PROMPT], "stream": True})
         assert r.status == 400 and "one prompt" in (await r.json())["error"]
         r = await client.post("/generate", json={"input_ids": [100000], "stream": True})  # refused before streaming
