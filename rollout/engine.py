@@ -35,6 +35,7 @@ from typing import Iterable, Sequence
 
 
 from rollout.config import EngineConfig
+from rollout.engine_weights import EngineWeights
 from rollout.kv_cache_manager import KVCacheManager
 from rollout.output_processor import OutputProcessor
 from rollout.outputs import RequestOutput
@@ -91,8 +92,7 @@ class Engine:
         self.output_processor = OutputProcessor(self.tokenizer)  # per-prompt output state; builds every output
         self._ids = itertools.count()
         self._sleep = SleepState(self.collective_rpc, self.kv_manager.reset_prefix_cache)
-        self._sink = None  # weight_sink(), made on first use
-        self._staged = None  # the session of prepare_weight_update, until published or dropped
+        self._weights = EngineWeights(self)
         self._inflight = None  # async scheduling: (SchedulerOutput, StepHandle) launched, not yet collected
         self._drained: list[Request] = []  # requests that got tokens in a drain, reported by the next step
         self.spec_controller = None  # SpecController (auto-off) when speculating
@@ -295,7 +295,7 @@ class Engine:
         self._drain()
         return self.executor.collective_rpc(method, *args)
 
-    # ---- weights ----------------------------------------------------------------------------------------
+    # ---- weights (rollout/engine_weights.py) --------------------------------------------------------------
     def weight_sink(self) -> "EngineSink":  # noqa: F821
         """What a transport's receiver writes into: `IpcReceiver(conn, engine.weight_sink())`, `NixlReceiver`,
         `DistReceiver`, `InProcessSender` (weight_updates.transports). Each of its sessions finishes the step in
@@ -303,42 +303,21 @@ class Engine:
         `policy_version` once: running requests' later tokens record the new version, and no new request
         reuses prefix-cache blocks of older weights. Nothing else is to be called.
 
-        Every record is checked (shape, dtype, bounds, checksum) before anything is written. In one process the
-        records are written in place and verified here; under tensor parallelism rank 0 checks names, shapes
-        and dtypes against `weight_specs` and holds the records, and at commit every rank validates them,
-        writes its shard and verifies (`collective_rpc("weight_sync.apply", ...)`). The sink's sessions keep no copy of the
-        old values of densely updated tensors (it would need as much free device memory as the update), so
-        only a target that fails to hold written bits, caught by the read-back, could leave them changed, and
-        that error says so."""
-        if self._sink is None:
-            from rollout.weight_sink import EngineSink
-
-            if self.config.tensor_parallel_size > 1:
-                from weight_updates import StagingReceiver
-
-                receiver = StagingReceiver(self.weight_specs(), self._apply_on_every_rank, version=self.policy_version,
-                                           device=self.runner.device)
-            else:
-                receiver = self.runner.weight_sync.receiver("full", self.policy_version)
-            self._sink = EngineSink(receiver, begin=self._begin_weight_update,
-                                    publish=lambda version: self.scheduler.on_weights_updated(version),
-                                    device=self.runner.device)
-        return self._sink
+        Every record is checked (shape, dtype, bounds, checksum) before anything is written, on every rank
+        under tensor parallelism. The sink's own sessions keep no copy of the old values of densely updated
+        tensors (it would need as much free device memory as the update), so only a target that fails to
+        hold written bits, caught by the read-back, could leave them changed, and that error says so."""
+        return self._weights.sink()
 
     def weight_specs(self) -> dict:
         """Checkpoint name -> (shape, dtype) of every tensor a weight update may carry."""
-        return self.runner.weights.checkpoint_specs()
+        return self._weights.specs()
 
     def export_weights(self) -> list:
-        """Every weight as a `Dense` record (checkpoint names and shapes), e.g. to bring another engine to these
-        weights. The tensors are views of the live weights: use them before the next update, or clone them.
-        One process only: under tensor parallelism each rank holds only its shards."""
-        if self.config.tensor_parallel_size > 1:
-            raise ValueError("export_weights with tensor_parallel_size > 1: each rank holds only its shards")
-        from weight_updates import Dense
-
-        weights = self.runner.weights
-        return [Dense.of(name, weights.view(name)) for name in weights.layout]
+        """Every weight as a full checkpoint-shaped `Dense` record, e.g. to bring another engine to these
+        weights (under tensor parallelism gathered from every rank). In one process the tensors are views of
+        the live weights: use them before the next update, or clone them."""
+        return self._weights.export()
 
     def apply_weight_update(self, version: int, updates) -> "UpdateResult":  # noqa: F821
         """Apply Dense/Patch records between steps; on success `policy_version` becomes `version`.
@@ -346,118 +325,51 @@ class Engine:
         Nothing is written unless every record validates; a failed update raises (a ValueError naming the
         problem) and leaves the weights and the version as they were. Running requests keep going; their
         later tokens record the new version, and no new request reuses prefix-cache blocks of older weights.
-        One session of `weight_sink()`: prepare, commit and publish in one call.
-        """
-        session = self._stage(version, updates, dense_rollback=False)
-        session.commit()
-        return session.publish()
+        One session of `weight_sink()`: prepare, commit and publish in one call."""
+        return self._weights.apply(version, updates)
 
     def prepare_weight_update(self, version: int, updates) -> None:
         """Stage an update that peers must agree on (the workers of a `RolloutPool`): finish the step in flight,
-        validate every record, write nothing. Then `commit_weight_update()` (write and verify) and
-        `publish_weight_update()` (the version moves), or `drop_weight_update()` at any point before publishing.
-        Raises a ValueError (WeightUpdateError) and stages nothing if the update is refused.
+        validate every record (on every rank), write nothing. Then `commit_weight_update()` (write and verify)
+        and `publish_weight_update()` (the version moves), or `drop_weight_update()` at any point before
+        publishing. Raises a ValueError (WeightUpdateError) and stages nothing if the update is refused.
 
         A staged update keeps the old values of densely updated tensors from commit until publish or drop (as
-        much device memory as its dense records), so that a drop after commit restores them. The engine does
-        not sleep while an update is staged, and must not step between commit and publish (tokens would be
-        sampled from new weights under the old version). Under tensor parallelism the records are applied on
-        every rank at commit and a drop after commit cannot restore them (the drop's text says so)."""
-        if self._staged is not None:
-            from weight_updates import WeightUpdateError
-
-            raise WeightUpdateError(f"an update is staged already ({self._staged.state}): publish or drop it first")
-        self._staged = self._stage(version, updates, dense_rollback=True)
+        much device memory as its dense records, on each rank), so that a drop after commit restores them.
+        The engine does not sleep while an update is staged, and must not step between commit and publish
+        (tokens would be sampled from new weights under the old version)."""
+        self._weights.prepare(version, updates)
 
     def commit_weight_update(self) -> None:
         """Write and verify the staged update; the version does not move yet. A failure writes the old values
         back, leaves nothing staged and raises."""
-        session = self._staged_in("commit_weight_update", "prepared")
-        try:
-            session.commit()
-        except BaseException:
-            self._staged = None
-            raise
+        self._weights.commit()
 
     def publish_weight_update(self) -> "UpdateResult":  # noqa: F821
         """Make the committed update current: `policy_version` becomes its version."""
-        session = self._staged_in("publish_weight_update", "committed")
-        self._staged = None
-        return session.publish()
+        return self._weights.publish()
 
     def drop_weight_update(self) -> str:
         """Drop the staged update, writing back what its commit wrote; returns what was restored, in words
         ("nothing staged" if no update is)."""
-        session, self._staged = self._staged, None
-        return "nothing staged" if session is None else session.rollback()
-
-    def _stage(self, version: int, updates, *, dense_rollback: bool):
-        """A session of `weight_sink()` that validated `updates` (start, add, prepare); it raises having
-        staged nothing."""
-        session = self.weight_sink().session(dense_rollback=dense_rollback)
-        session.start(version)
-        session.add(updates)
-        session.prepare()
-        return session
-
-    def _staged_in(self, call: str, state: str):
-        if self._staged is None or self._staged.state != state:
-            from weight_updates import WeightUpdateError
-
-            held = "nothing is staged" if self._staged is None else f"the staged update is {self._staged.state}"
-            raise WeightUpdateError(f"{call}() needs a staged update that is {state}; {held}")
-        return self._staged
-
-    def _begin_weight_update(self) -> int:
-        """Ready the engine for a write: finish the step in flight (its tokens belong to the old weights) and
-        check that the weights are on the device. Returns the current policy version."""
-        from weight_updates import WeightUpdateError
-
-        self._drain()
-        try:
-            self._sleep.check_awake("weight update", "weights")
-        except ValueError as e:
-            raise WeightUpdateError(str(e)) from None
-        return self.policy_version
-
-    def _apply_on_every_rank(self, version: int, records: list) -> "UpdateResult":  # noqa: F821
-        """Under tensor parallelism: every rank validates, writes its shard and verifies (rank 0's result)."""
-        return self.collective_rpc("weight_sync.apply", version, records, self.policy_version)[0]
+        return self._weights.drop()
 
     def load_weights(self, path: str, version: int | None = None) -> "UpdateResult":  # noqa: F821
         """Overwrite the weights in place with a checkpoint directory's (safetensors, the same architecture:
         the names and shapes the engine holds; float tensors cast to the engine's dtype), as one dense
         update: every tensor is checked before any is written. `version` defaults to policy_version + 1."""
-        from runner.loader import checkpoint_tensors
-        from weight_updates import Dense
-
-        specs = self.weight_specs()
-        records = []
-        for file, name, lazy in checkpoint_tensors(path, self.model_config.tie_word_embeddings):
-            spec = specs.get(name)
-            if spec is None:
-                raise ValueError(f"{file}: tensor {name!r} is not a weight of this engine's model")
-            tensor = lazy[:]
-            if not tensor.is_floating_point():
-                raise ValueError(f"{file}: tensor {name!r} has dtype {tensor.dtype}, not a float dtype")
-            records.append(Dense.of(name, tensor.to(spec.dtype) if tensor.dtype != spec.dtype else tensor))
-        if not records:
-            raise ValueError(f"{path}: no weights of this engine's model")
-        return self.apply_weight_update(self.policy_version + 1 if version is None else version, records)
+        return self._weights.load(path, version)
 
     def rank_local_layouts(self) -> list[dict]:
         """Per rank, checkpoint name -> `CheckpointSlot`: which rows or columns of each checkpoint tensor
         the rank holds (`shard`, along `dim`) and their shape (`shard_shape`); what a trainer cuts its
         weights by for `update_weights_rank_local` (see `weight_updates.transports.rank_local`)."""
-        if self.config.tensor_parallel_size > 1:
-            return list(self.runner.weights.rank_layouts)
-        return [dict(self.runner.weights.layout)]
+        return self._weights.rank_local_layouts()
 
     def rank_local_checksums(self) -> list[dict[str, int]]:
         """Per rank, checkpoint name -> checksum (`weight_updates.checksum`) of the rank's part as it holds
         it now: what a trainer compares its own parts with (`TrainerBridge.adopt_engine_weights`)."""
-        self._sleep.check_awake("rank_local_checksums", "weights")
-        return self.collective_rpc("weight_sync.rank_local_checksums")
+        return self._weights.rank_local_checksums()
 
     def update_weights_rank_local(self, version: int, handles: Sequence[dict]) -> "UpdateResult":  # noqa: F821
         """Apply a weight update whose records for rank r (in rank r's coordinates, see
@@ -467,18 +379,8 @@ class Engine:
 
         Every rank validates before any rank writes, and `policy_version` becomes `version` only when every
         rank has written and verified; otherwise a WeightUpdateError (a ValueError) names the failing ranks
-        and their errors, and every rank's weights and the version are as they were. Returns rank 0's result.
-        """
-        if len(handles) != self.config.tensor_parallel_size:
-            raise ValueError(f"{len(handles)} handles for tensor_parallel_size={self.config.tensor_parallel_size}")
-        if self.config.tensor_parallel_size == 1:
-            from weight_updates.transports.rank_local import serve_rank_local
-
-            return serve_rank_local(self.weight_sink(), version, handles[0], exchange=lambda value: [value])
-        current = self._begin_weight_update()
-        result = self.collective_rpc("weight_sync.apply_rank_local", version, list(handles), current)[0]
-        self.scheduler.on_weights_updated(result.version)
-        return result
+        and their errors, and every rank's weights and the version are as they were. Returns rank 0's result."""
+        return self._weights.update_rank_local(version, handles)
 
     # ---- sleep / wake (rollout/sleep.py) ---------------------------------------------------------------
     def sleep(self, level: int = 1) -> None:
@@ -491,7 +393,7 @@ class Engine:
         """
         if self.has_unfinished_requests():
             raise ValueError("sleep() with unfinished requests: finish or abort them first")
-        if self._staged is not None:
+        if self._weights.staged is not None:
             raise ValueError("sleep() with a staged weight update: publish or drop it first")
         self._sleep.sleep(level)
 

@@ -6,7 +6,10 @@ a tensor-parallel engine gets every record, and each writes its own shard throug
 records in the rank's own coordinates (each rank maps its own bucket, see
 weight_updates/transports/rank_local.py). Each receiver caches checksums in its own coordinates, so an
 update through one drops the other's cache, and both follow the engine's policy version, which the
-caller passes in. Not here: moving records between processes, the engine's version bump.
+caller passes in. A full-coordinate update can also be staged (`prepare` -> `commit` -> `publish`, or
+`rollback`), one collective RPC per step, so that a tensor-parallel engine's update is undone on every
+rank when any rank (or any other engine of a pool) fails. Not here: moving records between processes, the
+engine's version bump.
 """
 
 from __future__ import annotations
@@ -22,6 +25,7 @@ class WeightSync:
     def __init__(self, runner: "ModelRunner") -> None:
         self.runner = runner
         self._receivers: dict[str, "WeightReceiver"] = {}  # "full" | "rank_local", made on first use
+        self._staged = None  # the UpdateSession of `prepare`, until published or rolled back
 
     def receiver(self, path: str, current_version: int) -> "WeightReceiver":
         """The receiver of `path`, at `current_version`; the other path's cached checksums are dropped."""
@@ -48,6 +52,37 @@ class WeightSync:
         same records; sessions read shards back with collectives, so every rank must run it)."""
         return self.receiver("full", current_version).apply(version, records)
 
+    # A staged update in full coordinates, in the steps the engine drives on every rank (each a collective RPC):
+    # prepare (validate, nothing written) -> commit (write, verify) -> publish, or rollback at any point.
+    def prepare(self, version: int, records: list, current_version: int, dense_rollback: bool) -> None:
+        """Validate `records` and hold them in a session of this rank; nothing is written. A session staged
+        before and not published is dropped first."""
+        self.rollback()
+        session = self.receiver("full", current_version).session(dense_rollback=dense_rollback)
+        session.start(version)
+        session.add(records)
+        session.prepare()
+        self._staged = session
+
+    def commit(self) -> None:
+        """Write and verify the staged records (a failure writes the old values back and raises)."""
+        assert self._staged is not None, "commit() with nothing staged"
+        try:
+            self._staged.commit()
+        except BaseException:
+            self._staged = None
+            raise
+
+    def publish(self) -> "UpdateResult":
+        session, self._staged = self._staged, None
+        assert session is not None, "publish() with nothing staged"
+        return session.publish()
+
+    def rollback(self) -> str:
+        """Drop the staged session, writing back what its commit wrote; what was restored, in words."""
+        session, self._staged = self._staged, None
+        return "nothing staged" if session is None else session.rollback()
+
     def apply_rank_local(self, version: int, handles: list[dict], current_version: int) -> "UpdateResult":
         """Map `handles[rank]` (this rank's bucket) and apply it, voting with the other ranks so that every
         rank publishes `version` or none changes anything."""
@@ -59,6 +94,16 @@ class WeightSync:
                                     exchange=lambda value: [value])
         return serve_rank_local(self.receiver("rank_local", current_version), version, handles[tp.rank],
                                 exchange=tp.all_gather_json)
+
+    def export(self) -> list | None:
+        """Every weight as a full checkpoint-shaped Dense record (under TP assembled with collectives, so every
+        rank takes part); rank 0 returns them, other ranks None. In one process they are views of the live
+        weights."""
+        from weight_updates import Dense
+
+        weights = self.runner.weights
+        records = [Dense.of(name, weights.read_checkpoint_tensor(name)) for name in weights.layout]
+        return records if self.runner.tp is None or self.runner.tp.rank == 0 else None
 
     def rank_local_checksums(self) -> dict[str, int]:
         """Checkpoint name -> checksum of this rank's part as it holds it now."""

@@ -148,3 +148,56 @@ def test_rank_error_keeps_the_first_failing_type_and_names_each_rank():
     assert str(e) == "m failed on rank 1, 2 of 3 (rank 1: OutOfMemoryError: oom; rank 2: Weird: w)"
     same = rank_error("m", [{"type": "ValueError", "message": "v"}] * 2)
     assert type(same) is ValueError and str(same) == "v" and set(same.rank_errors) == {0, 1}
+
+
+# ---- weight updates staged on every rank ------------------------------------------------------------------
+def drop_dense_writes_on(runner, rank: int) -> None:
+    """On `rank`, dense writes go nowhere (a faulty device): that rank fails verification after writing."""
+    if runner.tp.rank == rank:
+        runner.weights.write_dense_many = lambda pairs: None
+
+
+def restore_dense_writes(runner) -> None:
+    runner.weights.__dict__.pop("write_dense_many", None)
+
+
+def _moved(engine, seed: int) -> list:
+    g = torch.Generator().manual_seed(seed)
+    return [Dense.of(r.name, r.tensor + 0.01 * torch.randn(r.tensor.shape, generator=g).to(r.tensor.dtype))
+            for r in engine.export_weights()]
+
+
+def test_export_weights_gathers_full_tensors_from_every_rank(engine_tp, tp_model_dir):
+    with Engine(tp_config(tp_model_dir)) as single:
+        want = {r.name: r.tensor.clone() for r in single.export_weights()}
+    got = {r.name: r.tensor for r in engine_tp.export_weights()}
+    assert got.keys() == want.keys()
+    assert all(torch.equal(got[n], want[n]) for n in want)
+
+
+def test_a_staged_update_is_dropped_and_restored_on_every_rank(engine_tp):
+    sums, version, before = engine_tp.rank_local_checksums(), engine_tp.policy_version, _tokens(engine_tp)
+    engine_tp.prepare_weight_update(version + 1, _moved(engine_tp, 1))
+    engine_tp.commit_weight_update()
+    assert engine_tp.rank_local_checksums() != sums  # written on every rank
+    assert "restored" in engine_tp.drop_weight_update()
+    assert engine_tp.rank_local_checksums() == sums and engine_tp.policy_version == version
+    assert _tokens(engine_tp) == before
+
+
+def test_a_commit_whose_writes_fail_on_rank_1_alone_rolls_back_every_rank(engine_tp):
+    """Rank 1's dense writes go nowhere. Verification reads full tensors (every rank's shards, gathered), so
+    each rank sees the tensors rank 1 left unwritten and restores its own part."""
+    sums, version, before = engine_tp.rank_local_checksums(), engine_tp.policy_version, _tokens(engine_tp)
+    engine_tp.collective_rpc("test_collective_rpc:drop_dense_writes_on", 1)
+    try:
+        engine_tp.prepare_weight_update(version + 1, _moved(engine_tp, 2))
+        with pytest.raises(WeightUpdateError, match="rank 1") as info:
+            engine_tp.commit_weight_update()
+        assert all("did not hold the sent bits" in e for e in info.value.rank_errors.values())
+    finally:
+        engine_tp.collective_rpc("test_collective_rpc:restore_dense_writes")
+    assert engine_tp.rank_local_checksums() == sums and engine_tp.policy_version == version
+    assert _tokens(engine_tp) == before
+    result = engine_tp.apply_weight_update(version + 1, _moved(engine_tp, 3))  # the next update goes through
+    assert result.version == engine_tp.policy_version == version + 1

@@ -831,20 +831,40 @@ def test_serve_session_stops_at_a_broken_stream_and_still_answers():
 # --- a staging receiver (weights out of reach) ----------------------------------------------------
 
 
-def _staging(calls, *, fail=None):
+class _Remote:
+    """Remote sessions that record the steps driven on them; `fail` makes that step raise."""
+
+    def __init__(self, calls: list, fail: dict[str, str] | None = None) -> None:
+        self.calls, self.fail, self.version = calls, fail or {}, None
+
+    def _step(self, name: str, *args):
+        self.calls.append((name, *args))
+        if name in self.fail:
+            raise WeightUpdateError(self.fail[name])
+
+    def prepare(self, version, records, dense_rollback):
+        self.version = version
+        self._step("prepare", version, [r.name for r in records], dense_rollback)
+
+    def commit(self):
+        self._step("commit")
+
+    def publish(self):
+        self._step("publish")
+        return UpdateResult(version=self.version, num_dense=0, num_patch=0, nbytes=0, validate_s=0.0, apply_s=0.0,
+                            verify_s=0.0)
+
+    def rollback(self):
+        self._step("rollback")
+        return "restored on every rank"
+
+
+def _staging(calls: list, fail: dict[str, str] | None = None) -> StagingReceiver:
     specs = {"a": ParamSpec((2, 3), torch.bfloat16), "b": ParamSpec((4,), torch.float32)}
-
-    def apply(version, records):
-        calls.append((version, [r.name for r in records]))
-        if fail is not None:
-            raise WeightUpdateError(fail)
-        return UpdateResult(version=version, num_dense=len(records), num_patch=0, nbytes=sum(r.nbytes for r in records),
-                            validate_s=0.0, apply_s=0.0, verify_s=0.0)
-
-    return StagingReceiver(specs, apply, version=3)
+    return StagingReceiver(specs, _Remote(calls, fail), version=3)
 
 
-def test_staging_receiver_checks_records_at_add_and_applies_them_at_commit():
+def test_staging_receiver_checks_records_at_add_and_drives_the_remote_sessions():
     calls = []
     receiver = _staging(calls)
     good = [Dense.of("a", torch.ones(2, 3, dtype=torch.bfloat16)), Dense.of("b", torch.ones(4))]
@@ -862,45 +882,45 @@ def test_staging_receiver_checks_records_at_add_and_applies_them_at_commit():
     with pytest.raises(WeightUpdateError, match="stream cut short"):
         session.prepare()
     assert calls == [] and receiver.version == 3  # nothing reached the weights
-    session = receiver.session()
+    session = receiver.session(dense_rollback=True)
     session.start(4)
     session.add(good)
     session.prepare()
-    assert calls == []
+    assert calls == [("prepare", 4, ["a", "b"], True)]
     session.commit()
-    assert calls == [(4, ["a", "b"])] and receiver.version == 3  # applied; the version moves at publish
-    assert session.publish().version == 4 == receiver.version
+    assert calls[-1] == ("commit",) and receiver.version == 3  # written; the version moves at publish
+    assert session.publish().version == 4 == receiver.version and calls[-1] == ("publish",)
     with pytest.raises(WeightUpdateError, match="version must be an int > the current version 4"):
         receiver.session().start(4)
 
 
-def test_staging_receiver_after_a_failed_apply_and_a_rollback():
+@pytest.mark.parametrize("step", ["prepare", "commit"])
+def test_staging_receiver_drops_every_remote_session_when_a_step_fails(step):
     calls = []
-    receiver = _staging(calls, fail="checksum mismatch on rank 1")
-    record = Dense.of("b", torch.ones(4))
+    receiver = _staging(calls, fail={step: f"{step} failed on rank 1"})
     session = receiver.session()
     session.start(4)
-    session.add([record])
-    session.prepare()
-    with pytest.raises(WeightUpdateError, match="checksum mismatch on rank 1"):
+    session.add([Dense.of("b", torch.ones(4))])
+    with pytest.raises(WeightUpdateError, match=f"{step} failed on rank 1"):
+        session.prepare()
         session.commit()
     assert session.state == "failed" and receiver.version == 3
+    assert [c[0] for c in calls] == (["prepare"] if step == "prepare" else ["prepare", "commit"]) + ["rollback"]
+
+
+def test_staging_receiver_rollback_after_commit_is_the_remote_sessions():
+    calls = []
     receiver = _staging(calls)
     session = receiver.session()
     session.start(4)
-    session.add([record])
-    session.prepare()
-    assert session.rollback() == "nothing written"
-    session = receiver.session()  # free again
+    session.add([Dense.of("b", torch.ones(4))])
+    assert session.rollback() == "nothing written" and calls == []  # nothing left this process yet
+    session = receiver.session()
     session.start(4)
-    session.add([record])
+    session.add([Dense.of("b", torch.ones(4))])
     session.prepare()
     session.commit()
-    assert "not restored" in session.rollback() and receiver.version == 3
-
-
-# --- wire format ----------------------------------------------------------------------------------
-
+    assert session.rollback() == "restored on every rank" and calls[-1] == ("rollback",) and receiver.version == 3
 
 def _mixed_updates():
     target, receiver, differ, master = make_pair(torch.bfloat16)

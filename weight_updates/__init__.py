@@ -13,7 +13,7 @@ from weight_updates.checksum import checksum, checksum_tensor, patch_checksum_de
 from weight_updates.differ import DiffConfig, ParamStats, PendingPush, PushStats, WeightDiffer
 from weight_updates.encoding import Dense, PackedIndices, Patch, Update
 from weight_updates.errors import WeightUpdateError
-from weight_updates.session import StagingReceiver, UpdateResult, UpdateSession, WeightReceiver, apply_update
+from weight_updates.session import RemoteSessions, StagingReceiver, UpdateResult, UpdateSession, WeightReceiver, apply_update
 from weight_updates.target import ParamSpec, TensorDictTarget, WeightTarget
 from weight_updates.transports.protocol import SendResult, UpdateSink
 
@@ -27,6 +27,7 @@ __all__ = [
     "PendingPush",
     "PushStats",
     "SendResult",
+    "RemoteSessions",
     "StagingReceiver",
     "TensorDictTarget",
     "Update",

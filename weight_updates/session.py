@@ -47,8 +47,8 @@ or ``batched_scatter=False``): there old values are gathered by one indexing op 
 after phase 1 (every check of the session at once), one for the write, one after phase 3. Host metadata
 travels to the device in one pinned copy per session. The cached checksums live in one device table.
 ``StagingReceiver`` offers the same sessions for weights it cannot reach (a tensor-parallel engine's, on
-several ranks): it checks names, shapes and dtypes, holds the records, and hands them at ``commit`` to a
-function that applies them where the weights are.
+several ranks): it checks names, shapes and dtypes, holds the records, and drives the same steps on
+``RemoteSessions`` where the weights are (prepare with the records, commit, publish, or rollback).
 
 This module does not move bytes between processes (see ``transports``) and does not decide encodings
 (see ``differ``).
@@ -57,9 +57,9 @@ This module does not move bytes between processes (see ``transports``) and does 
 import contextlib
 import dataclasses
 import time
-from collections.abc import Callable, Collection, Iterable, Mapping
+from collections.abc import Collection, Iterable, Mapping
 from dataclasses import dataclass
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Protocol
 
 import numpy as np
 import torch
@@ -679,22 +679,41 @@ class _SpecsOnly:
         return torch.device("cpu")
 
 
+class RemoteSessions(Protocol):
+    """Sessions where the weights are (every rank of a tensor-parallel engine), driven step by step."""
+
+    def prepare(self, version: int, records: list[Update], dense_rollback: bool | None) -> None:
+        """Validate and hold the records everywhere; nothing written. Raises if any place refused them."""
+        ...
+
+    def commit(self) -> None:
+        """Write and verify everywhere. Raises if any place failed (that place has restored itself)."""
+        ...
+
+    def publish(self) -> UpdateResult:
+        ...
+
+    def rollback(self) -> str:
+        """Drop the sessions everywhere, writing back what a commit wrote; what was restored, in words."""
+        ...
+
+
 class StagingReceiver:
     """A receiver for weights it cannot reach itself (a tensor-parallel engine's, spread over its ranks).
 
     Its sessions take the calls and states of an ``UpdateSession``. ``start`` and ``add`` check each record
     as a ``WeightReceiver``'s do, against ``specs`` (names, shapes, dtypes, counts: nothing that reads tensor
-    data), and hold the records; ``prepare`` checks that every announced name arrived; ``commit`` hands the
-    records to ``apply(version, records)``, which validates, writes and verifies them where the weights are
-    and returns its ``UpdateResult`` (or raises, having changed nothing); ``publish`` takes the version. A
-    commit is final: ``rollback`` after it cannot restore the weights, and the text it returns says so.
-    ``device``: where a transport should land the records (the weights' first device).
+    data), and hold the records; ``prepare`` checks that every announced name arrived and hands the records
+    to ``remote.prepare`` (validated where the weights are, nothing written); ``commit``, ``publish`` and
+    ``rollback`` are the remote sessions' own, so a rollback after commit restores the weights everywhere
+    (given the remote sessions' rollback copy: ``dense_rollback``). ``device``: where a transport should land
+    the records (the weights' first device).
     """
 
-    def __init__(self, specs: Mapping[str, ParamSpec], apply: Callable[[int, list[Update]], UpdateResult], *,
-                 version: int = 0, device: torch.device | str = "cpu") -> None:
+    def __init__(self, specs: Mapping[str, ParamSpec], remote: RemoteSessions, *, version: int = 0,
+                 device: torch.device | str = "cpu") -> None:
         self._checks = WeightReceiver(_SpecsOnly(specs), version=version)
-        self._apply = apply
+        self._remote = remote
         self._device = torch.device(device)
 
     @property
@@ -710,19 +729,20 @@ class StagingReceiver:
         return self._device
 
     def session(self, *, dense_rollback: bool | None = None) -> "StagedSession":
-        """A new session (``dense_rollback`` is the applying side's business and is ignored here)."""
-        return StagedSession(self)
+        """A new session; ``dense_rollback`` is passed on to the remote sessions."""
+        return StagedSession(self, dense_rollback)
 
 
 class StagedSession:
     """One update through a ``StagingReceiver``: ``start`` -> ``add``* -> ``prepare`` -> ``commit`` -> ``publish``
     (``finish`` runs the last three), as an ``UpdateSession``."""
 
-    def __init__(self, receiver: StagingReceiver) -> None:
+    def __init__(self, receiver: StagingReceiver, dense_rollback: bool | None) -> None:
         self._receiver = receiver
+        self._remote = receiver._remote
+        self._dense_rollback = dense_rollback
         self._checks = receiver._checks.session()  # checks and holds the records; never prepared
         self._state = "new"  # new -> started -> prepared -> committed -> finished; any -> failed
-        self._result: UpdateResult | None = None  # what ``apply`` returned at commit
 
     @property
     def state(self) -> str:
@@ -748,32 +768,46 @@ class StagedSession:
         self._expect("prepare", "started")
         with self._ending_on_error():
             self._checks._check_arrived()
+            version, records = self._checks._version, list(self._checks._updates.values())
+            self._checks.abort()  # the records now live in the remote sessions
+            self._remote_step(self._remote.prepare, version, records, self._dense_rollback)
+        self._version = version
         self._state = "prepared"
 
     def commit(self) -> None:
         self._expect("commit", "prepared")
         with self._ending_on_error():
-            self._result = self._receiver._apply(self._checks._version, list(self._checks._updates.values()))
+            self._remote_step(self._remote.commit)
         self._state = "committed"
 
     def publish(self) -> UpdateResult:
         self._expect("publish", "committed")
-        assert self._result is not None and self._result.version == self._checks._version
-        self._receiver.version = self._result.version
+        with self._ending_on_error():
+            result = self._remote.publish()
+        assert result.version == self._version
+        self._receiver.version = result.version
         self._end("finished")
-        return self._result
+        return result
 
     def abort(self) -> None:
-        assert self._state != "committed", "abort() after commit(): a staged commit cannot be undone"
+        if self._state in ("prepared", "committed"):
+            self._remote.rollback()
         self._end()
 
     def rollback(self) -> str:
         assert self._state != "finished", "rollback() after publish()"
-        what = "nothing written"
-        if self._state == "committed":
-            what = "not restored: the update was applied where the weights are at commit, which a staging receiver cannot undo"
+        what = self._remote.rollback() if self._state in ("prepared", "committed") else "nothing written"
         self._end()
         return what
+
+    def _remote_step(self, step, *args) -> None:
+        """One step on the remote sessions; if it fails anywhere, every remote session is dropped (places that
+        succeeded roll back too) and the error raised."""
+        try:
+            step(*args)
+        except BaseException:
+            self._remote.rollback()
+            raise
 
     def _expect(self, call: str, state: str) -> None:
         if self._state != state:
