@@ -3,22 +3,19 @@
     add_request(prompt, params) -> n Requests (one per sample) queued in the scheduler
     step():
         sched = scheduler.schedule()          which requests, how many tokens each, which blocks
-        out   = runner.execute(sched)         forward + sample on the device; one copy out
+        out   = executor.execute(sched)       forward + sample on every rank; one copy out (rank 0's)
         done  = scheduler.update(sched, out)  append tokens, finish, free blocks
-        return output_processor.process(done) the outputs of the prompts that changed (rollout/output_processor.py)
+        return output_processor.process(done) the outputs of the prompts that changed
     generate(prompts, params) = add all, step until done, outputs in prompt order
 
-Weight updates apply between steps only, and bump `policy_version` once; every token records the version
-it was sampled under. Every path is a session of `weight_sink()` (which drains the step in flight first):
-`apply_weight_update` in one call, a transport's receiver (IPC, NIXL, torch.distributed) session by
-session, or a two-phase update staged by a pool (`prepare_weight_update` -> `commit_weight_update` ->
-`publish_weight_update`, or `drop_weight_update`). A bad request is refused at `add_request` with a ValueError
-and never reaches the scheduler, so it cannot disturb the requests already running.
+This module is that loop. What surrounds it lives next to it: outputs (rollout/output_processor.py),
+weight updates (rollout/engine_weights.py: every path drains the step in flight and bumps
+`policy_version` once), sleep and wake (rollout/sleep.py), speculative-decoding statistics
+(rollout/spec_stats.py), and every call that must run on every rank is `collective_rpc`
+(runner/executor.py). A bad request is refused at `add_request` with a ValueError and never reaches the
+scheduler, so it cannot disturb the requests already running.
 
-Between rollout batches `sleep(level)` frees the KV cache and graphs (level 2: also moves the weights to
-host memory) for a trainer sharing the device, and `wake_up(tags)` brings them back.
-
-With `tensor_parallel_size=P > 1` this process is rank 0: it runs the scheduler, and the runner
+With `tensor_parallel_size=P > 1` this process is rank 0: it runs the scheduler, and the executor
 (runner/parallel/worker.py) spawns P - 1 worker ranks and sends them each step's scheduler output as
 plain data. Call `close()` (or use the engine as a context manager) to stop them; exit does it too.
 """
