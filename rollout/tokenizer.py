@@ -35,6 +35,3 @@ class Tokenizer:
         """`decode` with `skip_special_tokens` bound, without this wrapper's call: what the incremental
         detokenizer calls for every token."""
         return functools.partial(self._tok.decode, skip_special_tokens=skip_special_tokens)
-
-    def token_id(self, token: str) -> int | None:
-        return self._tok.token_to_id(token)
