@@ -278,11 +278,12 @@ class Engine:
         return [done[rid] for rid in ids]
 
     def close(self) -> None:
-        """Release device memory (graphs, KV cache, weights); the engine cannot be used afterwards."""
+        """Release device memory (graphs, KV cache, weights) now; the engine cannot be used afterwards."""
+        if self.config.gc_freeze:
+            gc.unfreeze()  # first: the release's collection must reach objects frozen at start-up
+        self._weights = None  # its weight sink reaches the weights
         self.executor.release()
         self.executor = self.runner = None
-        if self.config.gc_freeze:
-            gc.unfreeze()
 
     def collective_rpc(self, method: str, *args) -> list:
         """Run a runner method (a name or attribute path on `runner.model_runner.ModelRunner`, or

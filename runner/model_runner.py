@@ -461,11 +461,11 @@ class ModelRunner:
         return params
 
     def release(self) -> None:
-        """Drop graphs, KV cache and weights so their device memory can be freed."""
-        if self.graphs is not None:
-            self.graphs.release()
-            self.graphs = None
-        self.kv_caches = []
+        """Drop graphs, KV caches, the drafter and the weights (with the weight receivers, which reach them)
+        so their device memory is freed now."""
+        self.free_kv_cache()  # the target's and the drafter's caches and graphs
+        self.spec = None
+        self.weight_sync = None
         self.model = None
         self.weights = None
         gc.collect()

@@ -164,3 +164,26 @@ def test_wake_up_out_of_memory_leaves_the_engine_asleep_and_retry_works(model_di
     monkeypatch.setattr(ModelRunner, "allocate_kv_cache", allocate)
     engine.wake_up()
     assert tokens(engine.generate(PROMPTS, SAMPLED)) == before
+
+
+def test_close_frees_weights_caches_and_drafter_at_once(model_dir):
+    """close() leaves nothing alive that holds device memory: not the KV caches, not the drafter (its weights
+    and cache), not the weights, even after a weight update made the engine's sink (whose receiver reaches
+    the weights) — so a trainer can take the memory right away, without waiting for a garbage collection."""
+    import gc
+    import weakref
+
+    from weight_updates import Dense
+
+    engine = make_engine(model_dir, speculative=SpeculativeConfig(method="eagle", num_speculative_tokens=2))
+    engine.generate(PROMPTS, GREEDY)
+    engine.apply_weight_update(1, [Dense.of(r.name, r.tensor.clone()) for r in engine.export_weights()])
+    runner = engine.runner  # a caller may still hold the runner: what it held must go anyway
+    held = [weakref.ref(x) for x in (next(runner.model.parameters()), runner.kv_caches[0][0],
+                                     next(runner.spec.drafter.parameters()), runner.spec.kv_cache[0])]
+    gc.disable()  # what close() frees must not wait for an automatic collection
+    try:
+        engine.close()
+        assert [h() is None for h in held] == [True] * len(held)
+    finally:
+        gc.enable()
