@@ -284,6 +284,8 @@ class Engine:
         self._weights = None  # its weight sink reaches the weights
         self.executor.release()
         self.executor = self.runner = None
+        if self.config.gc_freeze:
+            gc.unfreeze()  # and what was frozen meanwhile (seen on the GPU machine: a library's objects)
 
     def collective_rpc(self, method: str, *args) -> list:
         """Run a runner method (a name or attribute path on `runner.model_runner.ModelRunner`, or
