@@ -2,17 +2,23 @@
 
 Every config is a keyword-only dataclass with a default and a docstring per field; cross-field rules are
 checked in `__post_init__` with `ValueError`. `from_mapping` builds nested configs from plain dicts (as
-parsed from YAML) and rejects unknown keys, naming the key and the file. Nothing here touches devices.
+parsed from YAML), rejects unknown keys, naming the key and the file, and checks every value against its
+field's annotation (`int | None`, nested configs, `list[int]`, ...; bool is not an int), naming the key and
+the expected type. `load_yaml` reports malformed YAML by file, line and column. Nothing here touches devices
+or resolves model ids (rollout/model_files.py does, when the engine starts).
 """
 
 from __future__ import annotations
 
 import dataclasses
+import enum
+import math
 import types
 import typing
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Mapping, TypeVar
+from typing import Any, TypeVar
 
 from runner.config import RunnerConfig, SpeculativeConfig
 
@@ -26,9 +32,11 @@ class EngineConfig:
     """Everything that fixes how one engine runs one model."""
 
     model: str
-    """Local Hugging Face model directory (config.json + *.safetensors, optional tokenizer.json)."""
+    """Hugging Face model directory (config.json + *.safetensors, optional tokenizer.json), or a model id on the
+    Hugging Face hub ("Qwen/Qwen3-8B"), found in the local Hugging Face cache or downloaded into it when the
+    engine starts (see rollout/model_files.py)."""
     tokenizer: str | None = None
-    """Directory or tokenizer.json path; defaults to the model directory."""
+    """Directory, tokenizer.json path or hub model id; defaults to the model's directory."""
     device: str = "cpu"
     """"cpu", "cuda" or "cuda:N"."""
     dtype: str = "auto"
@@ -106,55 +114,206 @@ class EngineConfig:
             self.async_scheduling = self.speculative is None and self.tensor_parallel_size == 1 and self.device != "cpu"
 
 
-    def runner_config(self) -> RunnerConfig:
-        """The fields the runner reads, as the runner's own config."""
-        return RunnerConfig(**{f.name: getattr(self, f.name) for f in dataclasses.fields(RunnerConfig)})
+    def runner_config(self, model_dir: str | None = None) -> RunnerConfig:
+        """The fields the runner reads, as the runner's own config; `model_dir`: the directory `model` resolved
+        to (rollout.model_files.resolve_model), where the runner reads the checkpoint (default: `model`)."""
+        fields = {f.name: getattr(self, f.name) for f in dataclasses.fields(RunnerConfig)}
+        if model_dir is not None:
+            fields["model"] = model_dir
+        return RunnerConfig(**fields)
 
 
-def _resolve_type(tp: Any) -> Any:
-    """The dataclass inside `X | None`, else `tp` itself."""
-    if isinstance(tp, (types.UnionType,)) or typing.get_origin(tp) is typing.Union:
-        args = [a for a in typing.get_args(tp) if a is not type(None)]
-        if len(args) == 1:
-            return args[0]
-    return tp
+class _WrongType(Exception):
+    """A value that does not fit an annotation: `expected` says what would, in words."""
+
+    def __init__(self, expected: str) -> None:
+        super().__init__(expected)
+        self.expected = expected
+
+
+def _is_union(tp: Any) -> bool:
+    return isinstance(tp, types.UnionType) or typing.get_origin(tp) is typing.Union
+
+
+def _expected(tp: Any) -> str:
+    """An annotation in words, as a YAML writer thinks of it."""
+    if tp is Any:
+        return "anything"
+    if _is_union(tp):
+        args = typing.get_args(tp)
+        words = [_expected(a) for a in args if a is not type(None)]
+        return " or ".join(words + (["null"] if type(None) in args else []))
+    if tp is bool:
+        return "true or false"
+    if tp is int:
+        return "an integer"
+    if tp is float:
+        return "a finite number"
+    if tp is str:
+        return "a string"
+    if isinstance(tp, type) and issubclass(tp, enum.Enum):
+        return "one of " + ", ".join(repr(m.value) for m in tp)
+    if dataclasses.is_dataclass(tp):
+        return f"a mapping of {tp.__name__} fields"
+    origin, args = typing.get_origin(tp), typing.get_args(tp)
+    if origin in (list, tuple, Sequence):
+        item = args[0] if args and args[0] is not Any else None
+        return "a list" + (f" (each item {_expected(item)})" if item is not None else "")
+    if origin in (dict, Mapping):
+        return "a mapping"
+    return getattr(tp, "__name__", str(tp))
+
+
+def _typed(tp: Any, value: Any, where: str, source: str) -> Any:
+    """`value` checked against annotation `tp` (nested configs built, integers and numeric strings as floats for
+    float fields: YAML 1.1 reads `1e-3` as a string); raises _WrongType, or ValueError from a nested config."""
+    if tp is Any:
+        return value
+    if _is_union(tp):
+        args = typing.get_args(tp)
+        if value is None and type(None) in args:
+            return None
+        for arg in args:
+            if arg is type(None):
+                continue
+            try:
+                return _typed(arg, value, where, source)
+            except _WrongType:
+                pass
+        raise _WrongType(_expected(tp))
+    if tp is bool:
+        if isinstance(value, bool):
+            return value
+        raise _WrongType(_expected(tp))
+    if tp is int:
+        if isinstance(value, int) and not isinstance(value, bool):
+            return value
+        raise _WrongType(_expected(tp))
+    if tp is float:
+        number = value
+        if isinstance(value, str):
+            try:
+                number = float(value)
+            except ValueError:
+                raise _WrongType(_expected(tp)) from None
+        if isinstance(number, (int, float)) and not isinstance(number, bool) and math.isfinite(number):
+            return float(number)
+        raise _WrongType(_expected(tp))
+    if tp is str:
+        if isinstance(value, str):
+            return value
+        raise _WrongType(_expected(tp))
+    if isinstance(tp, type) and issubclass(tp, enum.Enum):
+        if isinstance(value, tp):
+            return value
+        if not isinstance(value, bool):
+            try:
+                return tp(value)
+            except (ValueError, TypeError):
+                pass
+        raise _WrongType(_expected(tp))
+    if dataclasses.is_dataclass(tp):
+        if isinstance(value, tp):
+            return value
+        if isinstance(value, Mapping):
+            return _build(tp, value, source, where + ".")
+        raise _WrongType(_expected(tp))
+    origin, args = typing.get_origin(tp), typing.get_args(tp)
+    if origin in (list, tuple, Sequence):
+        if not isinstance(value, (list, tuple)):
+            raise _WrongType(_expected(tp))
+        if origin is tuple and args and not (len(args) == 2 and args[1] is ...):
+            return value  # a fixed-length tuple: its own class checks it
+        item = args[0] if args else Any
+        out = []
+        for i, x in enumerate(value):
+            try:
+                out.append(_typed(item, x, f"{where}[{i}]", source))
+            except _WrongType as e:
+                raise ValueError(f"{source}: {where}[{i}] must be {e.expected}, got {_shown(x)}") from None
+        return out if origin is list else type(value)(out)
+    if origin in (dict, Mapping):
+        if not isinstance(value, Mapping):
+            raise _WrongType(_expected(tp))
+        key_tp, value_tp = args if args else (Any, Any)
+        out = {}
+        for k, v in value.items():
+            try:
+                k = _typed(key_tp, k, where, source)
+            except _WrongType as e:
+                raise ValueError(f"{source}: the keys of {where} must be {e.expected}, got {_shown(k)}") from None
+            try:
+                out[k] = _typed(value_tp, v, f"{where}.{k}", source)
+            except _WrongType as e:
+                raise ValueError(f"{source}: {where}.{k} must be {e.expected}, got {_shown(v)}") from None
+        return out
+    if isinstance(tp, type) and not isinstance(value, tp):
+        raise _WrongType(_expected(tp))
+    return value
+
+
+def _shown(value: Any) -> str:
+    """A value as an error message shows it: its repr (cut short) and its YAML-ish type."""
+    text = repr(value)
+    if len(text) > 80:
+        text = text[:77] + "..."
+    kind = {bool: "boolean", int: "integer", float: "number", str: "string", list: "list", dict: "mapping",
+            type(None): "null"}.get(type(value), type(value).__name__)
+    return f"{text} ({kind})"
+
+
+def _build(cls: type[T], data: Mapping[str, Any], source: str, prefix: str) -> T:
+    """from_mapping of a config nested at `prefix` ("engine.speculative.", or "" at the top)."""
+    if not isinstance(data, Mapping):
+        raise ValueError(f"{source}: {prefix or ''}expected a mapping for {cls.__name__}, got {_shown(data)}")
+    hints = typing.get_type_hints(cls)
+    names = {f.name for f in dataclasses.fields(cls)}
+    unknown = sorted(k for k in data if k not in names)
+    if unknown:
+        where = f"{prefix.rstrip('.')}: " if prefix else ""
+        raise ValueError(f"{source}: {where}unknown key(s) {unknown} for {cls.__name__}; known keys: {sorted(names)}")
+    kwargs = {}
+    for key, value in data.items():
+        try:
+            kwargs[key] = _typed(hints[key], value, prefix + key, source)
+        except _WrongType as e:
+            raise ValueError(f"{source}: {prefix}{key} must be {e.expected}, got {_shown(value)}") from None
+    try:
+        return cls(**kwargs)
+    except TypeError as e:  # a missing required field
+        raise ValueError(f"{source}: {prefix}{e}") from None
 
 
 def from_mapping(cls: type[T], data: Mapping[str, Any], source: str = "<dict>") -> T:
     """Build dataclass `cls` from `data`, recursing into nested dataclass fields.
 
-    Raises ValueError naming the unknown key and `source` (a file path or a dotted location).
+    Each value is checked against its field's annotation before `cls` sees it. Raises ValueError naming
+    `source` (a file path or a dotted location) and the key: an unknown key (with the known ones), or a value of
+    the wrong type (with the type expected, e.g. "max_num_seqs must be an integer, got '8' (string)").
     """
-    if not isinstance(data, Mapping):
-        raise ValueError(f"{source}: expected a mapping for {cls.__name__}, got {type(data).__name__}")
-    hints = typing.get_type_hints(cls)
-    names = {f.name for f in dataclasses.fields(cls)}
-    unknown = sorted(set(data) - names)
-    if unknown:
-        raise ValueError(f"{source}: unknown key(s) {unknown} for {cls.__name__}; known keys: {sorted(names)}")
-    kwargs = {}
-    for key, value in data.items():
-        tp = _resolve_type(hints[key])
-        if dataclasses.is_dataclass(tp) and isinstance(value, Mapping):
-            value = from_mapping(tp, value, f"{source}.{key}")
-        kwargs[key] = value
-    try:
-        return cls(**kwargs)
-    except TypeError as e:  # a missing required field
-        raise ValueError(f"{source}: {e}") from None
+    return _build(cls, data, source, "")
 
 
 def load_yaml(path: str | Path) -> dict[str, Any]:
-    """Parse a YAML file into a dict; an empty file is an empty dict."""
+    """Parse a YAML file into a dict; an empty file is an empty dict. Malformed YAML is a ValueError naming the
+    file, line and column ("engine.yaml:3:14: malformed YAML: ...")."""
     import yaml
 
     path = Path(path)
     if not path.is_file():
         raise ValueError(f"config file not found: {path}")
-    with open(path) as f:
-        data = yaml.safe_load(f) or {}
+    try:
+        with open(path, encoding="utf-8") as f:
+            data = yaml.safe_load(f) or {}
+    except yaml.MarkedYAMLError as e:
+        mark = e.problem_mark or e.context_mark
+        where = f"{path}:{mark.line + 1}:{mark.column + 1}" if mark is not None else str(path)
+        what = " ".join(str(x) for x in (e.context, e.problem) if x)
+        raise ValueError(f"{where}: malformed YAML: {what}") from None
+    except (yaml.YAMLError, UnicodeDecodeError) as e:
+        raise ValueError(f"{path}: malformed YAML: {' '.join(str(e).split())}") from None
     if not isinstance(data, dict):
-        raise ValueError(f"{path}: top level must be a mapping")
+        raise ValueError(f"{path}: top level must be a mapping of keys, got {_shown(data)}")
     return data
 
 

@@ -34,6 +34,7 @@ from typing import Iterable, Sequence
 from rollout.config import EngineConfig
 from rollout.engine_weights import EngineWeights
 from rollout.kv_cache_manager import KVCacheManager
+from rollout.model_files import resolve_model
 from rollout.output_processor import OutputProcessor
 from rollout.outputs import RequestOutput
 from rollout.request import Request, RequestGroup
@@ -56,7 +57,8 @@ class Engine:
 
         self._sample_seed = sample_seed
         self.config = config
-        self.model_config = ModelConfig.from_dir(config.model)
+        model_dir = str(resolve_model(config.model))  # a directory, or a hub id found in (or fetched into) the cache
+        self.model_config = ModelConfig.from_dir(model_dir)
         max_pos = self.model_config.max_position_embeddings
         if config.max_model_len is not None and config.max_model_len > max_pos:
             raise ValueError(f"max_model_len={config.max_model_len} exceeds the model's max_position_embeddings={max_pos}")
@@ -69,8 +71,8 @@ class Engine:
                                  "sliding-window attention is supported only up to the window")
             logger.info("max_model_len capped at the model's sliding_window=%d", window)
             self.max_model_len = window
-        self.tokenizer = Tokenizer.find(config.tokenizer or config.model)
-        self.executor = make_executor(config.runner_config(), self.model_config, self.max_model_len)
+        self.tokenizer = Tokenizer.find(resolve_model(config.tokenizer, needs=None) if config.tokenizer else model_dir)
+        self.executor = make_executor(config.runner_config(model_dir), self.model_config, self.max_model_len)
         self.runner = self.executor.driver  # rank 0's ModelRunner
         rpc = self.executor.collective_rpc
         num_blocks = min(rpc("determine_num_kv_blocks"))  # each rank measures its own memory

@@ -16,6 +16,10 @@ both read the one incrementally decoded text). `process` turns the prompts whose
 
 A prompt is reported finished once and then forgotten; `abort` forgets one early.
 
+Cost: a step costs O(its changed samples) here, whatever n: `process` visits each changed request once,
+and a DELTA output is built from the samples that changed since the prompt's previous one (its `changed`
+list), not from a scan of all n. (A CUMULATIVE output carries every sample, so it costs O(n) each time.)
+
 Text: mid-stream, the committed text (never a partial character) less what could still begin a stop string
 (`StopStrings.held_back`; not with include_stop_str_in_output, whose match ends inside the newest token's
 text); a finished sample's text is cut at its matched stop string (after it with include_stop_str_in_output),
@@ -46,7 +50,7 @@ _DELTA, _FINAL_ONLY = RequestOutputKind.DELTA, RequestOutputKind.FINAL_ONLY
 class _Sample:
     """Output state of one sample."""
 
-    __slots__ = ("req", "detokenizer", "stop", "num_sent_tokens", "num_sent_chars", "done")
+    __slots__ = ("req", "detokenizer", "stop", "num_sent_tokens", "num_sent_chars", "done", "changed")
 
     def __init__(self, req: Request, detokenizer: IncrementalDetokenizer | None, stop: StopStrings | None) -> None:
         self.req = req
@@ -55,13 +59,15 @@ class _Sample:
         self.num_sent_tokens = 0  # DELTA: output tokens already handed out
         self.num_sent_chars = 0  # DELTA: characters of text already handed out
         self.done = False  # DELTA: its last delta (with finish_reason) was handed out
+        self.changed = False  # DELTA: in its prompt's `changed` list
 
 
 class _Prompt:
-    __slots__ = ("group", "kind", "samples")
+    __slots__ = ("group", "kind", "samples", "changed")
 
     def __init__(self, group: RequestGroup, kind: RequestOutputKind, samples: list[_Sample]) -> None:
-        self.group, self.kind, self.samples = group, kind, samples
+        self.group, self.kind, self.samples = group, kind, samples  # samples[j]: sample index j
+        self.changed: list[_Sample] = []  # DELTA: samples that got tokens since the prompt's previous output
 
 
 class OutputProcessor:
@@ -111,10 +117,18 @@ class OutputProcessor:
         prompts, unreported = self._prompts, self._unreported
         for req in changed:
             rid = req.group.request_id
-            if rid not in unreported:
+            prompt = unreported.get(rid)
+            if prompt is None:
                 prompt = prompts.get(rid)
-                if prompt is not None and prompt.group is req.group:
-                    unreported[rid] = prompt
+                if prompt is None or prompt.group is not req.group:
+                    continue
+                unreported[rid] = prompt
+            if prompt.kind is _DELTA:
+                sample = prompt.samples[req.sample_index]
+                assert sample.req is req
+                if not sample.changed:
+                    sample.changed = True
+                    prompt.changed.append(sample)
         outs = []
         for rid in [r for r in unreported if only is None or r in only]:
             prompt = unreported.pop(rid)
@@ -133,15 +147,24 @@ class OutputProcessor:
             return None
         self._unreported.pop(request_id, None)
         assert prompt.group.finished
-        return self._output(prompt)
+        return self._output(prompt, everything=True)
 
     # ---- building -----------------------------------------------------------------------------------------
-    def _output(self, prompt: _Prompt) -> RequestOutput | None:
+    def _output(self, prompt: _Prompt, everything: bool = False) -> RequestOutput | None:
+        """The prompt's output in its kind, or None when it has nothing to report. A DELTA output is built from
+        the samples that changed, unless `everything` (an abort: every unfinished sample ends now)."""
         group, kind = prompt.group, prompt.kind
         if kind is _FINAL_ONLY and not group.finished:
             return None
         delta = kind is _DELTA
-        outputs = [c for c in (self._completion(s, delta) for s in prompt.samples) if c is not None]
+        samples = prompt.samples
+        if delta:
+            for s in prompt.changed:
+                s.changed = False
+            if not everything:
+                samples = sorted(prompt.changed, key=lambda s: s.req.sample_index)  # outputs in index order
+            prompt.changed = []
+        outputs = [c for c in (self._completion(s, delta) for s in samples) if c is not None]
         if not outputs:
             return None
         return RequestOutput(
@@ -149,7 +172,7 @@ class OutputProcessor:
             prompt=group.prompt,
             prompt_token_ids=group.prompt_token_ids,
             outputs=outputs,
-            num_cached_prompt_tokens=sum(r.num_cached_prompt_tokens for r in group.members),
+            num_cached_prompt_tokens=group.num_cached_prompt_tokens,
             finished=group.finished,
         )
 

@@ -41,6 +41,8 @@ class RequestGroup:
     members: list["Request"] = field(default_factory=list)
     prompt_blocks_ready: bool = False  # the prompt's full blocks are computed and cached
     num_finished: int = 0  # members that finished (counted by the scheduler)
+    num_running: int = 0  # members RUNNING now (counted by the scheduler, so no per-member scan over the group)
+    num_cached_prompt_tokens: int = 0  # members' num_cached_prompt_tokens, summed (kept by the scheduler)
 
     @property
     def finished(self) -> bool:

@@ -1,15 +1,38 @@
 """Per-request sampling parameters.
 
 `SamplingParams` is what a caller passes to `Engine.generate` / `Engine.add_request`. It checks its own
-fields (a bad value is a `ValueError` that names the field) and knows nothing about devices or models.
+fields (a bad value is a `ValueError` that names the field and the rule: a number must be a finite number of
+the field's type, and bool is not an integer here) and knows nothing about devices or models (the prompt's
+vocabulary and length are checked by the engine).
 """
 
 from __future__ import annotations
 
 import enum
+import math
+import numbers
 from dataclasses import dataclass, field
 
 from runner.messages import RequestSampling
+
+
+MAX_CACHE_SALT_CHARS = 256
+"""Longest `SamplingParams.cache_salt` (an unbounded salt would let one request make the prefix cache's hashing
+arbitrarily slow); a server may bound it lower."""
+
+
+def _integer(name: str, value, rule: str) -> int:
+    """`value` as an int, or a ValueError naming the field and the rule (bool is refused)."""
+    if isinstance(value, bool) or not isinstance(value, numbers.Integral):
+        raise ValueError(f"SamplingParams.{name} must be an integer {rule}, got {value!r}")
+    return int(value)
+
+
+def _finite(name: str, value, rule: str) -> float:
+    """`value` as a float, or a ValueError naming the field and the rule (bool, strings, NaN and inf are refused)."""
+    if isinstance(value, bool) or not isinstance(value, numbers.Real) or not math.isfinite(value):
+        raise ValueError(f"SamplingParams.{name} must be a finite number {rule}, got {value!r}")
+    return float(value)
 
 
 class RequestOutputKind(enum.IntEnum):
@@ -78,36 +101,58 @@ class SamplingParams:
     output and `AsyncEngine.stream` deltas, whatever this says."""
 
     def __post_init__(self) -> None:
-        if not isinstance(self.n, int) or self.n < 1:
-            raise ValueError(f"SamplingParams.n must be an integer >= 1, got {self.n!r}")
+        self.n = _integer("n", self.n, ">= 1")
+        if self.n < 1:
+            raise ValueError(f"SamplingParams.n must be an integer >= 1, got {self.n}")
+        self.temperature = _finite("temperature", self.temperature, ">= 0")
         if self.temperature < 0:
-            raise ValueError(f"SamplingParams.temperature must be >= 0, got {self.temperature}")
+            raise ValueError(f"SamplingParams.temperature must be a finite number >= 0, got {self.temperature}")
+        self.top_k = _integer("top_k", self.top_k, ">= 1, or 0 / -1 (off)")
         if self.top_k == -1:
             self.top_k = 0
-        if not isinstance(self.top_k, int) or self.top_k < 0:
-            raise ValueError(f"SamplingParams.top_k must be 0/-1 (off) or a positive integer, got {self.top_k!r}")
+        if self.top_k < 0:
+            raise ValueError(f"SamplingParams.top_k must be an integer >= 1, or 0 / -1 (off), got {self.top_k}")
+        self.top_p = _finite("top_p", self.top_p, "in (0, 1]")
         if not (0.0 < self.top_p <= 1.0):
-            raise ValueError(f"SamplingParams.top_p must be in (0, 1], got {self.top_p}")
+            raise ValueError(f"SamplingParams.top_p must be a finite number in (0, 1], got {self.top_p}")
+        self.min_p = _finite("min_p", self.min_p, "in [0, 1]")
         if not (0.0 <= self.min_p <= 1.0):
-            raise ValueError(f"SamplingParams.min_p must be in [0, 1], got {self.min_p}")
-        if not isinstance(self.max_tokens, int) or self.max_tokens < 1:
-            raise ValueError(f"SamplingParams.max_tokens must be an integer >= 1, got {self.max_tokens!r}")
-        if self.min_tokens < 0 or self.min_tokens > self.max_tokens:
+            raise ValueError(f"SamplingParams.min_p must be a finite number in [0, 1], got {self.min_p}")
+        self.max_tokens = _integer("max_tokens", self.max_tokens, ">= 1")
+        if self.max_tokens < 1:
+            raise ValueError(f"SamplingParams.max_tokens must be an integer >= 1, got {self.max_tokens}")
+        self.min_tokens = _integer("min_tokens", self.min_tokens, f"in [0, max_tokens={self.max_tokens}]")
+        if not (0 <= self.min_tokens <= self.max_tokens):
             raise ValueError(
-                f"SamplingParams.min_tokens must be in [0, max_tokens={self.max_tokens}], got {self.min_tokens}"
+                f"SamplingParams.min_tokens must be an integer in [0, max_tokens={self.max_tokens}], got {self.min_tokens}"
             )
+        self.top_logprobs = _integer("top_logprobs", self.top_logprobs, ">= 0")
         if self.top_logprobs < 0:
-            raise ValueError(f"SamplingParams.top_logprobs must be >= 0, got {self.top_logprobs}")
-        if self.seed is not None and not isinstance(self.seed, int):
-            raise ValueError(f"SamplingParams.seed must be an int or None, got {self.seed!r}")
+            raise ValueError(f"SamplingParams.top_logprobs must be an integer >= 0, got {self.top_logprobs}")
+        if self.seed is not None:
+            self.seed = _integer("seed", self.seed, "or None")
+        if isinstance(self.stop_token_ids, (str, bytes)) or not isinstance(self.stop_token_ids, (list, tuple)):
+            raise ValueError(f"SamplingParams.stop_token_ids must be a list of integers >= 0, got {self.stop_token_ids!r}")
+        for t in self.stop_token_ids:
+            if isinstance(t, bool) or not isinstance(t, numbers.Integral) or t < 0:
+                raise ValueError(f"SamplingParams.stop_token_ids must be a list of integers >= 0, got {t!r} in it")
         self.stop_token_ids = [int(t) for t in self.stop_token_ids]
         if isinstance(self.stop, str):
             self.stop = [self.stop]
+        if not isinstance(self.stop, (list, tuple)) or not all(isinstance(x, str) and x for x in self.stop):
+            raise ValueError(f"SamplingParams.stop must be a string or a list of non-empty strings, got {self.stop!r}")
         self.stop = list(self.stop)
-        if not all(isinstance(x, str) and x for x in self.stop):
-            raise ValueError(f"SamplingParams.stop must be a list of non-empty strings, got {self.stop!r}")
-        if self.cache_salt is not None and not (isinstance(self.cache_salt, str) and self.cache_salt):
-            raise ValueError(f"SamplingParams.cache_salt must be a non-empty string or None, got {self.cache_salt!r}")
+        for name in ("include_stop_str_in_output", "ignore_eos", "logprobs", "skip_special_tokens", "speculative"):
+            if not isinstance(getattr(self, name), bool):
+                raise ValueError(f"SamplingParams.{name} must be true or false, got {getattr(self, name)!r}")
+        if self.cache_salt is not None:
+            if not isinstance(self.cache_salt, str) or not self.cache_salt:
+                raise ValueError(f"SamplingParams.cache_salt must be a non-empty string or None, got {self.cache_salt!r}")
+            if len(self.cache_salt) > MAX_CACHE_SALT_CHARS:
+                raise ValueError(f"SamplingParams.cache_salt must be at most MAX_CACHE_SALT_CHARS={MAX_CACHE_SALT_CHARS} "
+                                 f"characters, got {len(self.cache_salt)}")
+        if isinstance(self.output_kind, bool) or not isinstance(self.output_kind, (RequestOutputKind, int)):
+            raise ValueError(f"SamplingParams.output_kind must be a RequestOutputKind, got {self.output_kind!r}")
         try:
             self.output_kind = RequestOutputKind(self.output_kind)
         except ValueError:

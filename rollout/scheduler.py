@@ -13,6 +13,11 @@ request fits in the cache alone (checked when a request is added). Then waiting 
 first come first served, while budget, slots and blocks last; a sample of an n>1 prompt waits while a
 sibling is still computing the prompt, so the n samples share the prompt's blocks.
 
+Cost: adding, scheduling and aborting the n samples of a prompt is O(n) overall, never a scan of the group
+per sample: the group counts its running members (`RequestGroup.num_running`), the waiting queue is an
+insertion-ordered dict (O(1) removal of an aborted sample anywhere in it), and an abort rebuilds the
+running list once per call.
+
 Speculation: a decoding request (one uncomputed token) of a speculating request gets up to
 `num_lookahead_tokens` extra slots (and their blocks) for draft tokens; the runner says how many it
 drafted (`RunnerOutput.num_draft_tokens`) and `update` rolls the computed count back past the rejected
@@ -25,7 +30,7 @@ Python; testable with no model.
 
 from __future__ import annotations
 
-from collections import deque
+from collections import OrderedDict
 from dataclasses import dataclass
 
 from rollout.kv_cache_manager import KVCacheManager
@@ -53,7 +58,8 @@ class Scheduler:
         self.max_num_seqs = max_num_seqs
         self.max_num_batched_tokens = max_num_batched_tokens
         self.max_model_len = max_model_len
-        self.waiting: deque[Request] = deque()
+        # first come first served; an ordered dict (values unused) so that any request leaves it in O(1)
+        self.waiting: OrderedDict[Request, None] = OrderedDict()
         self.running: list[Request] = []
         self.requests: dict[str, Request] = {}
         self.policy_version = 0
@@ -68,21 +74,23 @@ class Scheduler:
         assert req.req_id not in self.requests, req.req_id
         req.token_limit = min(req.num_prompt_tokens + req.max_tokens, self.max_model_len)
         self.requests[req.req_id] = req
-        self.waiting.append(req)
+        self.waiting[req] = None
 
     def abort(self, req_ids: list[str]) -> list[Request]:
-        aborted = []
+        """Finish these requests as aborted (unknown or finished ids are skipped); O(len(req_ids)) plus one
+        pass over the running list when some of them run."""
+        aborted: dict[str, Request] = {}  # by id: an id given twice is aborted once
         for rid in req_ids:
             req = self.requests.get(rid)
-            if req is None or req.status.finished:
+            if req is None or req.status.finished or rid in aborted:
                 continue
-            if req in self.waiting:
-                self.waiting.remove(req)
-            if req in self.running:
-                self.running.remove(req)
+            self.waiting.pop(req, None)
+            aborted[rid] = req
+        if any(req.status is RequestStatus.RUNNING for req in aborted.values()):
+            self.running = [r for r in self.running if r.req_id not in aborted]
+        for req in aborted.values():
             self._finish(req, RequestStatus.FINISHED_ABORTED)
-            aborted.append(req)
-        return aborted
+        return list(aborted.values())
 
     def has_unfinished(self) -> bool:
         return bool(self.waiting or self.running)
@@ -143,28 +151,34 @@ class Scheduler:
 
         # 2. waiting requests, first come first served
         skipped: list[Request] = []
-        while self.waiting and budget > 0 and len(self.running) < self.max_num_seqs and not preempted_now:
-            req = self.waiting[0]
+        waiting = self.waiting
+        while waiting and budget > 0 and len(self.running) < self.max_num_seqs and not preempted_now:
+            req = next(iter(waiting))
             if self._must_wait_for_sibling(req):
-                skipped.append(self.waiting.popleft())
+                del waiting[req]
+                skipped.append(req)
                 continue
             hits = self.kv.lookup_prefix(req) if req.num_computed_tokens == 0 else []
             num_cached = len(hits) * self.kv.block_size
             num_new = min(req.num_tokens - num_cached, budget)
             if not self.kv.can_allocate(req, num_cached + num_new, hits):
                 break
-            self.waiting.popleft()
+            del waiting[req]
             if req.num_computed_tokens == 0:
                 req.kv_epoch = self.kv.epoch
                 req.num_computed_tokens = num_cached
-                req.num_cached_prompt_tokens += min(num_cached, req.num_prompt_tokens)
+                cached_prompt = min(num_cached, req.num_prompt_tokens)
+                req.num_cached_prompt_tokens += cached_prompt
+                req.group.num_cached_prompt_tokens += cached_prompt
             self.kv.allocate(req, num_cached + num_new, hits)
             req.status = RequestStatus.RUNNING
+            req.group.num_running += 1
             self.running.append(req)
             num_scheduled[req.req_id] = num_new
             budget -= num_new
             new_reqs.append(self._new_data(req))
-        self.waiting.extendleft(reversed(skipped))
+        for req in reversed(skipped):  # back at the front, in their order
+            self._requeue_front(req)
 
         for data in new_reqs:
             self._in_runner.add(data.req_id)
@@ -285,12 +299,17 @@ class Scheduler:
         return None
 
     def _must_wait_for_sibling(self, req: Request) -> bool:
+        """Whether waiting `req` should let a running sibling finish computing the prompt first (O(1))."""
         group = req.group
         if group.prompt_blocks_ready or len(group.members) == 1 or req.num_computed_tokens > 0:
             return False
         if len(group.prompt_token_ids) <= self.kv.block_size:
             return False  # no full prompt block to share
-        return any(m is not req and m.status is RequestStatus.RUNNING for m in group.members)
+        return group.num_running > 0  # a waiting request is not running itself
+
+    def _requeue_front(self, req: Request) -> None:
+        self.waiting[req] = None
+        self.waiting.move_to_end(req, last=False)
 
     def _new_data(self, req: Request) -> NewRequestData:
         return NewRequestData(
@@ -312,9 +331,10 @@ class Scheduler:
         self.kv.free(req)
         req.num_computed_tokens = 0
         req.status = RequestStatus.PREEMPTED
+        req.group.num_running -= 1
         req.num_preemptions += 1
         self.stats.num_preemptions += 1
-        self.waiting.appendleft(req)
+        self._requeue_front(req)
         if req.req_id in self._in_runner:
             self._in_runner.discard(req.req_id)
             self._preempted_ids.add(req.req_id)
@@ -322,6 +342,8 @@ class Scheduler:
     def _finish(self, req: Request, status: RequestStatus) -> None:
         """Free the request's blocks and forget it (its RequestGroup still holds it for the caller)."""
         self._drop_placeholders(req)
+        if req.status is RequestStatus.RUNNING:
+            req.group.num_running -= 1
         req.status = status
         req.group.num_finished += 1
         self.kv.free(req)
