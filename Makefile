@@ -13,7 +13,7 @@ $(STAMP): pyproject.toml
 	$(VPY) -m pip install -q --upgrade pip
 	# the CPU wheel of torch lies on disk; install it before the project so nothing pulls a CUDA build
 	$(VPY) -m pip install -q torch==2.13.0
-	$(VPY) -m pip install -q -e '.[test,gpu,ray,wandb,nixl,server]'
+	$(VPY) -m pip install -q -e '.[test,gpu,ray,wandb,nixl,server,demo]'
 	touch $(STAMP)
 
 install: $(STAMP)

@@ -51,7 +51,7 @@ def resolve_model(name_or_path: str | Path, *, revision: str | None = None, need
                          "config.json and *.safetensors, or give a Hugging Face model id such as 'Qwen/Qwen3-8B'")
     try:
         from huggingface_hub import constants, snapshot_download
-        from huggingface_hub.errors import LocalEntryNotFoundError
+        from huggingface_hub.utils import LocalEntryNotFoundError
     except ImportError:
         raise ValueError(f"model {name!r}: no such directory ({path.absolute()}), and huggingface_hub, which "
                          "resolves hub model ids, is not installed (pip install huggingface_hub)") from None

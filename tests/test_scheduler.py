@@ -180,3 +180,144 @@ def test_stop_conditions(token, reason):
     req = group.members[0]
     assert req.status.value == reason
     assert req.num_output_tokens == (1 if reason == "stop" else 3)
+
+
+# ---- the cost of n samples: O(n), counted (not timed) ---------------------------------------------------------------
+class CountingRequest(Request):
+    """A Request that counts every read of its attributes (all instances together): how often the scheduler or
+    the output processor visits samples."""
+
+    reads = 0
+
+    def __getattribute__(self, name):
+        CountingRequest.reads += 1
+        return object.__getattribute__(self, name)
+
+
+def counting_group(rid: str, prompt: list[int], n: int, max_tokens: int = 4, **kw) -> RequestGroup:
+    params = SamplingParams(n=n, max_tokens=max_tokens, ignore_eos=True, **kw)
+    group = RequestGroup(rid, None, prompt, params)
+    group.members = [CountingRequest(req_id=f"{rid}-{j}", group=group, sample_index=j, seed=j, max_tokens=max_tokens,
+                                     eos_token_ids=frozenset({1}), token_ids=list(prompt), num_prompt_tokens=len(prompt))
+                     for j in range(n)]
+    return group
+
+
+def reads_of_one_schedule_while_a_sibling_prefills(n: int, sibling: int) -> int:
+    """Attribute reads of the schedule() in which sample `sibling` of an n-sample prompt finishes the prompt and
+    the n - 1 others, waiting, are each checked (and must keep waiting: the prompt's blocks are not ready)."""
+    sched = make_scheduler(num_blocks=64, block_size=4, max_num_seqs=n + 1, budget=8)
+    group = counting_group("g", list(range(2, 14)), n)  # 12 tokens: 3 full blocks
+    first = group.members[sibling]
+    sched.add_request(first)
+    for m in group.members:
+        if m is not first:
+            sched.add_request(m)
+    out = sched.schedule()  # the sibling's first 8 prompt tokens; budget spent, nobody else looked at
+    assert out.num_scheduled_tokens == {first.req_id: 8}
+    sched.update(out, fake_run(sched, out))
+    CountingRequest.reads = 0
+    out = sched.schedule()  # its last 4 tokens; 4 tokens of budget left for the waiting samples
+    reads = CountingRequest.reads
+    assert out.num_scheduled_tokens == {first.req_id: 4}
+    assert len(sched.waiting) == n - 1 and list(sched.waiting) == [m for m in group.members if m is not first]
+    return reads
+
+
+@pytest.mark.parametrize("sibling", ["first", "last"])
+def test_scheduling_n_waiting_samples_visits_each_a_bounded_number_of_times(sibling):
+    # linear work grows at most 4096 / 256 = 16x between the two sizes; a scan of the group for each waiting
+    # sample (the sibling-wait check did one) grows about 256x once the running sibling is the last member
+    reads = {n: reads_of_one_schedule_while_a_sibling_prefills(n, 0 if sibling == "first" else n - 1)
+             for n in (256, 4096)}
+    assert reads[4096] < 2 * 16 * reads[256], reads
+    assert reads[4096] < 64 * 4096, reads  # and a small constant per sample
+
+
+def test_a_delta_output_of_one_changed_sample_visits_no_other_sample():
+    from rollout.output_processor import OutputProcessor
+    from rollout.sampling_params import RequestOutputKind
+
+    reads = {}
+    for n in (256, 4096):
+        processor = OutputProcessor(None)
+        group = counting_group("g", [3, 4, 5], n)
+        processor.add(group, RequestOutputKind.DELTA)
+        req = group.members[n // 2]
+        req.token_ids.append(7)
+        req.logprobs.append(-0.5)
+        req.policy_versions.append(0)
+        CountingRequest.reads = 0
+        (out,) = processor.process([req])
+        reads[n] = CountingRequest.reads
+        assert [(c.index, c.token_ids) for c in out.outputs] == [(n // 2, [7])] and not out.finished
+    assert reads[4096] == reads[256], reads  # the same work whatever n
+
+
+def test_delta_outputs_list_each_changed_sample_once_in_index_order():
+    from rollout.output_processor import OutputProcessor
+    from rollout.sampling_params import RequestOutputKind
+
+    processor = OutputProcessor(None)
+    group = make_group("g", [3, 4, 5], n=5)
+    processor.add(group, RequestOutputKind.DELTA)
+    for j in (3, 1):
+        group.members[j].token_ids.append(7)
+        group.members[j].policy_versions.append(0)
+        group.members[j].logprobs.append(-0.5)
+    (out,) = processor.process([group.members[3], group.members[1], group.members[3]])
+    assert [(c.index, c.token_ids) for c in out.outputs] == [(1, [7]), (3, [7])]
+    assert processor.process([]) == []  # nothing changed since
+    group.members[1].token_ids.append(8)
+    group.members[1].policy_versions.append(0)
+    group.members[1].logprobs.append(-0.5)
+    (out,) = processor.process([group.members[1]])
+    assert [(c.index, c.token_ids) for c in out.outputs] == [(1, [8])]
+
+
+def test_group_counts_follow_their_members_through_preemption_and_abort():
+    sched = make_scheduler(num_blocks=12, block_size=4, max_num_seqs=6, budget=16)
+    groups = [make_group(str(i), [10 + i] + list(range(20, 29)), n=3, max_tokens=8) for i in range(4)]  # 10 tokens
+    for g in groups:
+        for m in g.members:
+            sched.add_request(m)
+
+    def check():
+        for g in groups:
+            assert g.num_running == sum(m.status is RequestStatus.RUNNING for m in g.members)
+            assert g.num_cached_prompt_tokens == sum(m.num_cached_prompt_tokens for m in g.members)
+            assert g.num_finished == sum(m.status.finished for m in g.members)
+
+    for step in range(400):
+        if not sched.has_unfinished():
+            break
+        out = sched.schedule()
+        check()
+        sched.update(out, fake_run(sched, out))
+        check()
+        if step == 6:  # abort a group part-way, its ids in reverse order and one twice
+            ids = [m.req_id for m in groups[1].members]
+            sched.abort(ids[::-1] + ids[:1])
+            check()
+    assert not sched.has_unfinished() and sched.stats.num_preemptions > 0
+    assert all(m.status is RequestStatus.FINISHED_ABORTED for m in groups[1].members)
+    assert all(m.status is RequestStatus.FINISHED_LENGTH for g in groups if g is not groups[1] for m in g.members)
+    assert sched.kv.pool.num_used_blocks == 0 and not sched.waiting and not sched.running
+    assert sum(g.num_cached_prompt_tokens for g in groups) > 0
+
+
+def test_abort_removes_waiting_samples_anywhere_in_the_queue():
+    sched = make_scheduler(max_num_seqs=1)
+    groups = [make_group(name, [3, 4, 5], n=3) for name in "abc"]
+    for g in groups:
+        for m in g.members:
+            sched.add_request(m)
+    out = sched.schedule()
+    assert list(out.num_scheduled_tokens) == ["a-0"]
+    aborted = sched.abort(["b-2", "b-0", "b-1", "b-1", "nope"])
+    assert [r.req_id for r in aborted] == ["b-2", "b-0", "b-1"]
+    assert [r.req_id for r in sched.waiting] == ["a-1", "a-2", "c-0", "c-1", "c-2"]
+    sched.update(out, fake_run(sched, out))
+    run_to_completion(sched)
+    assert all(m.status is RequestStatus.FINISHED_LENGTH for g in (groups[0], groups[2]) for m in g.members)
+    assert sched.kv.pool.num_used_blocks == 0

@@ -2,8 +2,9 @@
 
 Builds a tiny Llama and a character tokenizer for 2-digit addition, warms it up with supervised
 training, scores held-out prompts, runs GRPO against a local engine through TrainerBridge, scores again,
-and writes metrics.jsonl, plot.png, summary.json (reward_warmup, reward_final) and an offline wandb run
-under the output directory (default ./runs/demo). Options: `--config FILE` (e.g. configs/grpo_toy_pool.yaml
+and writes metrics.jsonl, plot.png (when matplotlib is installed: the `demo` extra), summary.json
+(reward_warmup, reward_final) and an offline wandb run (when wandb is) under the output directory (default
+./runs/demo). Options: `--config FILE` (e.g. configs/grpo_toy_pool.yaml
 for a Ray pool), `--output-dir DIR`, `--set KEY=VALUE` (any RunConfig field, e.g. rl.steps=50); pass them
 as `python -m trainer_bridge.demo ARGS` or `python -m rollout demo -- ARGS`.
 This module only parses arguments and reports; the loop is trainer_bridge.grpo.
@@ -39,7 +40,8 @@ def main(argv: list[str]) -> int:
     print(
         f"\nheld-out reward: warm-up {summary['reward_warmup']:.3f} -> after {summary['algorithm'].upper()} "
         f"{summary['reward_final']:.3f} (greedy {summary['greedy_warmup']:.3f} -> {summary['greedy_final']:.3f}); "
-        f"{wall:.0f} s\nplot: {summary.get('plot')}\nsummary: {summary['summary_json']}"
+        f"{wall:.0f} s" + (f"\nplot: {summary['plot']}" if "plot" in summary else "")
+        + f"\nsummary: {summary['summary_json']}"
     )
     return 0
 

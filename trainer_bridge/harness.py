@@ -166,7 +166,9 @@ class MetricsLogger:
         """Write summary.json (and plot.png), close wandb; returns the summary path."""
         self._jsonl.close()
         if self.cfg.logging.plot and self.history:
-            summary["plot"] = str(self.plot(self.out / "plot.png"))
+            plot = self.plot(self.out / "plot.png")
+            if plot is not None:
+                summary["plot"] = str(plot)
         path = self.out / "summary.json"
         path.write_text(json.dumps(summary, indent=2) + "\n")
         if self._wandb is not None:
@@ -174,8 +176,13 @@ class MetricsLogger:
             self._wandb.finish()
         return path
 
-    def plot(self, path: Path) -> Path:
-        import matplotlib
+    def plot(self, path: Path) -> Path | None:
+        """Write the run's plot to `path`; without matplotlib, say so in one line and return None."""
+        try:
+            import matplotlib
+        except ImportError:
+            print("matplotlib is not installed, so no plot.png (pip install -e '.[demo]' brings it)")
+            return None
 
         matplotlib.use("Agg")
         import matplotlib.pyplot as plt
