@@ -62,7 +62,7 @@ def main() -> None:
         for n in args.n or [16384, 32768]:
             for path in args.path or ["generate", "stream", "abort"]:
                 engine = Engine(EngineConfig(model=d, max_num_seqs=args.max_num_seqs, max_model_len=256,
-                                             num_kv_blocks=4 * args.max_num_seqs + 64, gc_freeze=False))
+                                             num_kv_blocks=4 * args.max_num_seqs + 64))
                 engine.runner.execute = stub_execute(engine.runner)
                 params = SamplingParams(n=n, max_tokens=args.new_tokens, ignore_eos=True, seed=0)
                 start = time.perf_counter()
