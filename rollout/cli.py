@@ -7,10 +7,12 @@
 never printed (argparse errors are redacted, and the parsed namespace is never shown).
 `demo` runs the toy GRPO demo (`trainer_bridge.demo`); its options follow the subcommand.
 
-A user error (a bad flag value, malformed or mistyped YAML, a model that is not there, a port in use or out
-of range, `--device cuda` without CUDA or without triton) is one line on stderr, `error: ...`, and exit
-status 2, found before the model loads wherever it can be: the checks run in that order, cheapest first,
-and the port is bound once (then released) before the engine is built.
+A user error is one line on stderr, `error: ...`, and exit status 2, found before the model loads wherever
+it can be. The checks run cheapest first: flag values (a port out of range), the `--config` YAML (malformed:
+file, line and column; a value of the wrong type: its key and the type expected), the device (`--device cuda`
+without triton or without CUDA), a missing `--chat-template`, the port (bound once, then released: in use,
+or not an address of this machine), then the model (a directory, or a hub id found in the Hugging Face cache
+or downloaded into it; rollout/model_files.py), and only then is the engine built.
 """
 
 from __future__ import annotations
@@ -19,7 +21,6 @@ import argparse
 import errno
 import json
 import os
-import re
 import socket
 import sys
 import time
@@ -28,12 +29,9 @@ from pathlib import Path
 API_KEY_ENV = "ROLLOUT_API_KEY"
 """The environment variable `serve` reads the API key from when `--api-key` is not given."""
 
-# the serve flags that set ServerConfig fields one to one: flag dest -> field
-_SERVER_FIELDS = {"host": "host", "port": "port", "served_model_name": "served_model_name", "max_n": "max_n",
-                  "max_prompt_tokens": "max_prompt_tokens", "max_tokens": "max_tokens",
-                  "max_body_bytes": "max_body_bytes", "max_pending_requests": "max_pending_requests",
-                  "max_cache_salt_chars": "max_cache_salt_chars", "tool_parser": "tool_parser",
-                  "chat_template": "chat_template"}
+# the serve flags that set the ServerConfig field of their name (--max-n -> max_n)
+_SERVER_FIELDS = ("host", "port", "served_model_name", "max_n", "max_prompt_tokens", "max_tokens", "max_body_bytes",
+                  "max_pending_requests", "max_cache_salt_chars", "tool_parser", "chat_template")
 
 
 class _Parser(argparse.ArgumentParser):
@@ -55,14 +53,16 @@ def _redact(message: str, secrets) -> str:
 
 
 def _secrets_in(argv: list[str]) -> tuple[str, ...]:
-    """The values in `argv` that follow (or are attached to) a flag whose name mentions a key, token or secret:
-    `--api-key VALUE`, and a misspelt `--api_key VALUE` that argparse would echo as unrecognized."""
+    """The values in `argv` given to a flag whose name ends in "key", "token" or "secret": `--api-key VALUE`,
+    `--api-key=VALUE`, and a misspelt `--api_key VALUE` that argparse would echo as unrecognized (not
+    `--max-tokens N`)."""
     found = []
     for i, arg in enumerate(argv):
-        if not arg.startswith("-") or not re.search(r"key|token|secret", arg, re.IGNORECASE):
+        name, attached, value = arg.partition("=")
+        if not arg.startswith("-") or not name.lstrip("-").lower().endswith(("key", "token", "secret")):
             continue
-        if "=" in arg:
-            found.append(arg.split("=", 1)[1])
+        if attached:
+            found.append(value)
         elif i + 1 < len(argv):
             found.append(argv[i + 1])
     return tuple(s for s in found if s)
@@ -110,8 +110,8 @@ def check_device(device: str) -> None:
         why = "a CPU-only build" if torch.version.cuda is None else f"built for CUDA {torch.version.cuda}, sees no GPU"
         raise ValueError(f"device {device!r}: CUDA is not available (torch {torch.__version__}: {why}); "
                          "use --device cpu")
-    index = int(device.split(":", 1)[1]) if ":" in device else 0
-    if index >= torch.cuda.device_count():
+    index = device.partition(":")[2] or "0"
+    if not index.isdigit() or int(index) >= torch.cuda.device_count():
         raise ValueError(f"device {device!r}: this machine has {torch.cuda.device_count()} CUDA device(s)")
 
 
@@ -144,7 +144,7 @@ def _engine_config(args: argparse.Namespace):
 def server_fields(args: argparse.Namespace) -> dict:
     """The `ServerConfig` fields that the serve flags (and ROLLOUT_API_KEY) set; fields left out keep
     ServerConfig's defaults. Raises ValueError for a port out of range (naming the flag)."""
-    fields = {field: getattr(args, dest) for dest, field in _SERVER_FIELDS.items() if getattr(args, dest) is not None}
+    fields = {name: getattr(args, name) for name in _SERVER_FIELDS if getattr(args, name) is not None}
     if "port" in fields and not 0 <= fields["port"] <= 65535:
         raise ValueError(f"--port must be an integer in [0, 65535], got {fields['port']}")
     api_key = args.api_key if args.api_key is not None else os.environ.get(API_KEY_ENV) or None

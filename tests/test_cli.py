@@ -227,3 +227,11 @@ def test_the_demo_command_runs_to_its_end_without_matplotlib(tmp_path):
     assert proc.returncode == 0, proc.stderr[-2000:]
     assert "no plot.png" in proc.stdout and "Traceback" not in proc.stderr
     assert json.loads((tmp_path / "summary.json").read_text())["steps"] == 2
+
+
+def test_the_values_of_key_token_and_secret_flags_are_the_ones_redacted():
+    from rollout.cli import _secrets_in
+
+    argv = ["serve", "--max-tokens", "500", "--max-prompt-tokens", "9", "--api-key", "k1", "--hf_token=t2",
+            "--SECRET", "s3", "--port", "1"]
+    assert _secrets_in(argv) == ("k1", "t2", "s3")
