@@ -54,8 +54,11 @@ class ChatTemplate:
 
     @classmethod
     def from_model_dir(cls, path: str | Path, override: str | None = None) -> "ChatTemplate | None":
-        """The template of a model directory (or the file `override` names); None if the directory has none."""
+        """The template of a model directory (or the file `override` names); None if the directory has none.
+        `path` may also be a tokenizer.json (EngineConfig.tokenizer's form): its directory is read."""
         path = Path(path)
+        if path.is_file():
+            path = path.parent
         if override is not None:
             file = Path(override)
             if not file.is_file():
@@ -92,7 +95,7 @@ class ChatTemplate:
         if tools is not None and not (isinstance(tools, list) and all(isinstance(t, dict) for t in tools)):
             raise ValueError("tools must be a list of objects")
         kwargs = _template_kwargs(chat_template_kwargs)
-        name = "tool_use" if tools and "tool_use" in self.templates else "default"
+        name = "tool_use" if tools is not None and "tool_use" in self.templates else "default"
         if name not in self.templates:
             raise ValueError(f"{self.source} has named chat templates {sorted(self.templates)} but no 'default'")
         conversation = normalize_messages(messages, content_as_parts=self._content_as_parts[name])

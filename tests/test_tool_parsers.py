@@ -36,7 +36,8 @@ CASES = [
     (PARIS + "\n\nDone.", "Done.", [("get_weather", {"city": "Paris"})]),
     ('<tool_call>{"name": "f"}</tool_call>', None, [("f", {})]),  # no arguments: {}
     ('<tool_call>{"name": "f", "arguments": {"s": "</tool_"}}</tool_call>', None, [("f", {"s": "</tool_"})]),
-    ('<tool_call>{"name": "café", "arguments": {"q": "中文 🙂"}}</tool_call>', None, [("café", {"q": "中文 🙂"})]),
+    ('<tool_call>{"name": "café", "arguments": {"q": "中文 🙂"}}</tool_call>', None,
+     [("café", {"q": "中文 🙂"})]),
     # a call without its closing tag at the very end (cut by a stop string or the end token) still counts
     ('Sure. <tool_call>\n{"name": "f", "arguments": {"x": 1}}\n', "Sure.", [("f", {"x": 1})]),
     # malformed calls stay in the content, as written
