@@ -125,7 +125,7 @@ class Engine:
         params = params or SamplingParams()
         if not isinstance(params, SamplingParams):
             raise ValueError(f"params must be SamplingParams, got {type(params).__name__}")
-        text, token_ids = self._tokenize(prompt)
+        text, token_ids = self._tokenize(prompt, params.add_special_tokens)
         self._validate_prompt(token_ids, params)
         return self._add(text, token_ids, params, request_id, params.output_kind)
 
@@ -246,10 +246,11 @@ class Engine:
         if min_finished_prompts is not None and not 1 <= min_finished_prompts <= len(prompts):
             raise ValueError(f"min_finished_prompts must be in [1, {len(prompts)}], got {min_finished_prompts}")
         # tokenize and validate every prompt before queueing any, so a bad one leaves nothing half-added
-        tokenized = [self._tokenize(prompt) for prompt in prompts]
-        for (_, token_ids), p in zip(tokenized, params):
+        for p in params:
             if not isinstance(p, SamplingParams):
                 raise ValueError(f"params must be SamplingParams, got {type(p).__name__}")
+        tokenized = [self._tokenize(prompt, p.add_special_tokens) for prompt, p in zip(prompts, params)]
+        for (_, token_ids), p in zip(tokenized, params):
             self._validate_prompt(token_ids, p)
         final_only = RequestOutputKind.FINAL_ONLY
         ids = [self._add(text, token_ids, p, None, final_only) for (text, token_ids), p in zip(tokenized, params)]
@@ -428,14 +429,14 @@ class Engine:
         return self._spec_totals.summary(self.spec_controller)
 
     # ---- helpers ----------------------------------------------------------------------------------------
-    def _tokenize(self, prompt: Prompt) -> tuple[str | None, list[int]]:
+    def _tokenize(self, prompt: Prompt, add_special_tokens: bool) -> tuple[str | None, list[int]]:
         if isinstance(prompt, str):
             if self.tokenizer is None:
                 raise ValueError(
                     f"prompt is text but {self.config.tokenizer or self.config.model} has no tokenizer.json; "
                     "pass token ids instead"
                 )
-            return prompt, self.tokenizer.encode(prompt)
+            return prompt, self.tokenizer.encode(prompt, add_special_tokens)
         if not isinstance(prompt, Sequence) or not all(isinstance(t, int) for t in prompt):
             raise ValueError(f"prompt must be a str or a list of int token ids, got {type(prompt).__name__}")
         return None, list(prompt)
