@@ -13,6 +13,7 @@ from __future__ import annotations
 import dataclasses
 import enum
 import math
+import numbers
 import types
 import typing
 from collections.abc import Mapping, Sequence
@@ -186,8 +187,8 @@ def _typed(tp: Any, value: Any, where: str, source: str) -> Any:
             return value
         raise _WrongType(_expected(tp))
     if tp is int:
-        if isinstance(value, int) and not isinstance(value, bool):
-            return value
+        if isinstance(value, numbers.Integral) and not isinstance(value, bool):
+            return int(value)
         raise _WrongType(_expected(tp))
     if tp is float:
         number = value
@@ -196,7 +197,7 @@ def _typed(tp: Any, value: Any, where: str, source: str) -> Any:
                 number = float(value)
             except ValueError:
                 raise _WrongType(_expected(tp)) from None
-        if isinstance(number, (int, float)) and not isinstance(number, bool) and math.isfinite(number):
+        if isinstance(number, numbers.Real) and not isinstance(number, bool) and math.isfinite(number):
             return float(number)
         raise _WrongType(_expected(tp))
     if tp is str:

@@ -150,9 +150,10 @@ class SamplingParams:
         if not isinstance(self.stop, (list, tuple)) or not all(isinstance(x, str) and x for x in self.stop):
             raise ValueError(f"SamplingParams.stop must be a string or a list of non-empty strings, got {self.stop!r}")
         self.stop = list(self.stop)
-        for name in ("include_stop_str_in_output", "ignore_eos", "logprobs", "skip_special_tokens", "speculative"):
+        for name in ("include_stop_str_in_output", "ignore_eos", "logprobs", "skip_special_tokens", "speculative",
+                     "add_special_tokens", "spaces_between_special_tokens"):
             if not isinstance(getattr(self, name), bool):
-                raise ValueError(f"SamplingParams.{name} must be true or false, got {getattr(self, name)!r}")
+                raise ValueError(f"SamplingParams.{name} must be a bool (true or false), got {getattr(self, name)!r}")
         if self.cache_salt is not None:
             if not isinstance(self.cache_salt, str) or not self.cache_salt:
                 raise ValueError(f"SamplingParams.cache_salt must be a non-empty string or None, got {self.cache_salt!r}")
@@ -166,9 +167,6 @@ class SamplingParams:
         except ValueError:
             raise ValueError(
                 f"SamplingParams.output_kind must be a RequestOutputKind, got {self.output_kind!r}") from None
-        for name in ("add_special_tokens", "spaces_between_special_tokens"):
-            if not isinstance(getattr(self, name), bool):
-                raise ValueError(f"SamplingParams.{name} must be a bool, got {getattr(self, name)!r}")
 
     @property
     def greedy(self) -> bool:
