@@ -61,7 +61,11 @@ class Engine:
 
         self._sample_seed = sample_seed
         self.config = config
-        model_dir = str(resolve_model(config.model))  # a directory, or a hub id found in (or fetched into) the cache
+        # config.model: a directory, or a hub id found in (or fetched into) the local Hugging Face cache
+        self.model_dir = model_dir = str(resolve_model(config.model))
+        """The directory the model's files are read from (config.model as given stays the model's name)."""
+        self.tokenizer_dir = str(resolve_model(config.tokenizer, needs=None)) if config.tokenizer else model_dir
+        """Where the tokenizer (and chat template) files are: config.tokenizer resolved, else model_dir."""
         self.model_config = ModelConfig.from_dir(model_dir)
         max_pos = self.model_config.max_position_embeddings
         if config.max_model_len is not None and config.max_model_len > max_pos:
@@ -75,7 +79,7 @@ class Engine:
                                  "sliding-window attention is supported only up to the window")
             logger.info("max_model_len capped at the model's sliding_window=%d", window)
             self.max_model_len = window
-        self.tokenizer = Tokenizer.find(resolve_model(config.tokenizer, needs=None) if config.tokenizer else model_dir)
+        self.tokenizer = Tokenizer.find(self.tokenizer_dir)
         self.executor = make_executor(config.runner_config(model_dir), self.model_config, self.max_model_len)
         self.runner = self.executor.driver  # rank 0's ModelRunner
         rpc = self.executor.collective_rpc

@@ -79,6 +79,7 @@ def test_engine_config_with_a_model_id_generates_what_the_directory_does(ckpt_fa
     for model in ("tiny-org/tiny-llama", str(src)):
         with Engine(EngineConfig(model=model, dtype="float32", num_kv_blocks=64, max_model_len=64)) as engine:
             assert engine.config.model == model  # kept as given (the server's default model name)
+            assert engine.model_dir == engine.tokenizer_dir == str(resolve_model(model))
             outs.append([c.token_ids for c in engine.generate([[3, 4, 5, 6]], params)[0].outputs])
     assert outs[0] == outs[1] and len(outs[0][0]) == 6
 
