@@ -84,14 +84,10 @@ def check_port(host: str, port: int) -> None:
         try:
             sock.bind(address)
         except OSError as e:
-            if e.errno == errno.EADDRINUSE:
-                raise ValueError(f"port {port} on {host} is already in use (another server?); choose another "
-                                 "with --port") from None
-            if e.errno == errno.EACCES:
-                raise ValueError(f"port {port} on {host}: permission denied (ports below 1024 need root)") from None
-            if e.errno == errno.EADDRNOTAVAIL:
-                raise ValueError(f"--host {host!r} is not an address of this machine") from None
-            raise ValueError(f"cannot listen on {host}:{port}: {e.strerror or e}") from None
+            why = {errno.EADDRINUSE: "the port is already in use (another server?); choose another with --port",
+                   errno.EACCES: "permission denied (ports below 1024 need root)",
+                   errno.EADDRNOTAVAIL: "--host is not an address of this machine"}.get(e.errno, e.strerror or str(e))
+            raise ValueError(f"cannot listen on {host}:{port}: {why}") from None
 
 
 def check_device(device: str) -> None:

@@ -92,7 +92,7 @@ def test_server_config_from_args_builds_the_servers_config():
 
 # ---- start-up errors -----------------------------------------------------------------------------------------------
 def test_check_port_refuses_a_port_in_use_or_out_of_range(busy_port):
-    with pytest.raises(ValueError, match=f"port {busy_port} on 127.0.0.1 is already in use"):
+    with pytest.raises(ValueError, match=f"cannot listen on 127.0.0.1:{busy_port}: the port is already in use"):
         check_port("127.0.0.1", busy_port)
     for bad in (-1, 65536, 99999, True):
         with pytest.raises(ValueError, match=r"--port must be an integer in \[0, 65535\]"):
