@@ -61,10 +61,11 @@ def _serve(args: argparse.Namespace) -> int:
 
     from rollout.async_engine import AsyncEngine
     from rollout.server import serve
+    from rollout.server_config import ServerConfig
 
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(message)s")
     config = _engine_config(args)
-    serve(AsyncEngine(config), config.model, args.host, args.port)
+    serve(AsyncEngine(config), ServerConfig(host=args.host, port=args.port))
     return 0
 
 
