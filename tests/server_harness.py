@@ -36,6 +36,8 @@ CHATML_TEMPLATE = (
     "{%- if add_generation_prompt %}<|im_start|>assistant\n"
     "{%- if enable_thinking is defined and not enable_thinking %}<think>\n\n</think>\n\n{%- endif %}{%- endif %}"
 )
+QWEN2_SPLIT = (r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}| ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+"
+               r"|\s+(?!\S)|\s+")
 CORPUS = ["hello world, the quick brown fox jumps over the lazy dog", "what is the weather in Paris today?",
           '<tool_call>\n{"name": "get_weather", "arguments": {"city": "Paris"}}\n</tool_call>',
           "You may call one or more functions to assist with the user query.", "12+34=46 7+8=15 sunny, 21 C"]
@@ -43,11 +45,15 @@ CORPUS = ["hello world, the quick brown fox jumps over the lazy dog", "what is t
 
 def write_chat_tokenizer(path: Path, vocab_size: int) -> None:
     """A byte-level BPE (vocab_size - 3 entries trained here, then the 3 ChatML special tokens) whose
-    post-processor adds nothing, and tokenizer_config.json with the ChatML template; <|im_end|> ends a turn."""
-    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+    post-processor adds nothing, and tokenizer_config.json with the ChatML template; <|im_end|> ends a turn.
+    Its pre-tokenizer is Qwen2's (transformers' Qwen2Tokenizer imposes it on a qwen2 model directory, so
+    every reader of the directory splits text alike)."""
+    from tokenizers import Regex, Tokenizer, decoders, models, pre_tokenizers, trainers
 
     tok = Tokenizer(models.BPE())
-    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tok.pre_tokenizer = pre_tokenizers.Sequence([
+        pre_tokenizers.Split(Regex(QWEN2_SPLIT), behavior="isolated"),
+        pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False)])
     tok.decoder = decoders.ByteLevel()
     trainer = trainers.BpeTrainer(vocab_size=vocab_size - len(SPECIAL_TOKENS), show_progress=False,
                                   initial_alphabet=pre_tokenizers.ByteLevel.alphabet())
@@ -100,3 +106,28 @@ class LiveServer:
         self.server.should_exit = True
         self.thread.join(timeout=30)
         self.sock.close()
+
+
+class ScriptedTokens:
+    """Makes `engine` (an `Engine`) report `tokens[k]` as the k-th token of every sample, then `tokens[-1]`
+    forever: the model runs as usual, and the tokens its runner reports are replaced (as
+    tests/test_output_processor.py does), so a random model "writes" a chosen completion."""
+
+    def __init__(self, engine, tokens: list[int]) -> None:
+        from collections import Counter
+
+        self.tokens = tokens
+        self._next: Counter = Counter()
+        real = engine.runner.collect
+
+        def collect(handle):
+            out = real(handle)
+            out.sampled_token_ids = [[self._token(rid)] for rid in out.req_ids]
+            return out
+
+        engine.runner.collect = collect  # sync steps reach it through runner.execute, async ones directly
+
+    def _token(self, req_id: str) -> int:
+        k = self._next[req_id]
+        self._next[req_id] += 1
+        return self.tokens[min(k, len(self.tokens) - 1)]
