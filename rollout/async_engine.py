@@ -33,11 +33,14 @@ import logging
 import queue
 import threading
 from collections.abc import AsyncIterator, Callable
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from rollout.config import EngineConfig
 from rollout.outputs import RequestOutput
 from rollout.sampling_params import RequestOutputKind, SamplingParams
+
+if TYPE_CHECKING:
+    from rollout.engine import Engine
 
 logger = logging.getLogger(__name__)
 
@@ -47,7 +50,7 @@ _STOP = object()  # the command that ends the engine thread
 class AsyncEngine:
     """One `Engine` driven by a background thread; coroutine-friendly `generate`, `stream`, `abort` and `call`."""
 
-    def __init__(self, config_or_engine: "EngineConfig | Engine") -> None:  # noqa: F821
+    def __init__(self, config_or_engine: "EngineConfig | Engine") -> None:
         from rollout.engine import Engine
 
         self.engine = config_or_engine if isinstance(config_or_engine, Engine) else Engine(config_or_engine)

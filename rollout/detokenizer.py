@@ -31,7 +31,7 @@ class IncrementalDetokenizer:
     __slots__ = ("_decode", "_pieces", "length", "num_tokens", "_prefix", "_read", "_prefix_len")
 
     def __init__(self, decode: Callable[[list[int]], str]) -> None:
-        self._decode = decode  # token ids -> text (skip_special_tokens bound)
+        self._decode = decode  # token ids -> text (skip_special_tokens, spaces_between_special_tokens bound)
         self._pieces: list[str] = []  # committed text, in pieces (joined only when read from far back)
         self.length = 0
         """Characters committed."""

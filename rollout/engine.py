@@ -28,7 +28,7 @@ import logging
 import random
 import time
 from collections import deque
-from typing import Iterable, Sequence
+from typing import TYPE_CHECKING, Iterable, Sequence
 
 
 from rollout.config import EngineConfig
@@ -42,6 +42,10 @@ from rollout.scheduler import Scheduler
 from rollout.sleep import SleepState
 from rollout.spec_stats import SpecDecodeTotals, new_spec_stats
 from rollout.tokenizer import Tokenizer
+
+if TYPE_CHECKING:
+    from rollout.weight_sink import EngineSink
+    from weight_updates import UpdateResult
 
 logger = logging.getLogger(__name__)
 
@@ -121,7 +125,7 @@ class Engine:
         params = params or SamplingParams()
         if not isinstance(params, SamplingParams):
             raise ValueError(f"params must be SamplingParams, got {type(params).__name__}")
-        text, token_ids = self._tokenize(prompt)
+        text, token_ids = self._tokenize(prompt, params.add_special_tokens)
         self._validate_prompt(token_ids, params)
         return self._add(text, token_ids, params, request_id, params.output_kind)
 
@@ -242,10 +246,11 @@ class Engine:
         if min_finished_prompts is not None and not 1 <= min_finished_prompts <= len(prompts):
             raise ValueError(f"min_finished_prompts must be in [1, {len(prompts)}], got {min_finished_prompts}")
         # tokenize and validate every prompt before queueing any, so a bad one leaves nothing half-added
-        tokenized = [self._tokenize(prompt) for prompt in prompts]
-        for (_, token_ids), p in zip(tokenized, params):
+        for p in params:
             if not isinstance(p, SamplingParams):
                 raise ValueError(f"params must be SamplingParams, got {type(p).__name__}")
+        tokenized = [self._tokenize(prompt, p.add_special_tokens) for prompt, p in zip(prompts, params)]
+        for (_, token_ids), p in zip(tokenized, params):
             self._validate_prompt(token_ids, p)
         final_only = RequestOutputKind.FINAL_ONLY
         ids = [self._add(text, token_ids, p, None, final_only) for (text, token_ids), p in zip(tokenized, params)]
@@ -296,7 +301,7 @@ class Engine:
         return self.executor.collective_rpc(method, *args)
 
     # ---- weights (rollout/engine_weights.py) --------------------------------------------------------------
-    def weight_sink(self) -> "EngineSink":  # noqa: F821
+    def weight_sink(self) -> "EngineSink":
         """What a transport's receiver writes into: `IpcReceiver(conn, engine.weight_sink())`, `NixlReceiver`,
         `DistReceiver`, `InProcessSender` (weight_updates.transports). Each of its sessions finishes the step in
         flight and checks that the weights are on the device before it starts, and one that publishes moves
@@ -319,7 +324,7 @@ class Engine:
         the live weights: use them before the next update, or clone them."""
         return self._weights.export()
 
-    def apply_weight_update(self, version: int, updates) -> "UpdateResult":  # noqa: F821
+    def apply_weight_update(self, version: int, updates) -> "UpdateResult":
         """Apply Dense/Patch records between steps; on success `policy_version` becomes `version`.
 
         Nothing is written unless every record validates; a failed update raises (a ValueError naming the
@@ -345,7 +350,7 @@ class Engine:
         back, leaves nothing staged and raises."""
         self._weights.commit()
 
-    def publish_weight_update(self) -> "UpdateResult":  # noqa: F821
+    def publish_weight_update(self) -> "UpdateResult":
         """Make the committed update current: `policy_version` becomes its version."""
         return self._weights.publish()
 
@@ -354,7 +359,7 @@ class Engine:
         ("nothing staged" if no update is)."""
         return self._weights.drop()
 
-    def load_weights(self, path: str, version: int | None = None) -> "UpdateResult":  # noqa: F821
+    def load_weights(self, path: str, version: int | None = None) -> "UpdateResult":
         """Overwrite the weights in place with a checkpoint directory's (safetensors, the same architecture:
         the names and shapes the engine holds; float tensors cast to the engine's dtype), as one dense
         update: every tensor is checked before any is written. `version` defaults to policy_version + 1."""
@@ -371,7 +376,7 @@ class Engine:
         it now: what a trainer compares its own parts with (`TrainerBridge.adopt_engine_weights`)."""
         return self._weights.rank_local_checksums()
 
-    def update_weights_rank_local(self, version: int, handles: Sequence[dict]) -> "UpdateResult":  # noqa: F821
+    def update_weights_rank_local(self, version: int, handles: Sequence[dict]) -> "UpdateResult":
         """Apply a weight update whose records for rank r (in rank r's coordinates, see
         `rank_local_layouts`) the trainer staged where rank r can map them: `handles[r]` is the JSON of
         `weight_updates.transports.rank_local.stage_bucket` (a /dev/shm segment on the CPU, a CUDA IPC
@@ -424,14 +429,14 @@ class Engine:
         return self._spec_totals.summary(self.spec_controller)
 
     # ---- helpers ----------------------------------------------------------------------------------------
-    def _tokenize(self, prompt: Prompt) -> tuple[str | None, list[int]]:
+    def _tokenize(self, prompt: Prompt, add_special_tokens: bool) -> tuple[str | None, list[int]]:
         if isinstance(prompt, str):
             if self.tokenizer is None:
                 raise ValueError(
                     f"prompt is text but {self.config.tokenizer or self.config.model} has no tokenizer.json; "
                     "pass token ids instead"
                 )
-            return prompt, self.tokenizer.encode(prompt)
+            return prompt, self.tokenizer.encode(prompt, add_special_tokens)
         if not isinstance(prompt, Sequence) or not all(isinstance(t, int) for t in prompt):
             raise ValueError(f"prompt must be a str or a list of int token ids, got {type(prompt).__name__}")
         return None, list(prompt)

@@ -95,7 +95,8 @@ class OutputProcessor:
         for req in group.members:
             detok = None
             if self.tokenizer is not None:
-                detok = IncrementalDetokenizer(self.tokenizer.decoder(params.skip_special_tokens))
+                detok = IncrementalDetokenizer(self.tokenizer.decoder(params.skip_special_tokens,
+                                                                      params.spaces_between_special_tokens))
             stop = None
             if params.stop:
                 assert detok is not None, "the engine refuses stop strings without a tokenizer"

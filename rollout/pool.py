@@ -29,11 +29,14 @@ import time
 import warnings
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Sequence
+from typing import TYPE_CHECKING, Any, Sequence
 
 from rollout.config import EngineConfig, from_mapping, load_yaml
 from rollout.outputs import RequestOutput
 from rollout.sampling_params import SamplingParams
+
+if TYPE_CHECKING:
+    from weight_updates.transports.protocol import SendResult
 
 @dataclass(kw_only=True, slots=True)
 class WorkerResources:
@@ -289,7 +292,7 @@ class RolloutPool:
         assert all(r is not None for r in results)
         return results
 
-    def apply_weight_update(self, version: int, updates) -> "SendResult":  # noqa: F821
+    def apply_weight_update(self, version: int, updates) -> "SendResult":
         """Send one update to every worker as one Ray object, in two phases: every worker validates and stages
         it (`Engine.prepare_weight_update`), then all commit it (write, verify) or all drop it, then all publish.
         Returns a `SendResult` with every worker's UpdateResult.

@@ -76,6 +76,14 @@ class SamplingParams:
     output_kind: RequestOutputKind = RequestOutputKind.CUMULATIVE
     """What `Engine.step` returns for this request (see RequestOutputKind). `Engine.generate` builds one final
     output and `AsyncEngine.stream` deltas, whatever this says."""
+    add_special_tokens: bool = True
+    """A text prompt is encoded with the special tokens the tokenizer's post-processor adds (BOS for Llama-style
+    tokenizers), as the model's own tokenizer does; False encodes the text alone. Token-id prompts (a chat
+    template's among them) are used as given."""
+    spaces_between_special_tokens: bool = True
+    """With `skip_special_tokens=False`: set each special token in `text` apart from the text around it by one
+    space (vLLM's default, transformers' slow tokenizers); False: the tokenizer's plain decode
+    (rollout/tokenizer.py says exactly what each gives). No effect while special tokens are skipped."""
 
     def __post_init__(self) -> None:
         if not isinstance(self.n, int) or self.n < 1:
@@ -113,6 +121,9 @@ class SamplingParams:
         except ValueError:
             raise ValueError(
                 f"SamplingParams.output_kind must be a RequestOutputKind, got {self.output_kind!r}") from None
+        for name in ("add_special_tokens", "spaces_between_special_tokens"):
+            if not isinstance(getattr(self, name), bool):
+                raise ValueError(f"SamplingParams.{name} must be a bool, got {getattr(self, name)!r}")
 
     @property
     def greedy(self) -> bool:

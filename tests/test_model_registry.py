@@ -261,7 +261,7 @@ class _Experts(nn.Module):
 def test_stacked_and_column_slots_read_and_write_the_right_elements():
     module = _Experts()
     weights = CheckpointWeights(module)
-    e, i, h = module.E, module.I, module.H
+    i, h = module.I, module.H
     where = {  # checkpoint name -> the parameter elements it must be, written by hand
         "experts.1.gate_proj.weight": lambda: module.w13.data[1, :i],
         "experts.1.up_proj.weight": lambda: module.w13.data[1, i:],
