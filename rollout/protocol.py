@@ -76,6 +76,7 @@ class _SamplingFields(_Strict):
     ignore_eos: bool = False
     min_tokens: MinTokens = 0
     skip_special_tokens: bool = True
+    spaces_between_special_tokens: bool = True
     include_stop_str_in_output: bool = False
     stream: bool = False
     stream_options: StreamOptions | None = None
@@ -204,6 +205,7 @@ class SGLangSamplingParams(_Strict):
     stop_token_ids: Nullable(StopTokenIds) = None
     ignore_eos: bool = False
     skip_special_tokens: bool = True
+    spaces_between_special_tokens: bool = True
     no_stop_trim: bool = False
     """Keep a matched stop string at the end of the text."""
     sampling_seed: Nullable(Seed) = None

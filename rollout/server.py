@@ -378,8 +378,7 @@ class _Server:
     def encode(self, text: str, add_special_tokens: bool, param: str) -> list[int]:
         if self.tokenizer is None:
             raise APIError(400, f"{param} is text but the model has no tokenizer.json; send token ids", param=param)
-        # the tokenizer's default adds the special tokens its post-processor adds (BOS)
-        return self.tokenizer.encode(text) if add_special_tokens else self.tokenizer.encode(text, add_special_tokens=False)
+        return self.tokenizer.encode(text, add_special_tokens=add_special_tokens)
 
     def sampling(self, **fields) -> SamplingParams:
         try:
@@ -515,7 +514,7 @@ class _Server:
                 max_tokens=max_tokens, min_tokens=req.min_tokens, seed=req.seed, stop=_stops(req.stop),
                 stop_token_ids=req.stop_token_ids or [], include_stop_str_in_output=req.include_stop_str_in_output,
                 ignore_eos=req.ignore_eos, top_logprobs=req.logprobs or 0, skip_special_tokens=req.skip_special_tokens,
-                cache_salt=req.cache_salt)
+                spaces_between_special_tokens=req.spaces_between_special_tokens, cache_salt=req.cache_salt)
         echo_logprobs = req.echo and req.logprobs is not None
         score_top = None
         if echo_logprobs or req.prompt_logprobs is not None:
@@ -649,7 +648,7 @@ class _Server:
             raise APIError(400, "this model has no chat template (tokenizer_config.json's chat_template or "
                                 "chat_template.jinja): give the server one (ServerConfig.chat_template) or use "
                                 "/v1/completions", param="messages")
-        messages = [_template_message(m) for m in req.messages]
+        messages = [m.model_dump(exclude_none=True) for m in req.messages]  # rollout/chat.py normalizes them
         tools = [t.model_dump(exclude_none=True) for t in req.tools] if req.tools else None
         try:
             ids = self.template.render(messages, tools=tools, add_generation_prompt=req.add_generation_prompt,
@@ -666,7 +665,7 @@ class _Server:
             max_tokens=max_tokens, min_tokens=req.min_tokens, seed=req.seed, stop=_stops(req.stop),
             stop_token_ids=req.stop_token_ids or [], include_stop_str_in_output=req.include_stop_str_in_output,
             ignore_eos=req.ignore_eos, top_logprobs=num_top, skip_special_tokens=req.skip_special_tokens,
-            cache_salt=req.cache_salt)
+            spaces_between_special_tokens=req.spaces_between_special_tokens, cache_salt=req.cache_salt)
         rid = f"chatcmpl-{uuid.uuid4().hex}"
         release = self.admit(1)
         if req.stream:
@@ -801,7 +800,8 @@ class _Server:
             max_tokens=max_tokens, min_tokens=sp.min_new_tokens,
             seed=sp.sampling_seed if sp.sampling_seed is not None else sp.seed, stop=_stops(sp.stop),
             stop_token_ids=sp.stop_token_ids or [], include_stop_str_in_output=sp.no_stop_trim, ignore_eos=sp.ignore_eos,
-            top_logprobs=req.top_logprobs_num, skip_special_tokens=sp.skip_special_tokens, cache_salt=req.cache_salt)
+            top_logprobs=req.top_logprobs_num, skip_special_tokens=sp.skip_special_tokens,
+            spaces_between_special_tokens=sp.spaces_between_special_tokens, cache_salt=req.cache_salt)
         if req.stream and batched:
             raise APIError(400, "stream takes one prompt (send one /generate per prompt)", param="stream")
         release = self.admit(len(prompts))
@@ -940,33 +940,6 @@ def _stream_error(e: Exception) -> bytes:
         return b"data: " + error_body(e.status, e.message, e.param, e.code) + b"\n\n"
     logger.exception("stream failed", exc_info=e)
     return b"data: " + error_body(500, "internal server error") + b"\n\n"
-
-
-def _template_message(m: P.ChatMessage) -> dict:
-    """An OpenAI message as chat templates read it: text parts joined, tool-call arguments as objects (the
-    Hermes / Qwen templates write `arguments | tojson`)."""
-    out: dict[str, Any] = {"role": m.role}
-    if isinstance(m.content, list):
-        out["content"] = "\n".join(part.text for part in m.content)
-    else:
-        out["content"] = m.content
-    for key in ("name", "tool_call_id", "reasoning_content"):
-        value = getattr(m, key)
-        if value is not None:
-            out[key] = value
-    if m.tool_calls:
-        calls = []
-        for tc in m.tool_calls:
-            try:
-                arguments = json.loads(tc.function.arguments)
-            except ValueError:
-                arguments = tc.function.arguments
-            call = {"type": "function", "function": {"name": tc.function.name, "arguments": arguments}}
-            if tc.id is not None:
-                call["id"] = tc.id
-            calls.append(call)
-        out["tool_calls"] = calls
-    return out
 
 
 def build_app(engine: AsyncEngine, config: ServerConfig):
