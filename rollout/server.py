@@ -996,7 +996,9 @@ def bind(host: str, port: int) -> socket.socket:
         info = socket.getaddrinfo(host, port, type=socket.SOCK_STREAM, flags=socket.AI_PASSIVE)[0]
     except socket.gaierror as e:
         raise ValueError(f"cannot listen on {host}:{port}: {e.strerror}") from None
-    sock = socket.socket(info[0], socket.SOCK_STREAM)
+    # proto IPPROTO_TCP (not 0), so asyncio sets TCP_NODELAY on every accepted connection: without it a reused
+    # keep-alive connection waits ~40 ms (Nagle against delayed ACKs) for each response's second write
+    sock = socket.socket(info[0], info[1], info[2])
     sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
     try:
         sock.bind(info[4])

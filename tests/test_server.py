@@ -130,6 +130,11 @@ def test_generate_and_completions_return_the_engine_results(model_dir):
             texts = [c["text"] for c in chunks]
             assert all(isinstance(t, str) and whole.text.startswith(t) for t in texts) and texts[-1] == whole.text
             assert len(set(texts)) > 2  # growing with the tokens
+        # every accepted connection has TCP_NODELAY: a reused keep-alive connection gets its answer at once
+        import socket
+
+        (conn,) = srv.server.server_state.connections
+        assert conn.transport.get_extra_info("socket").getsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY)
         r = client.post("/generate", json={"text": [PROMPT, PROMPT], "stream": True})
         assert r.status_code == 400 and "one prompt" in error_of(r)["message"]
         r = client.post("/generate", json={"input_ids": [100000], "stream": True})  # refused before streaming
