@@ -417,6 +417,7 @@ class ChatCompletionChunk(BaseModel):
     choices: list[ChatStreamChoice]
     usage: Usage | None = Extension()
     prompt_token_ids: list[int] | None = Extension()
+    prompt_logprobs: list[dict[str, dict] | None] | None = Extension()
 
 
 # ---- validation errors -> one message ---------------------------------------------------------------------------

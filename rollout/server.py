@@ -86,7 +86,7 @@ class _Disconnected(Exception):
     """The client went away before its answer was ready (its requests were aborted)."""
 
 
-def error_body(status: int, message: str, param: str | None = None, code: str | None = None) -> bytes:
+def _error_body(status: int, message: str, param: str | None = None, code: str | None = None) -> bytes:
     info = P.ErrorInfo(message=message, type=_ERROR_TYPES.get(status, "invalid_request_error"), param=param,
                        code=code)
     return P.ErrorResponse(error=info).model_dump_json().encode()
@@ -94,7 +94,7 @@ def error_body(status: int, message: str, param: str | None = None, code: str | 
 
 def _error_response(status: int, message: str, param: str | None = None, code: str | None = None,
                     headers: dict[str, str] | None = None) -> Response:
-    return Response(error_body(status, message, param, code), status_code=status, media_type="application/json",
+    return Response(_error_body(status, message, param, code), status_code=status, media_type="application/json",
                     headers=headers)
 
 
@@ -127,7 +127,7 @@ class _ApiKey:
         if scope["type"] != "http" or scope["path"] == "/health" or self._authorized(scope):
             await self.app(scope, receive, send)
             return
-        body = error_body(401, "missing or wrong API key: send the header 'Authorization: Bearer <key>'",
+        body = _error_body(401, "missing or wrong API key: send the header 'Authorization: Bearer <key>'",
                           code="invalid_api_key")
         await send({"type": "http.response.start", "status": 401, "headers": [
             (b"content-type", b"application/json"), (b"content-length", str(len(body)).encode()),
@@ -152,7 +152,7 @@ class _EventStream(StreamingResponse):
     """Server-sent events from `events` (each already `data: ...\\n\\n`), watching for the client to go: then
     the stream is cancelled (its engine requests abort) and one line is logged. `cleanup` runs either way."""
 
-    def __init__(self, events: AsyncIterator[bytes], name: str, cleanup: Callable[[], Any]) -> None:
+    def __init__(self, events: AsyncIterator[bytes], name: str, cleanup: Callable[[], Any] | None = None) -> None:
         super().__init__(events, media_type="text/event-stream", headers={"Cache-Control": "no-cache",
                                                                           "X-Accel-Buffering": "no"})
         self.events, self.name, self.cleanup = events, name, cleanup
@@ -175,7 +175,8 @@ class _EventStream(StreamingResponse):
                 task.cancel()
             await asyncio.gather(pump, watch, return_exceptions=True)
             await self.events.aclose()
-            await self.cleanup()
+            if self.cleanup is not None:
+                await self.cleanup()
 
     async def _pump(self, send) -> None:
         await send({"type": "http.response.start", "status": self.status_code, "headers": self.raw_headers})
@@ -396,14 +397,15 @@ class _Server:
     def token_name(self, token_id: int, as_ids: bool) -> str:
         return f"token_id:{token_id}" if as_ids else self.token_text(token_id)
 
-    async def generate_all(self, prompts: list[list[int]], params: SamplingParams | None, rid: str,
-                           score_top: int | None) -> tuple[list[RequestOutput | None], list[dict | None]]:
-        """Every prompt's final output (None each when `params` is None: nothing to generate) and, with
-        `score_top`, its prompt scores; one failure cancels (aborts) the rest and raises as an APIError."""
+    async def generate_all(self, prompts: list[list[int]], params: SamplingParams | None, rids: list[str],
+                           score_top: int | None = None) -> tuple[list[RequestOutput | None], list[dict | None]]:
+        """Every prompt's final output (engine request ids `rids`; None each when `params` is None: nothing to
+        generate) and, with `score_top`, its prompt scores; one failure cancels (aborts) the rest and raises
+        as an APIError."""
         tasks = []
         if params is not None:
-            tasks += [asyncio.ensure_future(self.engine.generate(ids, params, request_id=f"{rid}-{i}"))
-                      for i, ids in enumerate(prompts)]
+            tasks += [asyncio.ensure_future(self.engine.generate(ids, params, request_id=r))
+                      for ids, r in zip(prompts, rids)]
         if score_top is not None:
             tasks += [asyncio.ensure_future(self.score(ids, score_top)) for ids in prompts]
         try:
@@ -431,7 +433,8 @@ class _Server:
             entry = {str(t): {"logprob": _finite(score["logprobs"][i]), "rank": score["ranks"][i],
                               "decoded_token": self.token_text(t)}}
             for rank, (tid, lp) in enumerate(zip(score["top_ids"][i][:num_top], score["top_logprobs"][i]), 1):
-                entry.setdefault(str(tid), {"logprob": _finite(lp), "rank": rank, "decoded_token": self.token_text(tid)})
+                entry.setdefault(str(tid), {"logprob": _finite(lp), "rank": rank,
+                                            "decoded_token": self.token_text(tid)})
             out.append(entry)
         return out
 
@@ -518,18 +521,18 @@ class _Server:
         echo_logprobs = req.echo and req.logprobs is not None
         score_top = None
         if echo_logprobs or req.prompt_logprobs is not None:
-            score_top = max(req.logprobs or 0 if echo_logprobs else 0, req.prompt_logprobs or 0)
-        if req.echo:
-            texts = [t if t is not None else self.tokenizer.decode(ids, skip_special_tokens=False)
-                     if self.tokenizer is not None else "" for t, ids in zip(texts, prompts)]
+            score_top = max((req.logprobs or 0) if echo_logprobs else 0, req.prompt_logprobs or 0)
+        if req.echo:  # a token-id prompt is echoed as its text
+            decode = self.tokenizer.decode if self.tokenizer is not None else (lambda ids, _: "")
+            texts = [t if t is not None else decode(ids, False) for t, ids in zip(texts, prompts)]
         rid = f"cmpl-{uuid.uuid4().hex}"
         release = self.admit(len(prompts))
         if req.stream and params is not None:
             return await self._stream_completions(request, req, rid, texts, prompts, params, score_top, release)
         # otherwise one answer (a stream of max_tokens 0 has one chunk per choice)
         try:
-            outs, scores = await self.until_disconnect(request, rid, self.generate_all(prompts, params, rid,
-                                                                                        score_top))
+            outs, scores = await self.until_disconnect(request, rid, self.generate_all(
+                prompts, params, [f"{rid}-{i}" for i in range(len(prompts))], score_top))
         finally:
             release()
         choices, completion_tokens = [], 0
@@ -556,10 +559,7 @@ class _Server:
                                                   usage=usage))
             yield _DONE
 
-        async def nothing():
-            pass
-
-        return _EventStream(events(), rid, nothing)
+        return _EventStream(events(), rid)
 
     def _completion_choice(self, req: P.CompletionRequest, index: int, c: CompletionOutput, prompt_text: str | None,
                            prompt_ids: list[int], score: dict | None, first: bool,
@@ -620,8 +620,8 @@ class _Server:
                         first = index not in started
                         started.add(index)
                         completion_tokens += len(c.token_ids)
-                        choice, offsets[index] = self._completion_choice(req, index, c, texts[i], prompts[i], scores[i],
-                                                                         first, offsets.get(index, 0))
+                        choice, offsets[index] = self._completion_choice(
+                            req, index, c, texts[i], prompts[i], scores[i], first, offsets.get(index, 0))
                         yield _event(P.CompletionResponse(id=rid, created=created, model=self.served_model_name,
                                                           choices=[choice]))
                 if req.stream_options is not None and req.stream_options.include_usage:
@@ -672,7 +672,7 @@ class _Server:
             return await self._stream_chat(request, req, rid, ids, params, parse_tools, num_top, release)
         try:
             (out,), (score,) = await self.until_disconnect(request, rid, self.generate_all(
-                [ids], params, rid, req.prompt_logprobs))
+                [ids], params, [rid], req.prompt_logprobs))
         finally:
             release()
         choices, completion_tokens = [], 0
@@ -706,12 +706,21 @@ class _Server:
 
     async def _stream_chat(self, request, req, rid, ids, params, parse_tools, num_top, release) -> Response:
         streams = _Streams(self.engine, [(ids, params, rid)])
+
+        async def start():
+            score = None if req.prompt_logprobs is None else await self.score(ids, req.prompt_logprobs)
+            await streams.first()
+            return score
+
         try:
-            await self.until_disconnect(request, rid, streams.first())
+            score = await self.until_disconnect(request, rid, start())
         except BaseException as e:
             await streams.close()
             release()
             raise _engine_error(e) from None
+        first_extras = {"prompt_token_ids": ids if req.return_token_ids else None,
+                        "prompt_logprobs": None if score is None else self.prompt_logprobs(ids, score,
+                                                                                           req.prompt_logprobs)}
 
         async def events():
             created = int(time.time())
@@ -726,7 +735,7 @@ class _Server:
             try:
                 for j in range(req.n):  # the role first, as OpenAI streams it
                     yield chunk(P.ChatStreamChoice(index=j, delta=P.ChatDelta(role="assistant", content="")),
-                                prompt_token_ids=ids if req.return_token_ids and j == 0 else None)
+                                **(first_extras if j == 0 else {}))
                 async for _, out in streams:
                     cached = out.num_cached_prompt_tokens
                     for c in out.outputs:
@@ -743,8 +752,9 @@ class _Server:
                         calls = []
                         for kind, tc in pieces:
                             if kind == "tool_call":
-                                calls.append(P.ToolCallDelta(index=num_calls[j], id=tc.id, function=P.FunctionCallOut(
-                                    name=tc.name, arguments=tc.arguments)))
+                                calls.append(P.ToolCallDelta(index=num_calls[j], id=tc.id,
+                                                             function=P.FunctionCallOut(name=tc.name,
+                                                                                        arguments=tc.arguments)))
                                 num_calls[j] += 1
                         finish = None
                         if c.finished:
@@ -799,7 +809,8 @@ class _Server:
             n=sp.n, temperature=sp.temperature, top_p=sp.top_p, top_k=sp.top_k, min_p=sp.min_p,
             max_tokens=max_tokens, min_tokens=sp.min_new_tokens,
             seed=sp.sampling_seed if sp.sampling_seed is not None else sp.seed, stop=_stops(sp.stop),
-            stop_token_ids=sp.stop_token_ids or [], include_stop_str_in_output=sp.no_stop_trim, ignore_eos=sp.ignore_eos,
+            stop_token_ids=sp.stop_token_ids or [], include_stop_str_in_output=sp.no_stop_trim,
+            ignore_eos=sp.ignore_eos,
             top_logprobs=req.top_logprobs_num, skip_special_tokens=sp.skip_special_tokens,
             spaces_between_special_tokens=sp.spaces_between_special_tokens, cache_salt=req.cache_salt)
         if req.stream and batched:
@@ -807,20 +818,8 @@ class _Server:
         release = self.admit(len(prompts))
         if req.stream:
             return await self._stream_generate(request, req, rids[0], prompts[0], params, release)
-
-        async def run():
-            tasks = [asyncio.ensure_future(self.engine.generate(ids, params, request_id=r))
-                     for ids, r in zip(prompts, rids)]
-            try:
-                return await asyncio.gather(*tasks)
-            except BaseException as e:
-                for t in tasks:
-                    t.cancel()
-                await asyncio.gather(*tasks, return_exceptions=True)
-                raise _engine_error(e) from None
-
         try:
-            outs = await self.until_disconnect(request, rids[0], run())
+            outs, _ = await self.until_disconnect(request, rids[0], self.generate_all(prompts, params, rids))
         finally:
             release()
         results = [r for out in outs for r in self.sglang_result(out, req)]
@@ -893,12 +892,12 @@ class _Server:
         return _success()
 
     async def release_memory(self, request: Request) -> Response:
-        tags = (await self.parse(request, P.MemoryRequest)).tags if await _has_body(request) else None
+        tags = (await self.parse(request, P.MemoryRequest)).tags if _has_body(request) else None
         await self._call(lambda e: e.sleep(2 if tags is None or "weights" in tags else 1))
         return _success()
 
     async def resume_memory(self, request: Request) -> Response:
-        tags = (await self.parse(request, P.MemoryRequest)).tags if await _has_body(request) else None
+        tags = (await self.parse(request, P.MemoryRequest)).tags if _has_body(request) else None
         await self._call(lambda e: e.wake_up(tags))
         return _success()
 
@@ -914,7 +913,7 @@ class _Server:
             raise _engine_error(e) from None
 
 
-async def _has_body(request: Request) -> bool:
+def _has_body(request: Request) -> bool:
     declared = request.headers.get("content-length")
     return request.headers.get("transfer-encoding") == "chunked" or (declared is not None and declared != "0")
 
@@ -937,9 +936,9 @@ def _engine_error(e: BaseException) -> BaseException:
 def _stream_error(e: Exception) -> bytes:
     e = _engine_error(e)
     if isinstance(e, APIError):
-        return b"data: " + error_body(e.status, e.message, e.param, e.code) + b"\n\n"
+        return b"data: " + _error_body(e.status, e.message, e.param, e.code) + b"\n\n"
     logger.exception("stream failed", exc_info=e)
-    return b"data: " + error_body(500, "internal server error") + b"\n\n"
+    return b"data: " + _error_body(500, "internal server error") + b"\n\n"
 
 
 def build_app(engine: AsyncEngine, config: ServerConfig):

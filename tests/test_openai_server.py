@@ -261,9 +261,25 @@ def test_prompt_logprobs_are_the_models_own(http, model_dir, local):
     assert r.json()["usage"]["completion_tokens"] == 0 and lp["token_logprobs"][0] is None
     want = [logp[i - 1, ids[i]].item() for i in range(1, len(ids))]
     assert lp["token_logprobs"][1:] == pytest.approx(want, abs=1e-4)
-    # while other requests run: scoring lends its own blocks, so theirs are untouched
-    r = http.post("/v1/chat/completions", json={"messages": [{"role": "user", "content": "hi"}], "max_tokens": 2,
-                                                "prompt_logprobs": 0, "return_token_ids": True})
+    # while another request runs: scoring lends its own blocks, so the running request's KV is untouched and
+    # its tokens are the ones a fresh engine gives (deterministic mode)
+    running = {"prompt": ids[:20], "max_tokens": 40, "seed": 9, "ignore_eos": True, "stream": True,
+               "return_token_ids": True}
+    tokens = []
+    with http.stream("POST", "/v1/completions", json=running) as stream:
+        lines = stream.iter_lines()
+        for line in lines:
+            if line.startswith("data: {"):
+                tokens += json.loads(line[6:])["choices"][0].get("token_ids", [])
+                if len(tokens) >= 2:
+                    break
+        r = http.post("/v1/chat/completions", json={"messages": [{"role": "user", "content": "hi"}], "max_tokens": 2,
+                                                    "prompt_logprobs": 0, "return_token_ids": True})
+        for line in lines:
+            if line.startswith("data: {"):
+                tokens += json.loads(line[6:])["choices"][0].get("token_ids", [])
+    assert len(tokens) == 40 and tokens == local.generate([ids[:20]], SamplingParams(
+        max_tokens=40, seed=9, ignore_eos=True))[0].outputs[0].token_ids
     chat = r.json()
     chat_ids = chat["prompt_token_ids"]
     assert len(chat["prompt_logprobs"]) == len(chat_ids) and all(
@@ -339,4 +355,40 @@ def test_text_prompts_get_the_tokenizers_bos_and_chat_prompts_nothing_more(model
         r = c.post("/v1/chat/completions", json={"messages": messages, "max_tokens": 1, "return_token_ids": True})
         want = hf.apply_chat_template(messages, add_generation_prompt=True, tokenize=True, return_dict=False)
         assert r.json()["prompt_token_ids"] == list(want) and want[0] != bos
+    srv.engine.close()
+
+
+def test_chat_stream_carries_prompt_logprobs_and_ids_first(http):
+    body = {"messages": [{"role": "user", "content": "hi"}], "max_tokens": 3, "stream": True, "prompt_logprobs": 1,
+            "return_token_ids": True}
+    with http.stream("POST", "/v1/chat/completions", json=body) as r:
+        chunks = [json.loads(line[6:]) for line in r.iter_lines() if line.startswith("data: {")]
+    first = chunks[0]
+    assert first["choices"][0]["delta"] == {"role": "assistant", "content": ""}
+    ids = first["prompt_token_ids"]
+    assert len(first["prompt_logprobs"]) == len(ids) and first["prompt_logprobs"][0] is None
+    assert all(str(t) in e for e, t in zip(first["prompt_logprobs"][1:], ids[1:]))
+    assert all("prompt_logprobs" not in c for c in chunks[1:])
+    assert sum(len(c["choices"][0].get("token_ids", [])) for c in chunks) == 3
+
+
+def test_spec_decode_stats_per_choice(tmp_path):
+    """With a drafter, each choice carries its request's acceptance counters (completions and /generate)."""
+    from runner.testing import write_random_checkpoint
+
+    from rollout.config import SpeculativeConfig
+
+    path = write_random_checkpoint(tmp_path / "m", vocab_size=64, hidden_size=64, intermediate_size=128,
+                                   num_hidden_layers=2, std=0.3)
+    engine = Engine(EngineConfig(model=str(path), dtype="float32", max_num_seqs=16, num_kv_blocks=256, block_size=4,
+                                 speculative=SpeculativeConfig(method="mtp", num_speculative_tokens=2)))
+    engine.spec_controller.auto_off = False
+    with LiveServer(AsyncEngine(engine)) as srv, httpx.Client(base_url=srv.url, timeout=60) as c:
+        r = c.post("/v1/completions", json={"prompt": [3, 4], "max_tokens": 10, "ignore_eos": True, "n": 2})
+        for choice in r.json()["choices"]:
+            s = choice["spec_decode_stats"]
+            assert s["num_spec_steps"] > 0 and sum(s["acceptance_histogram"]) == s["num_spec_steps"]
+            assert len(choice["policy_versions"]) == 10
+        r = c.post("/generate", json={"input_ids": [3, 4], "sampling_params": {"max_new_tokens": 6, "ignore_eos": True}})
+        assert r.json()["meta_info"]["spec_decode_stats"]["num_spec_steps"] > 0
     srv.engine.close()
