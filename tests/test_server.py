@@ -248,6 +248,25 @@ def test_oversized_n_is_refused_at_once_and_a_600_prompt_batch_fits_the_default_
     assert [c["prompt_token_ids"] for c in r.json()["choices"]] == prompts
 
 
+def test_prompt_and_completion_token_bounds(model_dir):
+    with serving(model_dir, max_prompt_tokens=8, max_tokens=4) as srv, \
+            httpx.Client(base_url=srv.url, timeout=60) as client:
+        for path, body, param in (
+                ("/v1/completions", {"prompt": "1234567890", "max_tokens": 2}, "prompt"),
+                ("/v1/completions", {"prompt": [3] * 9, "max_tokens": 2}, "prompt"),
+                ("/generate", {"input_ids": [[3, 4], [3] * 9]}, "input_ids[1]"),
+                ("/v1/completions", {"prompt": PROMPT, "max_tokens": 5}, "max_tokens"),
+                ("/generate", {"text": PROMPT, "sampling_params": {"max_new_tokens": 5}},
+                 "sampling_params.max_new_tokens")):
+            r = client.post(path, json=body)
+            assert r.status_code == 400 and error_of(r)["param"] == param, (path, body, r.text)
+        # defaults (16 for completions, 128 for /generate) are capped at the bound, not refused
+        r = client.post("/v1/completions", json={"prompt": PROMPT, "ignore_eos": True})
+        assert r.status_code == 200 and r.json()["usage"]["completion_tokens"] == 4
+        r = client.post("/generate", json={"text": PROMPT, "sampling_params": {"ignore_eos": True}})
+        assert len(r.json()["output_ids"]) == 4
+
+
 def test_too_many_pending_prompts_get_429_with_retry_after(model_dir):
     with serving(model_dir, max_pending_requests=2) as srv, httpx.Client(base_url=srv.url, timeout=60) as client:
         def send(results, i):
