@@ -1020,11 +1020,13 @@ def uvicorn_server(app, sock: socket.socket):
     return uvicorn.Server(config)
 
 
-def serve(engine: AsyncEngine, config: ServerConfig) -> None:
-    """Serve until interrupted (SIGINT / SIGTERM), then close the engine. Logs one line when it listens."""
+def serve(engine: AsyncEngine, config: ServerConfig, *, sock: socket.socket | None = None) -> None:
+    """Serve until interrupted (SIGINT / SIGTERM), then close the engine. Logs one line when it listens.
+    `sock`: a socket `bind(config.host, config.port)` gave before the engine loaded (so that a port in use is
+    an error before the model loads); by default it is bound here."""
     try:
         app = build_app(engine, config)
-        sock = bind(config.host, config.port)
+        sock = sock if sock is not None else bind(config.host, config.port)
         server = uvicorn_server(app, sock)
         host, port = sock.getsockname()[:2]
         logger.info("serving %s as %r on http://%s:%d (API key %s; admin endpoints %s)", app.state.server.model_path,
