@@ -95,7 +95,16 @@ class AsyncEngine:
             self._streams[rid] = (loop, outputs)
             return rid
 
-        await self.call(add)
+        try:
+            await self.call(add)
+        except asyncio.CancelledError:  # the add still runs on the engine thread: abort what it added
+            def undo(engine) -> None:
+                if self._streams.get(rid, (None, None))[1] is outputs:
+                    self._abort(engine, rid)
+
+            if not self._closed and self._error is None:
+                self._post(undo)
+            raise
         finished = False
         try:
             while not finished:

@@ -1,276 +1,1036 @@
-"""HTTP front end over an `AsyncEngine`: SGLang's native `/generate` and a subset of OpenAI's
-`/v1/completions`, so rollout code written against either can point at this engine.
+"""The HTTP server (FastAPI on uvicorn) in front of an `AsyncEngine`: OpenAI's API as the `openai` SDK and agentic
+RL clients call it, and SGLang's native `/generate` and RL control endpoints.
 
-    python -m rollout serve --model DIR [--host 127.0.0.1] [--port 30000] [--config engine.yaml]
+    python -m rollout serve --model DIR [--host 127.0.0.1] [--port 30000] [--api-key KEY]
 
-    GET  /health                      200 {"status": "ok"}
-    GET  /get_model_info              {"model_path", "policy_version", "has_tokenizer"}
-    POST /generate                    {"input_ids" | "text", "sampling_params", "return_logprob", "rid"?,
-                                      "stream"?}: one prompt or a list; one result per sample ({"text",
-                                      "output_ids", "meta_info"}); "stream": server-sent events of one prompt,
-                                      each the result so far (cumulative text, as SGLang streams by default)
+    GET  /health                      {"status": "ok"}; never needs the API key (for probes)
+    GET  /v1/models, /v1/models/{id}  the served model (`ServerConfig.served_model_name`)
+    POST /v1/completions              OpenAI's: prompt (text, texts, token ids, lists of token ids), n, stream
+                                      (server-sent events of text deltas; a usage chunk with
+                                      stream_options.include_usage), echo, logprobs (top-N, text_offset), stop,
+                                      seed, max_tokens, temperature, top_p, top_k, min_p, usage; vLLM's
+                                      return_token_ids, return_tokens_as_token_ids, prompt_logprobs, cache_salt
+    POST /v1/chat/completions         OpenAI's: messages rendered with the model's chat template, tools and
+                                      tool_choice ("auto" / "none"), tool calls parsed into `tool_calls`,
+                                      streaming deltas, logprobs / top_logprobs, and the same extensions
+    POST /generate                    SGLang's: {"text" | "input_ids", "sampling_params", "return_logprob",
+                                      "top_logprobs_num", "rid", "stream"}; one result per sample
+    GET  /get_model_info              {"model_path", "served_model_name", "policy_version", "has_tokenizer", ...}
+    admin (ServerConfig.enable_admin):
     POST /abort_request               {"rid"}: that /generate call returns what it has, finish_reason "abort"
-    POST /v1/completions              {"prompt", "max_tokens", "temperature", "top_p", "top_k", "n", "stop",
-                                      "seed", "logprobs"}: OpenAI's text_completion object
     GET|POST /flush_cache             empty the prefix cache (blocks in use stay in use)
     POST /release_memory_occupation   {"tags"?}: Engine.sleep (level 2 when the tags include "weights")
     POST /resume_memory_occupation    {"tags"?}: Engine.wake_up(tags)
     POST /update_weights_from_disk    {"model_path", "version"?}: Engine.load_weights, validated before writing
 
-A request the engine refuses (bad sampling parameters, a prompt too long, the engine asleep) gets a 400
-with {"error": message}; the server and the other requests go on. Every result carries the policy
-version of each token (`meta_info["policy_versions"]`). Not here: streaming of /v1/completions, chat
-templates, authentication, weight pushes of tensor data (use the weight_updates transports).
+Every request body is validated by its rollout/protocol.py model (unknown fields, wrong types, NaN refused),
+then against the engine and the server's limits (ServerConfig: n, prompt and completion tokens, body size,
+pending prompts, cache-salt length, token ids in the vocabulary). Every error is OpenAI's shape
+{"error": {"message", "type", "param", "code"}}: 400 invalid_request_error, 401 authentication_error,
+404 not_found_error, 413 (body too large), 429 rate_limit_error with Retry-After (too many pending prompts),
+503 (no free KV blocks to score a prompt now; the engine stopped). A client that disconnects aborts its
+requests, streaming or not, and costs one log line.
+
+Every choice carries the policy version of each of its tokens (`policy_versions`) and, when speculating,
+its acceptance counters (`spec_decode_stats`). `prompt_logprobs` (and `echo` with `logprobs`) score the prompt
+in a scoring pass between engine steps (runner/scoring.py) over KV blocks lent from the engine's pool, once per
+prompt; those are the model's raw logprobs (no temperature), as vLLM returns them.
+
+Not here: chat templates (rollout/chat.py), tool-call formats (rollout/tool_parsers.py), flags
+(rollout/cli.py), weight pushes of tensor data (weight_updates/ transports).
 """
 
 from __future__ import annotations
 
-import itertools
+import asyncio
+import hmac
 import json
 import logging
+import math
+import socket
 import time
+import uuid
+from collections.abc import AsyncIterator, Callable
+from typing import Any
 
+from pydantic import BaseModel, ValidationError
+from starlette.exceptions import HTTPException
+from starlette.requests import Request
+from starlette.responses import Response, StreamingResponse
+
+from rollout import protocol as P
 from rollout.async_engine import AsyncEngine
 from rollout.outputs import CompletionOutput, RequestOutput
 from rollout.sampling_params import SamplingParams
+from rollout.server_config import ServerConfig
 
 logger = logging.getLogger(__name__)
 
-# SGLang's sampling_params keys -> SamplingParams fields
-_SGLANG_PARAMS = {"max_new_tokens": "max_tokens", "min_new_tokens": "min_tokens", "temperature": "temperature",
-                  "top_p": "top_p", "top_k": "top_k", "min_p": "min_p", "stop": "stop",
-                  "stop_token_ids": "stop_token_ids", "ignore_eos": "ignore_eos", "n": "n",
-                  "skip_special_tokens": "skip_special_tokens", "sampling_seed": "seed", "seed": "seed",
-                  "no_stop_trim": "include_stop_str_in_output"}
-_OPENAI_PARAMS = {"max_tokens", "temperature", "top_p", "top_k", "min_p", "n", "stop", "seed", "logprobs", "model",
-                  "ignore_eos", "min_tokens", "stop_token_ids"}
+_ERROR_TYPES = {400: "invalid_request_error", 401: "authentication_error", 404: "not_found_error",
+                405: "invalid_request_error", 413: "invalid_request_error", 429: "rate_limit_error",
+                500: "internal_server_error", 503: "service_unavailable"}
+_PARSE_IN_THREAD_BYTES = 1 << 20  # bodies this large are parsed off the event loop
+_LOGPROB_FLOOR = -9999.0  # what a -inf logprob (a token truncated away) is sent as (vLLM's convention)
 
 
-def sglang_params(raw: dict | None) -> SamplingParams:
-    """SGLang `sampling_params` -> SamplingParams; ValueError naming an unknown key."""
-    raw = dict(raw or {})
-    unknown = sorted(set(raw) - set(_SGLANG_PARAMS))
-    if unknown:
-        raise ValueError(f"unknown sampling_params {unknown}; known: {sorted(_SGLANG_PARAMS)}")
-    fields = {_SGLANG_PARAMS[k]: v for k, v in raw.items() if v is not None}
-    fields.setdefault("max_tokens", 128)  # SGLang's default max_new_tokens
-    return SamplingParams(**fields)
+class APIError(Exception):
+    """An error answered in OpenAI's shape."""
+
+    def __init__(self, status: int, message: str, *, param: str | None = None, code: str | None = None,
+                 headers: dict[str, str] | None = None) -> None:
+        super().__init__(message)
+        self.status, self.message, self.param, self.code, self.headers = status, message, param, code, headers
 
 
-def _prompts(body: dict, text_key: str, ids_key: str | None) -> tuple[list, bool]:
-    """(prompts, batched) from a request body: a text or token-id prompt, or a list of them."""
-    value = body.get(ids_key) if ids_key is not None and body.get(ids_key) is not None else body.get(text_key)
-    if value is None:
-        raise ValueError(f"give {text_key!r}" + (f" or {ids_key!r}" if ids_key else ""))
-    if isinstance(value, str) or (isinstance(value, list) and value and isinstance(value[0], int)):
-        return [value], False
-    if isinstance(value, list) and value:
-        return list(value), True
-    raise ValueError(f"{text_key!r} must be a prompt or a non-empty list of prompts")
+class _Disconnected(Exception):
+    """The client went away before its answer was ready (its requests were aborted)."""
 
 
-def _rids(rid, num_prompts: int, batched: bool) -> list[str] | None:
-    """The request ids a client chose (`rid`: one string, or one per prompt of a batch), or None."""
-    if rid is None:
-        return None
-    rids = [rid] if isinstance(rid, str) and not batched else rid
-    if not isinstance(rids, list) or len(rids) != num_prompts or not all(isinstance(r, str) for r in rids):
-        raise ValueError(f"'rid' must be a string per prompt ({num_prompts}), got {rid!r}")
-    return rids
+def _error_body(status: int, message: str, param: str | None = None, code: str | None = None) -> bytes:
+    info = P.ErrorInfo(message=message, type=_ERROR_TYPES.get(status, "invalid_request_error"), param=param,
+                       code=code)
+    return P.ErrorResponse(error=info).model_dump_json().encode()
 
 
-def sglang_result(out: RequestOutput, return_logprob: bool) -> list[dict]:
-    """One SGLang result per sample of a prompt."""
-    results = []
-    for c in out.outputs:
-        finish = {"type": c.finish_reason}
-        if c.finish_reason == "length":
-            finish["length"] = len(c.token_ids)
-        if c.stop_reason is not None:
-            finish["matched"] = c.stop_reason
-        meta = {"id": f"{out.request_id}-{c.index}", "finish_reason": finish, "prompt_tokens": len(out.prompt_token_ids),
-                "completion_tokens": len(c.token_ids), "cached_tokens": out.num_cached_prompt_tokens,
-                "policy_versions": c.policy_versions}
-        if return_logprob:
-            meta["output_token_logprobs"] = [[lp, t, None] for lp, t in zip(c.logprobs or [], c.token_ids)]
-        results.append({"text": c.text, "output_ids": c.token_ids, "meta_info": meta})
-    return results
+def _error_response(status: int, message: str, param: str | None = None, code: str | None = None,
+                    headers: dict[str, str] | None = None) -> Response:
+    return Response(_error_body(status, message, param, code), status_code=status, media_type="application/json",
+                    headers=headers)
 
 
-def build_app(engine: AsyncEngine, model_path: str):
-    """The aiohttp application serving `engine`."""
-    import asyncio
+def _json(model: BaseModel) -> Response:
+    return Response(model.model_dump_json(), media_type="application/json")
 
-    from aiohttp import web
 
-    ids = itertools.count()
+def _finite(x: float) -> float:
+    return x if math.isfinite(x) else _LOGPROB_FLOOR
 
-    def refused(e: Exception) -> web.Response:
-        return web.json_response({"error": str(e)}, status=400)
 
-    async def body_of(request) -> dict:
+def _usage(num_prompt_tokens: int, num_completion_tokens: int, num_cached_tokens: int) -> P.Usage:
+    return P.Usage(prompt_tokens=num_prompt_tokens, completion_tokens=num_completion_tokens,
+                   total_tokens=num_prompt_tokens + num_completion_tokens,
+                   prompt_tokens_details=P.PromptTokensDetails(cached_tokens=num_cached_tokens))
+
+
+def _stops(stop: str | list[str] | None) -> list[str]:
+    return [] if stop is None else [stop] if isinstance(stop, str) else list(stop)
+
+
+class _ApiKey:
+    """ASGI middleware: every path but /health needs `Authorization: Bearer <key>`; a 401 otherwise."""
+
+    def __init__(self, app, api_key: str) -> None:
+        self.app = app
+        self._key = api_key.encode()
+
+    async def __call__(self, scope, receive, send) -> None:
+        if scope["type"] != "http" or scope["path"] == "/health" or self._authorized(scope):
+            await self.app(scope, receive, send)
+            return
+        body = _error_body(401, "missing or wrong API key: send the header 'Authorization: Bearer <key>'",
+                          code="invalid_api_key")
+        await send({"type": "http.response.start", "status": 401, "headers": [
+            (b"content-type", b"application/json"), (b"content-length", str(len(body)).encode()),
+            (b"www-authenticate", b"Bearer")]})
+        await send({"type": "http.response.body", "body": body})
+
+    def _authorized(self, scope) -> bool:
+        for name, value in scope["headers"]:
+            if name == b"authorization":
+                scheme, _, token = value.partition(b" ")
+                return scheme.lower() == b"bearer" and hmac.compare_digest(token.strip(), self._key)
+        return False
+
+
+async def _wait_disconnect(receive) -> None:
+    """Returns once the client has gone (the request body was read already)."""
+    while (await receive())["type"] != "http.disconnect":
+        pass
+
+
+class _EventStream(StreamingResponse):
+    """Server-sent events from `events` (each already `data: ...\\n\\n`), watching for the client to go: then
+    the stream is cancelled (its engine requests abort) and one line is logged. `cleanup` runs either way."""
+
+    def __init__(self, events: AsyncIterator[bytes], name: str, cleanup: Callable[[], Any] | None = None) -> None:
+        super().__init__(events, media_type="text/event-stream", headers={"Cache-Control": "no-cache",
+                                                                          "X-Accel-Buffering": "no"})
+        self.events, self.name, self.cleanup = events, name, cleanup
+
+    async def __call__(self, scope, receive, send) -> None:
+        pump = asyncio.ensure_future(self._pump(send))
+        watch = asyncio.ensure_future(_wait_disconnect(receive))
         try:
-            body = await request.json()
+            await asyncio.wait({pump, watch}, return_when=asyncio.FIRST_COMPLETED)
+            if not pump.done():
+                pump.cancel()
+                await asyncio.gather(pump, return_exceptions=True)
+                logger.info("client left stream %s; its requests were aborted", self.name)
+            elif pump.exception() is not None and isinstance(pump.exception(), OSError):
+                logger.info("client left stream %s; its requests were aborted", self.name)
+            else:
+                pump.result()
+        finally:
+            for task in (pump, watch):
+                task.cancel()
+            await asyncio.gather(pump, watch, return_exceptions=True)
+            await self.events.aclose()
+            if self.cleanup is not None:
+                await self.cleanup()
+
+    async def _pump(self, send) -> None:
+        await send({"type": "http.response.start", "status": self.status_code, "headers": self.raw_headers})
+        async for chunk in self.events:
+            await send({"type": "http.response.body", "body": chunk, "more_body": True})
+        await send({"type": "http.response.body", "body": b"", "more_body": False})
+
+
+def _event(payload: BaseModel | dict | list) -> bytes:
+    text = payload.model_dump_json() if isinstance(payload, BaseModel) else json.dumps(payload)
+    return b"data: " + text.encode() + b"\n\n"
+
+
+_DONE = b"data: [DONE]\n\n"
+
+
+class _Streams:
+    """The delta outputs of several prompts' `AsyncEngine.stream`s, merged in arrival order. `first()` waits
+    until every prompt has its first output (so a refused prompt raises before a response starts); iterating
+    yields (prompt index, delta) until every prompt has finished; `close()` aborts whatever still runs."""
+
+    def __init__(self, engine: AsyncEngine, requests: list[tuple[list[int], SamplingParams, str]]) -> None:
+        self._queue: asyncio.Queue = asyncio.Queue()
+        self._buffer: list[tuple[int, RequestOutput]] = []
+        self._tasks = [asyncio.ensure_future(self._pump(i, engine.stream(ids, params, request_id=rid)))
+                       for i, (ids, params, rid) in enumerate(requests)]
+        self._unfinished = len(requests)
+
+    async def _pump(self, i: int, outputs: AsyncIterator[RequestOutput]) -> None:
+        try:
+            async for out in outputs:
+                self._queue.put_nowait((i, out))
+        except Exception as e:  # noqa: BLE001 (handed to the reader)
+            self._queue.put_nowait((i, e))
+
+    async def _next(self) -> tuple[int, RequestOutput]:
+        i, item = await self._queue.get()
+        if isinstance(item, Exception):
+            raise item
+        if item.finished:
+            self._unfinished -= 1
+        return i, item
+
+    async def first(self) -> None:
+        seen: set[int] = set()
+        while len(seen) < len(self._tasks):
+            i, out = await self._next()
+            seen.add(i)
+            self._buffer.append((i, out))
+
+    async def __aiter__(self):
+        while self._buffer:
+            yield self._buffer.pop(0)
+        while self._unfinished:
+            yield await self._next()
+
+    async def close(self) -> None:
+        for t in self._tasks:
+            t.cancel()
+        await asyncio.gather(*self._tasks, return_exceptions=True)
+
+
+def _score_prompt(engine, token_ids: list[int], num_top: int) -> dict:
+    """On the engine's thread, between steps: runner/scoring.py's prompt logprobs over KV blocks lent from the
+    pool for the call (so running requests keep theirs). Raises APIError 503 when the pool lacks the blocks."""
+    if engine.is_sleeping:
+        raise ValueError("prompt logprobs while the engine sleeps: resume it first")
+    pool = engine.kv_manager.pool
+    need = -(-len(token_ids) // engine.config.block_size)
+    if need > pool.num_free_blocks:
+        raise APIError(503, f"scoring this prompt needs {need} free KV blocks and {pool.num_free_blocks} are free "
+                            "now; retry later", code="kv_cache_full")
+    blocks = pool.allocate(need)
+    try:
+        return engine.collective_rpc("runner.scoring:prompt_logprobs", list(token_ids), blocks, num_top)[0]
+    finally:
+        pool.free(blocks)
+
+
+class _Server:
+    """The handlers, the engine facts they check requests against, and the pending-prompt count."""
+
+    def __init__(self, engine: AsyncEngine, config: ServerConfig) -> None:
+        from rollout.chat import ChatTemplate
+        from rollout.tool_parsers import ToolParsers
+
+        self.engine, self.config = engine, config
+        eng = engine.engine
+        self.model_path = str(eng.config.model)
+        self.served_model_name = config.served_model_name or self.model_path
+        self.tokenizer = eng.tokenizer
+        self.vocab_size = eng.model_config.vocab_size
+        self.max_model_len = eng.max_model_len
+        self.max_prompt_tokens = min(config.max_prompt_tokens or eng.max_model_len - 1, eng.max_model_len - 1)
+        self.max_tokens = min(config.max_tokens or eng.max_model_len, eng.max_model_len)
+        self.template = ChatTemplate.from_model_dir(eng.tokenizer_dir, override=config.chat_template)
+        self.tool_parser = ToolParsers.get(config.tool_parser)
+        self.created = int(time.time())
+        self.pending = 0  # prompts admitted and not yet answered (the event loop's thread only)
+        self._token_text: dict[int, str] = {}
+
+    # ---- request plumbing ---------------------------------------------------------------------------------
+    async def parse(self, request: Request, model: type[BaseModel]):
+        """The body, validated by `model`; 413 past max_body_bytes, 400 naming the first problem."""
+        limit = self.config.max_body_bytes
+        declared = request.headers.get("content-length")
+        too_large = APIError(413, f"the request body exceeds the server's max_body_bytes={limit}",
+                             code="request_too_large")
+        if declared is not None and declared.isdigit() and int(declared) > limit:
+            raise too_large
+        chunks, size = [], 0
+        async for chunk in request.stream():
+            size += len(chunk)
+            if size > limit:
+                raise too_large
+            chunks.append(chunk)
+        body = b"".join(chunks)
+        try:
+            if len(body) > _PARSE_IN_THREAD_BYTES:
+                return await asyncio.to_thread(model.model_validate_json, body)
+            return model.model_validate_json(body)
+        except ValidationError as e:
+            message, param = P.describe(e, model)
+            raise APIError(400, message, param=param) from None
+
+    def admit(self, num_prompts: int) -> Callable[[], None]:
+        """Count `num_prompts` more pending prompts (429 past max_pending_requests); returns their release."""
+        limit = self.config.max_pending_requests
+        if num_prompts > limit:
+            raise APIError(400, f"a request may carry at most {limit} prompts (the server's max_pending_requests), "
+                                f"got {num_prompts}", param="prompt")
+        if self.pending + num_prompts > limit:
+            raise APIError(429, f"{self.pending} prompts are pending and the server takes at most {limit}; retry "
+                                "later", code="too_many_pending_requests",
+                           headers={"Retry-After": str(self.config.retry_after_s)})
+        self.pending += num_prompts
+        released = False
+
+        def release() -> None:
+            nonlocal released
+            if not released:
+                released = True
+                self.pending -= num_prompts
+
+        return release
+
+    async def until_disconnect(self, request: Request, name: str, work):
+        """Await `work` unless the client leaves first: then it is cancelled (aborting its engine requests)."""
+        task = asyncio.ensure_future(work)
+        watch = asyncio.ensure_future(_wait_disconnect(request.receive))
+        try:
+            await asyncio.wait({task, watch}, return_when=asyncio.FIRST_COMPLETED)
+        finally:
+            watch.cancel()
+            if not task.done():
+                task.cancel()
+                await asyncio.gather(task, return_exceptions=True)
+        if task.cancelled():
+            logger.info("client left before %s finished; its requests were aborted", name)
+            raise _Disconnected
+        return task.result()
+
+    def check_model(self, model: str | None) -> None:
+        if model is not None and model != self.served_model_name:
+            raise APIError(404, f"the model {model!r} does not exist; this server serves {self.served_model_name!r}",
+                           param="model", code="model_not_found")
+
+    def check_common(self, n: int, cache_salt: str | None, stop_token_ids: list[int] | None,
+                     max_tokens: int | None, param_max_tokens: str = "max_tokens") -> None:
+        if n > self.config.max_n:
+            raise APIError(400, f"n must be <= {self.config.max_n} (the server's max_n), got {n}", param="n")
+        if cache_salt is not None and len(cache_salt) > self.config.max_cache_salt_chars:
+            raise APIError(400, f"cache_salt must have at most {self.config.max_cache_salt_chars} characters, got "
+                                f"{len(cache_salt)}", param="cache_salt")
+        bad = [t for t in stop_token_ids or () if t >= self.vocab_size]
+        if bad:
+            raise APIError(400, f"stop_token_ids {bad[:5]} lie outside the vocabulary [0, {self.vocab_size})",
+                           param="stop_token_ids")
+        if max_tokens is not None and max_tokens > self.max_tokens:
+            raise APIError(400, f"{param_max_tokens} must be <= {self.max_tokens} (the server's bound), got "
+                                f"{max_tokens}", param=param_max_tokens)
+
+    def bounded_default(self, req: BaseModel, name: str) -> int:
+        """`req.<name>` (a completion-token count) as given, or its default capped at the server's bound."""
+        value = getattr(req, name)
+        return value if name in req.model_fields_set else min(value, self.max_tokens)
+
+    def check_prompt(self, ids: list[int], param: str) -> None:
+        if not ids:
+            raise APIError(400, f"{param} is empty", param=param)
+        if len(ids) > self.max_prompt_tokens:
+            raise APIError(400, f"{param} has {len(ids)} tokens; this server takes at most {self.max_prompt_tokens}",
+                           param=param, code="context_length_exceeded")
+        bad = [t for t in ids if t >= self.vocab_size]
+        if bad:
+            raise APIError(400, f"{param} has token ids {bad[:5]} outside the vocabulary [0, {self.vocab_size})",
+                           param=param)
+
+    def encode(self, text: str, add_special_tokens: bool, param: str) -> list[int]:
+        if self.tokenizer is None:
+            raise APIError(400, f"{param} is text but the model has no tokenizer.json; send token ids", param=param)
+        return self.tokenizer.encode(text, add_special_tokens=add_special_tokens)
+
+    def sampling(self, **fields) -> SamplingParams:
+        try:
+            return SamplingParams(**fields)
         except ValueError as e:
-            raise ValueError(f"the request body is not JSON: {e}") from None
-        if not isinstance(body, dict):
-            raise ValueError("the request body must be a JSON object")
-        return body
+            raise APIError(400, str(e)) from None
 
-    async def generate_all(prompts, params, rids):
-        """Every prompt's finished output, in order; when one is refused, the others are cancelled (which
-        aborts them) and its error raised."""
-        tasks = [asyncio.ensure_future(engine.generate(p, params, request_id=r)) for p, r in zip(prompts, rids)]
+    def token_text(self, token_id: int) -> str:
+        text = self._token_text.get(token_id)
+        if text is None:
+            text = "" if self.tokenizer is None else self.tokenizer.decode([token_id], skip_special_tokens=False)
+            self._token_text[token_id] = text
+        return text
+
+    def token_name(self, token_id: int, as_ids: bool) -> str:
+        return f"token_id:{token_id}" if as_ids else self.token_text(token_id)
+
+    async def generate_all(self, prompts: list[list[int]], params: SamplingParams | None, rids: list[str],
+                           score_top: int | None = None) -> tuple[list[RequestOutput | None], list[dict | None]]:
+        """Every prompt's final output (engine request ids `rids`; None each when `params` is None: nothing to
+        generate) and, with `score_top`, its prompt scores; one failure cancels (aborts) the rest and raises
+        as an APIError."""
+        tasks = []
+        if params is not None:
+            tasks += [asyncio.ensure_future(self.engine.generate(ids, params, request_id=r))
+                      for ids, r in zip(prompts, rids)]
+        if score_top is not None:
+            tasks += [asyncio.ensure_future(self.score(ids, score_top)) for ids in prompts]
         try:
-            return await asyncio.gather(*tasks)
-        except BaseException:
+            results = await asyncio.gather(*tasks)
+        except BaseException as e:
             for t in tasks:
                 t.cancel()
             await asyncio.gather(*tasks, return_exceptions=True)
-            raise
+            raise _engine_error(e) from None
+        outs = results[: len(prompts)] if params is not None else [None] * len(prompts)
+        scores = results[-len(prompts):] if score_top is not None else [None] * len(prompts)
+        return outs, scores
 
-    async def tags_of(request) -> list | None:
-        return (await body_of(request)).get("tags") if request.can_read_body else None
+    async def score(self, ids: list[int], num_top: int) -> dict:
+        if len(ids) < 2:
+            return {"logprobs": [], "ranks": [], "top_ids": [], "top_logprobs": []}
+        return await self.engine.call(lambda e: _score_prompt(e, ids, num_top))
 
-    async def health(request):
-        return web.json_response({"status": "ok"})
+    # ---- response pieces -----------------------------------------------------------------------------------
+    def prompt_logprobs(self, ids: list[int], score: dict, num_top: int) -> list[dict | None]:
+        """vLLM's prompt_logprobs: None for the first token, then per token {token id: {"logprob", "rank",
+        "decoded_token"}} for the prompt's token and the `num_top` most likely."""
+        out: list[dict | None] = [None]
+        for i, t in enumerate(ids[1:]):
+            entry = {str(t): {"logprob": _finite(score["logprobs"][i]), "rank": score["ranks"][i],
+                              "decoded_token": self.token_text(t)}}
+            for rank, (tid, lp) in enumerate(zip(score["top_ids"][i][:num_top], score["top_logprobs"][i]), 1):
+                entry.setdefault(str(tid), {"logprob": _finite(lp), "rank": rank,
+                                            "decoded_token": self.token_text(tid)})
+            out.append(entry)
+        return out
 
-    async def model_info(request):
-        version = await engine.call(lambda e: e.policy_version)
-        return web.json_response({"model_path": model_path, "policy_version": version,
-                                  "has_tokenizer": engine.engine.tokenizer is not None})
+    def completion_logprobs(self, token_ids: list[int], logprobs: list[float | None],
+                            top: list[list[tuple[int, float]]] | None, num_top: int, as_ids: bool,
+                            offset: int) -> tuple[P.CompletionLogprobs, int]:
+        """OpenAI's legacy logprobs of `token_ids` (a None logprob: the prompt's first token): each position's
+        top logprobs hold the `num_top` most likely tokens and the chosen one, most likely first; text
+        offsets count characters of the tokens' texts from `offset`; returns them and the offset after the last."""
+        tokens, offsets, tops = [], [], []
+        for j, t in enumerate(token_ids):
+            tokens.append(self.token_name(t, as_ids))
+            offsets.append(offset)
+            offset += len(self.token_text(t))
+            if logprobs[j] is None:
+                tops.append(None)
+                continue
+            entry: dict[str, float] = {}
+            for tid, lp in (top[j] if top else ())[:num_top]:
+                entry.setdefault(self.token_name(tid, as_ids), _finite(lp))
+            entry.setdefault(tokens[-1], _finite(logprobs[j]))
+            tops.append(dict(sorted(entry.items(), key=lambda kv: -kv[1])))
+        return P.CompletionLogprobs(text_offset=offsets, tokens=tokens, top_logprobs=tops,
+                                    token_logprobs=[None if lp is None else _finite(lp) for lp in logprobs]), offset
 
-    async def generate(request):
+    def chat_logprobs(self, c: CompletionOutput, num_top: int, as_ids: bool) -> P.ChatLogprobs:
+        content = []
+        for j, t in enumerate(c.token_ids):
+            name = self.token_name(t, as_ids)
+            top = [P.ChatTopLogprob(token=self.token_name(tid, as_ids), logprob=_finite(lp),
+                                    bytes=list(self.token_text(tid).encode()))
+                   for tid, lp in (c.top_logprobs[j] if c.top_logprobs else ())[:num_top]]
+            content.append(P.ChatTokenLogprob(token=name, logprob=_finite(c.logprobs[j]), top_logprobs=top,
+                                              bytes=list(self.token_text(t).encode())))
+        return P.ChatLogprobs(content=content)
+
+    # ---- endpoints ---------------------------------------------------------------------------------------------
+    async def health(self, request: Request) -> Response:
+        return Response(b'{"status":"ok"}', media_type="application/json")
+
+    async def models(self, request: Request) -> Response:
+        return _json(P.ModelList(data=[self._card()]))
+
+    async def model(self, request: Request) -> Response:
+        self.check_model(request.path_params["model"])
+        return _json(self._card())
+
+    def _card(self) -> P.ModelCard:
+        return P.ModelCard(id=self.served_model_name, created=self.created, root=self.model_path,
+                           max_model_len=self.max_model_len)
+
+    async def model_info(self, request: Request) -> Response:
+        version = await self.engine.call(lambda e: e.policy_version)
+        return Response(json.dumps({"model_path": self.model_path, "served_model_name": self.served_model_name,
+                                    "policy_version": version, "has_tokenizer": self.tokenizer is not None,
+                                    "max_model_len": self.max_model_len, "is_generation": True}),
+                        media_type="application/json")
+
+    async def completions(self, request: Request) -> Response:
+        req: P.CompletionRequest = await self.parse(request, P.CompletionRequest)
+        self.check_model(req.model)
+        max_tokens = self.bounded_default(req, "max_tokens")
+        self.check_common(req.n, req.cache_salt, req.stop_token_ids, max_tokens)
+        p = req.prompt
+        items = [p] if isinstance(p, str) or isinstance(p[0], int) else list(p)
+        texts, prompts = [], []
+        for i, item in enumerate(items):
+            param = "prompt" if len(items) == 1 else f"prompt[{i}]"
+            if isinstance(item, str):
+                ids = self.encode(item, req.add_special_tokens, param)
+            else:
+                ids = list(item)
+            self.check_prompt(ids, param)
+            texts.append(item if isinstance(item, str) else None)
+            prompts.append(ids)
+        params = None
+        if max_tokens > 0:
+            params = self.sampling(
+                n=req.n, temperature=req.temperature, top_p=req.top_p, top_k=req.top_k, min_p=req.min_p,
+                max_tokens=max_tokens, min_tokens=req.min_tokens, seed=req.seed, stop=_stops(req.stop),
+                stop_token_ids=req.stop_token_ids or [], include_stop_str_in_output=req.include_stop_str_in_output,
+                ignore_eos=req.ignore_eos, top_logprobs=req.logprobs or 0, skip_special_tokens=req.skip_special_tokens,
+                spaces_between_special_tokens=req.spaces_between_special_tokens, cache_salt=req.cache_salt)
+        echo_logprobs = req.echo and req.logprobs is not None
+        score_top = None
+        if echo_logprobs or req.prompt_logprobs is not None:
+            score_top = max((req.logprobs or 0) if echo_logprobs else 0, req.prompt_logprobs or 0)
+        if req.echo:  # a token-id prompt is echoed as its text
+            decode = self.tokenizer.decode if self.tokenizer is not None else (lambda ids, _: "")
+            texts = [t if t is not None else decode(ids, False) for t, ids in zip(texts, prompts)]
+        rid = f"cmpl-{uuid.uuid4().hex}"
+        release = self.admit(len(prompts))
+        if req.stream and params is not None:
+            return await self._stream_completions(request, req, rid, texts, prompts, params, score_top, release)
+        # otherwise one answer (a stream of max_tokens 0 has one chunk per choice)
         try:
-            body = await body_of(request)
-            prompts, batched = _prompts(body, "text", "input_ids")
-            params = sglang_params(body.get("sampling_params"))
-            rids = _rids(body.get("rid"), len(prompts), batched) or [f"gen-{next(ids)}" for _ in prompts]
-            if body.get("stream"):
-                if batched:
-                    raise ValueError("stream takes one prompt")
-                return await stream(request, engine.stream(prompts[0], params, request_id=rids[0]), params.n,
-                                    bool(body.get("return_logprob")))
-            outs = await generate_all(prompts, params, rids)
-        except (ValueError, TypeError) as e:  # TypeError: a field of the wrong JSON type
-            return refused(e)
-        results = [r for out in outs for r in sglang_result(out, bool(body.get("return_logprob")))]
-        return web.json_response(results if batched or len(results) > 1 else results[0])
-
-    async def stream(request, outputs, num_samples: int, return_logprob: bool):
-        """Server-sent events: after every step that gave tokens, the result so far, then [DONE]. As SGLang's
-        /generate streams by default (its --incremental-streaming-output off), each event is cumulative: the
-        text so far (never null with a tokenizer; a partial character or a possible stop string's start
-        waits for the next event, so every event's text is a prefix of the final one), output_ids and
-        meta_info so far; a list of one result per sample when n > 1. The engine's delta outputs are folded
-        into `so_far`. The first output is awaited before the response starts, so a refused request still
-        gets its 400."""
-        try:
-            out = await outputs.__anext__()
-            response = web.StreamResponse(headers={"Content-Type": "text/event-stream", "Cache-Control": "no-cache"})
-            await response.prepare(request)
-            text = "" if engine.engine.tokenizer is not None else None
-            empty = [CompletionOutput(index=j, token_ids=[], logprobs=None, finish_reason=None, policy_versions=[],
-                                      text=text) for j in range(num_samples)]
-            so_far = RequestOutput(request_id=out.request_id, prompt=out.prompt, prompt_token_ids=out.prompt_token_ids,
-                                   outputs=empty)
-            while True:
-                so_far.add(out)
-                results = sglang_result(so_far, return_logprob)
-                await response.write(f"data: {json.dumps(results if num_samples > 1 else results[0])}\n\n".encode())
-                if out.finished:
-                    break
-                out = await outputs.__anext__()
-            await response.write(b"data: [DONE]\n\n")
-            return response
+            outs, scores = await self.until_disconnect(request, rid, self.generate_all(
+                prompts, params, [f"{rid}-{i}" for i in range(len(prompts))], score_top))
         finally:
-            await outputs.aclose()  # a client gone mid-stream aborts its request
-
-    async def completions(request):
-        try:
-            body = await body_of(request)
-            unknown = sorted(set(body) - _OPENAI_PARAMS - {"prompt"})
-            if unknown:
-                raise ValueError(f"unsupported completion fields {unknown}")
-            prompts, _ = _prompts(body, "prompt", None)
-            fields = {k: body[k] for k in _OPENAI_PARAMS - {"logprobs", "model"} if body.get(k) is not None}
-            fields.setdefault("max_tokens", 16)  # OpenAI's default
-            params = SamplingParams(**fields)
-            outs = await generate_all(prompts, params, [f"cmpl-{next(ids)}" for _ in prompts])
-        except (ValueError, TypeError) as e:  # TypeError: a field of the wrong JSON type
-            return refused(e)
-        tokenizer = engine.engine.tokenizer
+            release()
         choices, completion_tokens = [], 0
-        for out in outs:
-            for c in out.outputs:
+        for i, (text, ids, out, score) in enumerate(zip(texts, prompts, outs, scores)):
+            samples = out.outputs if out is not None else [
+                CompletionOutput(index=j, token_ids=[], logprobs=[], finish_reason="length", policy_versions=[],
+                                 text="") for j in range(req.n)]
+            for c in samples:
                 completion_tokens += len(c.token_ids)
-                logprobs = None
-                if body.get("logprobs") is not None:
-                    tokens = [tokenizer.decode([t], False) for t in c.token_ids] if tokenizer is not None else None
-                    logprobs = {"tokens": tokens, "token_logprobs": c.logprobs}
-                choices.append({"index": len(choices), "text": c.text, "token_ids": c.token_ids, "logprobs": logprobs,
-                                "finish_reason": c.finish_reason, "stop_reason": c.stop_reason,
-                                "policy_versions": c.policy_versions})
-        prompt_tokens = sum(len(o.prompt_token_ids) for o in outs)
-        return web.json_response({
-            "id": f"cmpl-{next(ids)}", "object": "text_completion", "created": int(time.time()),
-            "model": body.get("model") or model_path, "choices": choices,
-            "usage": {"prompt_tokens": prompt_tokens, "completion_tokens": completion_tokens,
-                      "total_tokens": prompt_tokens + completion_tokens},
-        })
+                choices.append(self._completion_choice(req, i * req.n + c.index, c, text, ids, score, first=True)[0])
+        usage = _usage(sum(map(len, prompts)), completion_tokens,
+                       sum(out.num_cached_prompt_tokens for out in outs if out is not None))
+        created = int(time.time())
+        if not req.stream:
+            return _json(P.CompletionResponse(id=rid, created=created, model=self.served_model_name, choices=choices,
+                                              usage=usage))
 
-    async def abort(request):
+        async def events():
+            for choice in choices:
+                yield _event(P.CompletionResponse(id=rid, created=created, model=self.served_model_name,
+                                                  choices=[choice]))
+            if req.stream_options is not None and req.stream_options.include_usage:
+                yield _event(P.CompletionResponse(id=rid, created=created, model=self.served_model_name, choices=[],
+                                                  usage=usage))
+            yield _DONE
+
+        return _EventStream(events(), rid)
+
+    def _completion_choice(self, req: P.CompletionRequest, index: int, c: CompletionOutput, prompt_text: str | None,
+                           prompt_ids: list[int], score: dict | None, first: bool,
+                           offset: int = 0) -> tuple[P.CompletionChoice, int]:
+        """One choice (or, streaming, one delta of it: `first` marks the first, which carries the echo and
+        the prompt's extensions; `offset` is where its text starts in the whole choice's text), and where the
+        next delta's text starts."""
+        echo = req.echo and first
+        text = (prompt_text if echo else "") + (c.text or "")
+        choice = P.CompletionChoice(index=index, text=text, finish_reason=c.finish_reason, stop_reason=c.stop_reason,
+                                    policy_versions=c.policy_versions, spec_decode_stats=c.spec_decode_stats)
+        if req.logprobs is not None:
+            ids, lps, top = list(c.token_ids), list(c.logprobs or [None] * len(c.token_ids)), c.top_logprobs
+            if echo:
+                k = req.logprobs
+                prompt_top = [None] + [list(zip(score["top_ids"][j][:k], score["top_logprobs"][j][:k]))
+                                       for j in range(len(prompt_ids) - 1)]
+                ids, lps = prompt_ids + ids, [None] + score["logprobs"] + lps
+                top = prompt_top + (top or [[]] * len(c.token_ids))
+            choice.logprobs, offset = self.completion_logprobs(ids, lps, top, req.logprobs,
+                                                               req.return_tokens_as_token_ids, offset)
+        if first and req.prompt_logprobs is not None:
+            choice.prompt_logprobs = self.prompt_logprobs(prompt_ids, score, req.prompt_logprobs)
+        if req.return_token_ids:
+            choice.token_ids = c.token_ids
+            if first:
+                choice.prompt_token_ids = prompt_ids
+        return choice, offset
+
+    async def _stream_completions(self, request, req, rid, texts, prompts, params, score_top, release) -> Response:
+        streams = _Streams(self.engine, [(ids, params, f"{rid}-{i}") for i, ids in enumerate(prompts)])
+
+        async def start():
+            scores = [None] * len(prompts)
+            if score_top is not None:
+                scores = await asyncio.gather(*(self.score(ids, score_top) for ids in prompts))
+            await streams.first()
+            return scores
+
         try:
-            rid = (await body_of(request)).get("rid")
-            if not isinstance(rid, str):
-                raise ValueError("give 'rid', the id a /generate request was sent with")
-        except ValueError as e:
-            return refused(e)
-        return web.json_response({"success": await engine.abort(rid)})
+            scores = await self.until_disconnect(request, rid, start())
+        except BaseException as e:
+            await streams.close()
+            release()
+            raise _engine_error(e) from None
 
-    async def flush_cache(request):
-        await engine.call(lambda e: e.kv_manager.reset_prefix_cache())
-        return web.json_response({"success": True})
-
-    def memory_endpoint(act):
-        """A handler that reads the request's tags and runs act(engine, tags) between engine steps."""
-        async def handler(request):
+        async def events():
+            created, n = int(time.time()), req.n
+            started: set[int] = set()
+            offsets: dict[int, int] = {}
+            completion_tokens = 0
+            cached = [0] * len(prompts)
             try:
-                tags = await tags_of(request)
-                await engine.call(lambda e: act(e, tags))
-            except (ValueError, TypeError) as e:  # TypeError: a field of the wrong JSON type
-                return refused(e)
-            return web.json_response({"success": True})
-        return handler
+                async for i, out in streams:
+                    cached[i] = out.num_cached_prompt_tokens
+                    for c in out.outputs:
+                        index = i * n + c.index
+                        first = index not in started
+                        started.add(index)
+                        completion_tokens += len(c.token_ids)
+                        choice, offsets[index] = self._completion_choice(
+                            req, index, c, texts[i], prompts[i], scores[i], first, offsets.get(index, 0))
+                        yield _event(P.CompletionResponse(id=rid, created=created, model=self.served_model_name,
+                                                          choices=[choice]))
+                if req.stream_options is not None and req.stream_options.include_usage:
+                    yield _event(P.CompletionResponse(id=rid, created=created, model=self.served_model_name,
+                                                      choices=[], usage=_usage(sum(map(len, prompts)),
+                                                                               completion_tokens, sum(cached))))
+            except Exception as e:  # noqa: BLE001 (the response has started: the error becomes an event)
+                yield _stream_error(e)
+            yield _DONE
 
-    release = memory_endpoint(lambda e, tags: e.sleep(2 if tags is None or "weights" in tags else 1))
-    resume = memory_endpoint(lambda e, tags: e.wake_up(tags))
+        async def cleanup():
+            await streams.close()
+            release()
 
-    async def update_from_disk(request):
+        return _EventStream(events(), rid, cleanup)
+
+    async def chat_completions(self, request: Request) -> Response:
+        req: P.ChatCompletionRequest = await self.parse(request, P.ChatCompletionRequest)
+        self.check_model(req.model)
+        max_tokens = req.max_completion_tokens if req.max_completion_tokens is not None else req.max_tokens
+        self.check_common(req.n, req.cache_salt, req.stop_token_ids, max_tokens,
+                          "max_completion_tokens" if req.max_completion_tokens is not None else "max_tokens")
+        if self.template is None:
+            raise APIError(400, "this model has no chat template (tokenizer_config.json's chat_template or "
+                                "chat_template.jinja): give the server one (ServerConfig.chat_template) or use "
+                                "/v1/completions", param="messages")
+        messages = [m.model_dump(exclude_none=True) for m in req.messages]  # rollout/chat.py normalizes them
+        tools = [t.model_dump(exclude_none=True) for t in req.tools] if req.tools else None
         try:
-            body = await body_of(request)
-            path = body.get("model_path")
-            if not isinstance(path, str):
-                raise ValueError("give 'model_path', a checkpoint directory")
-            result = await engine.call(lambda e: e.load_weights(path, body.get("version")))
-        except (ValueError, TypeError) as e:  # TypeError: a field of the wrong JSON type
-            return refused(e)
-        return web.json_response({"success": True, **result.to_json()})
+            ids = self.template.render(messages, tools=tools, add_generation_prompt=req.add_generation_prompt,
+                                       chat_template_kwargs=req.chat_template_kwargs)
+        except ValueError as e:
+            raise APIError(400, f"the chat template refused the messages: {e}", param="messages") from None
+        self.check_prompt(ids, "messages")
+        if max_tokens is None:
+            max_tokens = min(self.max_tokens, self.max_model_len - len(ids))
+        parse_tools = bool(req.tools) and req.tool_choice != "none"
+        num_top = (req.top_logprobs or 0) if req.logprobs else 0
+        params = self.sampling(
+            n=req.n, temperature=req.temperature, top_p=req.top_p, top_k=req.top_k, min_p=req.min_p,
+            max_tokens=max_tokens, min_tokens=req.min_tokens, seed=req.seed, stop=_stops(req.stop),
+            stop_token_ids=req.stop_token_ids or [], include_stop_str_in_output=req.include_stop_str_in_output,
+            ignore_eos=req.ignore_eos, top_logprobs=num_top, skip_special_tokens=req.skip_special_tokens,
+            spaces_between_special_tokens=req.spaces_between_special_tokens, cache_salt=req.cache_salt)
+        rid = f"chatcmpl-{uuid.uuid4().hex}"
+        release = self.admit(1)
+        if req.stream:
+            return await self._stream_chat(request, req, rid, ids, params, parse_tools, num_top, release)
+        try:
+            (out,), (score,) = await self.until_disconnect(request, rid, self.generate_all(
+                [ids], params, [rid], req.prompt_logprobs))
+        finally:
+            release()
+        choices, completion_tokens = [], 0
+        for c in out.outputs:
+            completion_tokens += len(c.token_ids)
+            text = c.text or ""
+            calls = []
+            content: str | None = text
+            if parse_tools:
+                parsed = self.tool_parser.parse(text)
+                content, calls = parsed.content, parsed.tool_calls
+            finish = "tool_calls" if calls and c.finish_reason == "stop" else c.finish_reason
+            message = P.ChatMessageOut(content=content, tool_calls=[
+                P.ToolCallOut(id=tc.id, function=P.FunctionCallOut(name=tc.name, arguments=tc.arguments))
+                for tc in calls] or None)
+            choice = P.ChatChoice(index=c.index, message=message, finish_reason=finish, stop_reason=c.stop_reason,
+                                  logprobs=self.chat_logprobs(c, num_top, req.return_tokens_as_token_ids)
+                                  if req.logprobs else None,
+                                  policy_versions=c.policy_versions, spec_decode_stats=c.spec_decode_stats)
+            if req.return_token_ids:
+                choice.token_ids = c.token_ids
+            choices.append(choice)
+        response = P.ChatCompletionResponse(
+            id=rid, created=int(time.time()), model=self.served_model_name, choices=choices,
+            usage=_usage(len(ids), completion_tokens, out.num_cached_prompt_tokens))
+        if req.return_token_ids:
+            response.prompt_token_ids = ids
+        if req.prompt_logprobs is not None:
+            response.prompt_logprobs = self.prompt_logprobs(ids, score, req.prompt_logprobs)
+        return _json(response)
 
-    app = web.Application()
-    app.add_routes([web.get("/health", health), web.get("/get_model_info", model_info),
-                    web.post("/generate", generate), web.post("/v1/completions", completions),
-                    web.post("/abort_request", abort), web.route("*", "/flush_cache", flush_cache),
-                    web.post("/release_memory_occupation", release), web.post("/resume_memory_occupation", resume),
-                    web.post("/update_weights_from_disk", update_from_disk)])
+    async def _stream_chat(self, request, req, rid, ids, params, parse_tools, num_top, release) -> Response:
+        streams = _Streams(self.engine, [(ids, params, rid)])
+
+        async def start():
+            score = None if req.prompt_logprobs is None else await self.score(ids, req.prompt_logprobs)
+            await streams.first()
+            return score
+
+        try:
+            score = await self.until_disconnect(request, rid, start())
+        except BaseException as e:
+            await streams.close()
+            release()
+            raise _engine_error(e) from None
+        first_extras = {"prompt_token_ids": ids if req.return_token_ids else None,
+                        "prompt_logprobs": None if score is None else self.prompt_logprobs(ids, score,
+                                                                                           req.prompt_logprobs)}
+
+        async def events():
+            created = int(time.time())
+
+            def chunk(choice: P.ChatStreamChoice, **extra) -> bytes:
+                return _event(P.ChatCompletionChunk(id=rid, created=created, model=self.served_model_name,
+                                                    choices=[choice], **extra))
+
+            streamers = {}
+            num_calls = [0] * req.n
+            completion_tokens = cached = 0
+            try:
+                for j in range(req.n):  # the role first, as OpenAI streams it
+                    yield chunk(P.ChatStreamChoice(index=j, delta=P.ChatDelta(role="assistant", content="")),
+                                **(first_extras if j == 0 else {}))
+                async for _, out in streams:
+                    cached = out.num_cached_prompt_tokens
+                    for c in out.outputs:
+                        j = c.index
+                        completion_tokens += len(c.token_ids)
+                        if parse_tools:
+                            streamer = streamers.get(j)
+                            if streamer is None:
+                                streamer = streamers[j] = self.tool_parser.streamer()
+                            pieces = streamer.feed(c.text or "") + (streamer.finish() if c.finished else [])
+                        else:
+                            pieces = [("content", c.text)] if c.text else []
+                        content = "".join(p for kind, p in pieces if kind == "content")
+                        calls = []
+                        for kind, tc in pieces:
+                            if kind == "tool_call":
+                                calls.append(P.ToolCallDelta(index=num_calls[j], id=tc.id,
+                                                             function=P.FunctionCallOut(name=tc.name,
+                                                                                        arguments=tc.arguments)))
+                                num_calls[j] += 1
+                        finish = None
+                        if c.finished:
+                            finish = "tool_calls" if num_calls[j] and c.finish_reason == "stop" else c.finish_reason
+                        choice = P.ChatStreamChoice(
+                            index=j, delta=P.ChatDelta(content=content or None, tool_calls=calls or None),
+                            finish_reason=finish, stop_reason=c.stop_reason if c.finished else None,
+                            logprobs=self.chat_logprobs(c, num_top, req.return_tokens_as_token_ids)
+                            if req.logprobs else None,
+                            policy_versions=c.policy_versions,
+                            spec_decode_stats=c.spec_decode_stats if c.finished else None)
+                        if req.return_token_ids:
+                            choice.token_ids = c.token_ids
+                        yield chunk(choice)
+                if req.stream_options is not None and req.stream_options.include_usage:
+                    yield _event(P.ChatCompletionChunk(
+                        id=rid, created=created, model=self.served_model_name, choices=[],
+                        usage=_usage(len(ids), completion_tokens, cached)))
+            except Exception as e:  # noqa: BLE001 (the response has started: the error becomes an event)
+                yield _stream_error(e)
+            yield _DONE
+
+        async def cleanup():
+            await streams.close()
+            release()
+
+        return _EventStream(events(), rid, cleanup)
+
+    async def generate(self, request: Request) -> Response:
+        req: P.GenerateRequest = await self.parse(request, P.GenerateRequest)
+        sp = req.sampling_params or P.SGLangSamplingParams()
+        max_tokens = self.bounded_default(sp, "max_new_tokens")
+        self.check_common(sp.n, req.cache_salt, sp.stop_token_ids, max_tokens, "sampling_params.max_new_tokens")
+        field = "text" if req.text is not None else "input_ids"
+        value = req.text if req.text is not None else req.input_ids
+        batched = not (isinstance(value, str) or isinstance(value[0], int))
+        items = list(value) if batched else [value]
+        prompts = []
+        for i, item in enumerate(items):
+            param = f"{field}[{i}]" if batched else field
+            ids = self.encode(item, True, param) if isinstance(item, str) else list(item)
+            self.check_prompt(ids, param)
+            prompts.append(ids)
+        if req.rid is None:
+            base = f"gen-{uuid.uuid4().hex}"
+            rids = [f"{base}-{i}" for i in range(len(prompts))] if batched else [base]
+        else:
+            rids = [req.rid] if isinstance(req.rid, str) and not batched else req.rid
+            if not isinstance(rids, list) or len(rids) != len(prompts):
+                raise APIError(400, f"rid must be a string per prompt ({len(prompts)}), got {req.rid!r}", param="rid")
+        params = self.sampling(
+            n=sp.n, temperature=sp.temperature, top_p=sp.top_p, top_k=sp.top_k, min_p=sp.min_p,
+            max_tokens=max_tokens, min_tokens=sp.min_new_tokens,
+            seed=sp.sampling_seed if sp.sampling_seed is not None else sp.seed, stop=_stops(sp.stop),
+            stop_token_ids=sp.stop_token_ids or [], include_stop_str_in_output=sp.no_stop_trim,
+            ignore_eos=sp.ignore_eos,
+            top_logprobs=req.top_logprobs_num, skip_special_tokens=sp.skip_special_tokens,
+            spaces_between_special_tokens=sp.spaces_between_special_tokens, cache_salt=req.cache_salt)
+        if req.stream and batched:
+            raise APIError(400, "stream takes one prompt (send one /generate per prompt)", param="stream")
+        release = self.admit(len(prompts))
+        if req.stream:
+            return await self._stream_generate(request, req, rids[0], prompts[0], params, release)
+        try:
+            outs, _ = await self.until_disconnect(request, rids[0], self.generate_all(prompts, params, rids))
+        finally:
+            release()
+        results = [r for out in outs for r in self.sglang_result(out, req)]
+        return Response(json.dumps(results if batched or len(results) > 1 else results[0]),
+                        media_type="application/json")
+
+    def sglang_result(self, out: RequestOutput, req: P.GenerateRequest) -> list[dict]:
+        """One SGLang result per sample of a prompt."""
+        results = []
+        for c in out.outputs:
+            finish: dict[str, Any] = {"type": c.finish_reason}
+            if c.finish_reason == "length":
+                finish["length"] = len(c.token_ids)
+            if c.stop_reason is not None:
+                finish["matched"] = c.stop_reason
+            meta = {"id": f"{out.request_id}-{c.index}", "finish_reason": finish,
+                    "prompt_tokens": len(out.prompt_token_ids), "completion_tokens": len(c.token_ids),
+                    "cached_tokens": out.num_cached_prompt_tokens, "policy_versions": c.policy_versions}
+            if c.spec_decode_stats is not None:
+                meta["spec_decode_stats"] = c.spec_decode_stats
+            if req.return_logprob:
+                text = self.token_text if req.return_text_in_logprobs else (lambda t: None)
+                meta["output_token_logprobs"] = [[_finite(lp), t, text(t)]
+                                                 for lp, t in zip(c.logprobs or [], c.token_ids)]
+                if req.top_logprobs_num:
+                    meta["output_top_logprobs"] = [[[_finite(lp), t, text(t)] for t, lp in top]
+                                                   for top in c.top_logprobs or []]
+            results.append({"text": c.text, "output_ids": c.token_ids, "meta_info": meta})
+        return results
+
+    async def _stream_generate(self, request, req, rid, ids, params, release) -> Response:
+        """SGLang's stream: after every step that gave tokens, the result so far (cumulative, as SGLang streams
+        by default), a list of one result per sample when n > 1, then [DONE]."""
+        streams = _Streams(self.engine, [(ids, params, rid)])
+        try:
+            await self.until_disconnect(request, rid, streams.first())
+        except BaseException as e:
+            await streams.close()
+            release()
+            raise _engine_error(e) from None
+        n = params.n
+        text = "" if self.tokenizer is not None else None
+
+        async def events():
+            so_far = RequestOutput(request_id=rid, prompt=None, prompt_token_ids=ids, outputs=[
+                CompletionOutput(index=j, token_ids=[], logprobs=None, finish_reason=None, policy_versions=[],
+                                 text=text) for j in range(n)])
+            try:
+                async for _, out in streams:
+                    so_far.add(out)
+                    results = self.sglang_result(so_far, req)
+                    yield _event(results if n > 1 else results[0])
+            except Exception as e:  # noqa: BLE001 (the response has started: the error becomes an event)
+                yield _stream_error(e)
+            yield _DONE
+
+        async def cleanup():
+            await streams.close()
+            release()
+
+        return _EventStream(events(), rid, cleanup)
+
+    # ---- control endpoints --------------------------------------------------------------------------------------
+    async def abort(self, request: Request) -> Response:
+        req: P.AbortRequest = await self.parse(request, P.AbortRequest)
+        return Response(json.dumps({"success": await self.engine.abort(req.rid)}), media_type="application/json")
+
+    async def flush_cache(self, request: Request) -> Response:
+        await self.engine.call(lambda e: e.kv_manager.reset_prefix_cache())
+        return _success()
+
+    async def release_memory(self, request: Request) -> Response:
+        tags = (await self.parse(request, P.MemoryRequest)).tags if _has_body(request) else None
+        await self._call(lambda e: e.sleep(2 if tags is None or "weights" in tags else 1))
+        return _success()
+
+    async def resume_memory(self, request: Request) -> Response:
+        tags = (await self.parse(request, P.MemoryRequest)).tags if _has_body(request) else None
+        await self._call(lambda e: e.wake_up(tags))
+        return _success()
+
+    async def update_weights_from_disk(self, request: Request) -> Response:
+        req: P.UpdateWeightsFromDiskRequest = await self.parse(request, P.UpdateWeightsFromDiskRequest)
+        result = await self._call(lambda e: e.load_weights(req.model_path, req.version))
+        return Response(json.dumps({"success": True, **result.to_json()}), media_type="application/json")
+
+    async def _call(self, fn):
+        try:
+            return await self.engine.call(fn)
+        except BaseException as e:
+            raise _engine_error(e) from None
+
+
+def _has_body(request: Request) -> bool:
+    declared = request.headers.get("content-length")
+    return request.headers.get("transfer-encoding") == "chunked" or (declared is not None and declared != "0")
+
+
+def _success() -> Response:
+    return Response(b'{"success":true}', media_type="application/json")
+
+
+def _engine_error(e: BaseException) -> BaseException:
+    """What an engine failure is answered with: the engine's ValueError (a request it refused) is a 400."""
+    if isinstance(e, (APIError, _Disconnected, asyncio.CancelledError)):
+        return e
+    if isinstance(e, ValueError):
+        return APIError(400, str(e))
+    if isinstance(e, RuntimeError):
+        return APIError(503, f"the engine is not running: {e}", code="engine_stopped")
+    return e
+
+
+def _stream_error(e: Exception) -> bytes:
+    e = _engine_error(e)
+    if isinstance(e, APIError):
+        return b"data: " + _error_body(e.status, e.message, e.param, e.code) + b"\n\n"
+    logger.exception("stream failed", exc_info=e)
+    return b"data: " + _error_body(500, "internal server error") + b"\n\n"
+
+
+def build_app(engine: AsyncEngine, config: ServerConfig):
+    """The FastAPI application serving `engine` as `config` says (its chat template and tool parser loaded now)."""
+    from fastapi import FastAPI
+
+    server = _Server(engine, config)
+    app = FastAPI(title="rollout", docs_url=None, redoc_url=None, openapi_url=None)
+    app.state.server = server
+    routes = [("/health", server.health, ["GET"]), ("/v1/models", server.models, ["GET"]),
+              ("/v1/models/{model:path}", server.model, ["GET"]),
+              ("/v1/completions", server.completions, ["POST"]),
+              ("/v1/chat/completions", server.chat_completions, ["POST"]),
+              ("/generate", server.generate, ["POST"]), ("/get_model_info", server.model_info, ["GET"])]
+    if config.enable_admin:
+        routes += [("/abort_request", server.abort, ["POST"]), ("/flush_cache", server.flush_cache, ["GET", "POST"]),
+                   ("/release_memory_occupation", server.release_memory, ["POST"]),
+                   ("/resume_memory_occupation", server.resume_memory, ["POST"]),
+                   ("/update_weights_from_disk", server.update_weights_from_disk, ["POST"])]
+    for path, endpoint, methods in routes:
+        app.add_route(path, endpoint, methods=methods)
+
+    @app.exception_handler(APIError)
+    async def api_error(request, e: APIError):
+        message = e.message  # may quote the request (", got ..."): never the key, even if a client sent it there
+        if config.api_key is not None:
+            message = message.replace(config.api_key, "<the API key>")
+        return _error_response(e.status, message, e.param, e.code, e.headers)
+
+    @app.exception_handler(_Disconnected)
+    async def disconnected(request, e):
+        return Response(status_code=400)  # nobody reads it: the client is gone
+
+    @app.exception_handler(HTTPException)
+    async def http_error(request, e: HTTPException):
+        if e.status_code == 404:
+            return _error_response(404, f"no endpoint {request.url.path}", code="not_found")
+        return _error_response(e.status_code, f"{request.method} {request.url.path}: {e.detail}")
+
+    @app.exception_handler(Exception)
+    async def internal_error(request, e: Exception):
+        logger.error("%s %s failed", request.method, request.url.path, exc_info=e)
+        return _error_response(500, "internal server error (see the server's log)")
+
+    if config.api_key is not None:
+        app.add_middleware(_ApiKey, api_key=config.api_key)
     return app
 
 
-def serve(engine: AsyncEngine, model_path: str, host: str, port: int) -> None:
-    """Serve until interrupted, then close the engine."""
-    from aiohttp import web
-
+def bind(host: str, port: int) -> socket.socket:
+    """A listening socket on host:port; ValueError naming the address when it cannot be had (in use, no such
+    interface)."""
     try:
-        web.run_app(build_app(engine, model_path), host=host, port=port, print=logger.info)
+        info = socket.getaddrinfo(host, port, type=socket.SOCK_STREAM, flags=socket.AI_PASSIVE)[0]
+    except socket.gaierror as e:
+        raise ValueError(f"cannot listen on {host}:{port}: {e.strerror}") from None
+    # proto IPPROTO_TCP (not 0), so asyncio sets TCP_NODELAY on every accepted connection: without it a reused
+    # keep-alive connection waits ~40 ms (Nagle against delayed ACKs) for each response's second write
+    sock = socket.socket(info[0], info[1], info[2])
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+    try:
+        sock.bind(info[4])
+        sock.listen(2048)
+    except OSError as e:
+        sock.close()
+        raise ValueError(f"cannot listen on {host}:{port}: {e.strerror}") from None
+    sock.set_inheritable(True)
+    return sock
+
+
+def uvicorn_server(app, sock: socket.socket):
+    """A uvicorn.Server for `app` on the bound `sock`: no access log and none of uvicorn's start-up lines (the
+    caller logs one), keep-alive connections, a graceful shutdown that aborts what is still streaming."""
+    import uvicorn
+
+    host, port = sock.getsockname()[:2]
+    config = uvicorn.Config(app, host=host, port=port, log_config=None, log_level="warning", access_log=False,
+                            lifespan="off", timeout_keep_alive=30, timeout_graceful_shutdown=5)
+    return uvicorn.Server(config)
+
+
+def serve(engine: AsyncEngine, config: ServerConfig, *, sock: socket.socket | None = None) -> None:
+    """Serve until interrupted (SIGINT / SIGTERM), then close the engine. Logs one line when it listens.
+    `sock`: a socket `bind(config.host, config.port)` gave before the engine loaded (so that a port in use is
+    an error before the model loads); by default it is bound here."""
+    try:
+        app = build_app(engine, config)
+        sock = sock if sock is not None else bind(config.host, config.port)
+        server = uvicorn_server(app, sock)
+        host, port = sock.getsockname()[:2]
+        logger.info("serving %s as %r on http://%s:%d (API key %s; admin endpoints %s)", app.state.server.model_path,
+                    app.state.server.served_model_name, host, port,
+                    "required" if config.api_key else "not required", "on" if config.enable_admin else "off")
+        server.run(sockets=[sock])
     finally:
         engine.close()

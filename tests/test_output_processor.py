@@ -328,10 +328,11 @@ def test_async_engine_stream_and_generate_stream_text(model_dir):
 
 
 def test_generate_endpoint_streams_text_so_far(model_dir):
-    pytest.importorskip("aiohttp")
-    from aiohttp.test_utils import TestClient, TestServer
+    httpx = pytest.importorskip("httpx")
+    pytest.importorskip("fastapi")
 
     from rollout.server import build_app
+    from rollout.server_config import ServerConfig
 
     engine, script = scripted_engine(model_dir)
     tok = engine.tokenizer
@@ -343,10 +344,11 @@ def test_generate_endpoint_streams_text_so_far(model_dir):
 
     async def main():
         with AsyncEngine(engine) as aengine:
-            async with TestClient(TestServer(build_app(aengine, str(model_dir)))) as client:
+            transport = httpx.ASGITransport(app=build_app(aengine, ServerConfig()))
+            async with httpx.AsyncClient(transport=transport, base_url="http://test") as client:
                 r = await client.post("/generate", json={"text": "hi", "rid": "http", "stream": True, "sampling_params": {
                     "n": 2, "max_new_tokens": len(scripts[0]), "stop": [stop]}})
-                return r.status, await r.text()
+                return r.status_code, r.text
 
     status, body = asyncio.run(main())
     events = [e.removeprefix("data: ") for e in body.split("\n\n") if e]
