@@ -210,7 +210,6 @@ def _serve(args: argparse.Namespace) -> int:
 
     from rollout.async_engine import AsyncEngine
     from rollout.server import serve
-    from rollout.server_config import ServerConfig
 
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(message)s")
     serve(AsyncEngine(config), server_config)
