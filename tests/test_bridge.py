@@ -8,6 +8,7 @@ import torch
 from rollout import EngineConfig, SamplingParams
 from rollout.engine import Engine
 from trainer_bridge import TrainerBridge, TrainingModel, logprob_mismatch, toy_task
+from trainer_bridge.bridge import importance_weights
 
 PROMPTS = ["12+3=", "7+75=", "99+1="]
 
@@ -250,3 +251,49 @@ def test_rollout_with_min_finished_prompts_returns_cut_samples_marked_abort(mode
     assert reasons.count("abort") >= 2 and len(reasons) - reasons.count("abort") >= 2, reasons
     for s in cut.samples:  # a cut sample stays aligned: one logprob and one mask bit per token
         assert len(s.token_ids) == len(s.loss_mask) == len(s.logprobs)
+
+
+def test_importance_weights_tis_and_mis_values():
+    # ratios exp(trainer - rollout): e^1 = 2.718 (above C = 2), e^0 = 1, e^-1 = 0.368 (below 1/C = 0.5),
+    # e^0.5 = 1.649 (inside), and a masked-out token whose huge ratio must not count
+    rollout = torch.tensor([[-2.0, -1.0, -1.0, -1.5, -9.0]])
+    trainer = torch.tensor([[-1.0, -1.0, -2.0, -1.0, 0.0]])
+    mask = torch.tensor([[1.0, 1.0, 1.0, 1.0, 0.0]])
+    e = torch.e
+    w, s = importance_weights(rollout, trainer, mask, mode="tis", cap=2.0)
+    assert torch.allclose(w, torch.tensor([[2.0, 1.0, 1 / e, e**0.5, 0.0]]))
+    assert s["is_truncated_frac"] == 0.25 and s["is_masked_frac"] == 0.0
+    assert abs(s["is_weight_mean"] - (2.0 + 1.0 + 1 / e + e**0.5) / 4) < 1e-6
+    assert abs(s["is_ratio_max"] - e) < 1e-6
+    w, s = importance_weights(rollout, trainer, mask, mode="mis", cap=2.0)
+    assert torch.allclose(w, torch.tensor([[0.0, 1.0, 0.0, e**0.5, 0.0]]))
+    assert s["is_masked_frac"] == 0.5 and s["is_truncated_frac"] == 0.0
+    assert abs(s["is_weight_mean"] - (1.0 + e**0.5) / 4) < 1e-6
+    w, s = importance_weights(rollout, trainer, mask, mode="none", cap=2.0)
+    assert torch.equal(w, mask) and s["is_weight_mean"] == 1.0
+    trainer.requires_grad_(True)
+    assert not importance_weights(rollout, trainer, mask, mode="tis", cap=2.0)[0].requires_grad
+    with pytest.raises(ValueError, match="mode must be one of"):
+        importance_weights(rollout, trainer, mask, mode="clip", cap=2.0)
+    with pytest.raises(ValueError, match="cap must be > 1"):
+        importance_weights(rollout, trainer, mask, mode="tis", cap=1.0)
+    with pytest.raises(ValueError, match="shapes differ"):
+        importance_weights(rollout, trainer[:, :3], mask, mode="tis", cap=2.0)
+
+
+def test_bridge_importance_weights_align_with_the_batch_and_carry_the_mismatch(model_dir):
+    engine = make_engine(model_dir)
+    bridge = TrainerBridge(engine)
+    batch = bridge.rollout(PROMPTS, SamplingParams(n=2, max_tokens=4, seed=5))
+    padded = batch.padded()
+    shift = torch.zeros(padded.input_ids.shape[0], padded.input_ids.shape[1] - 1)  # [B, T-1]
+    shift[:, ::2] = 1.0  # trainer logprob 1 nat above the rollout's on every other position: ratio e > C
+    trainer_logp = padded.logprobs[:, 1:] + shift
+    w, stats = bridge.importance_weights(batch, trainer_logp, mode="tis", cap=1.5)
+    mask = padded.loss_mask[:, 1:]
+    assert torch.allclose(w, torch.where(shift > 0, 1.5, 1.0) * mask)
+    assert stats["is_truncated_frac"] == ((shift > 0) & (mask > 0)).sum().item() / mask.sum().item()
+    assert stats["mismatch_abs_max"] == pytest.approx(1.0) and "mismatch_kl" in stats
+    w, stats = bridge.importance_weights(padded, trainer_logp, mode="mis", cap=1.5)
+    assert torch.allclose(w, torch.where(shift > 0, 0.0, 1.0) * mask)
+    assert stats["is_masked_frac"] == ((shift > 0) & (mask > 0)).sum().item() / mask.sum().item()

@@ -4,6 +4,7 @@
     stats = bridge.push_weights(model)          WeightDiffer.encode -> engine.apply_weight_update -> commit
                                                 (rank_local: per engine rank, -> engine.update_weights_rank_local)
     m     = bridge.logprob_mismatch(batch, trainer_logprobs)
+    w, s  = bridge.importance_weights(batch, trainer_logprobs, mode="tis", cap=2.0)   TIS / MIS weights
 
 The engine behind it is a local `rollout.Engine` (same process) or a `rollout.pool.RolloutPool`; both
 offer `generate`, `weight_specs`, `apply_weight_update` and `policy_version`, which is all this module
@@ -176,6 +177,50 @@ def logprob_mismatch(rollout_logprobs: torch.Tensor, trainer_logprobs: torch.Ten
         "ratio_dev_mean": (ratio - 1).abs().mean().item(),
         "mismatch_kl": (ratio - 1 - delta).mean().item(),
     }
+
+
+OFF_POLICY_CORRECTIONS = ("none", "tis", "mis")
+
+
+def importance_weights(rollout_logprobs: torch.Tensor, trainer_logprobs: torch.Tensor, mask: torch.Tensor, *,
+                       mode: str, cap: float) -> tuple[torch.Tensor, dict[str, float]]:
+    """Per-token off-policy correction weights for tokens sampled by the rollout engine (same shapes, any).
+
+    r = exp(trainer - rollout) per token (trainer detached: the weights carry no gradient).
+      "tis" (truncated importance sampling): w = min(r, cap)
+      "mis" (masked importance sampling):    w = r where 1/cap <= r <= cap, else 0 (the token is dropped)
+      "none":                                w = 1
+    `w` is 0 wherever `mask` is 0. Returns (w, stats) with stats over the masked-in tokens: `is_weight_mean`,
+    `is_truncated_frac` (r > cap, tis), `is_masked_frac` (r outside [1/cap, cap], mis), `is_ratio_max`.
+    """
+    if mode not in OFF_POLICY_CORRECTIONS:
+        raise ValueError(f"mode must be one of {', '.join(OFF_POLICY_CORRECTIONS)}, got {mode!r}")
+    if not cap > 1.0:
+        raise ValueError(f"cap must be > 1 (the ratio's bound C, [1/C, C] for mis), got {cap!r}")
+    if rollout_logprobs.shape != trainer_logprobs.shape or rollout_logprobs.shape != mask.shape:
+        raise ValueError(
+            f"shapes differ: rollout {tuple(rollout_logprobs.shape)}, trainer {tuple(trainer_logprobs.shape)}, "
+            f"mask {tuple(mask.shape)}"
+        )
+    sel = mask.bool()
+    ratio = (trainer_logprobs.detach().double() - rollout_logprobs.double()).exp()
+    truncated = sel & (ratio > cap)
+    outside = sel & ((ratio > cap) | (ratio < 1.0 / cap))
+    if mode == "tis":
+        weights = ratio.clamp(max=cap)
+    elif mode == "mis":
+        weights = ratio.masked_fill(outside, 0.0)
+    else:
+        weights = torch.ones_like(ratio)
+    weights = (weights * sel).to(torch.float32)
+    num = max(1, int(sel.sum()))
+    stats = {
+        "is_weight_mean": weights[sel].double().sum().item() / num,
+        "is_truncated_frac": int(truncated.sum()) / num if mode == "tis" else 0.0,
+        "is_masked_frac": int(outside.sum()) / num if mode == "mis" else 0.0,
+        "is_ratio_max": ratio[sel].max().item() if sel.any() else 0.0,
+    }
+    return weights, stats
 
 
 class TrainerBridge:
@@ -365,6 +410,15 @@ class TrainerBridge:
         """Mismatch of the trainer's `token_logprobs(batch.input_ids)` ([B, T - 1]) against the rollout's."""
         padded = batch.padded(device=trainer_logprobs.device) if isinstance(batch, RolloutBatch) else batch
         return logprob_mismatch(padded.logprobs[:, 1:], trainer_logprobs, padded.loss_mask[:, 1:])
+
+    def importance_weights(self, batch: RolloutBatch | PaddedBatch, trainer_logprobs: torch.Tensor, *, mode: str,
+                           cap: float) -> tuple[torch.Tensor, dict[str, float]]:
+        """TIS / MIS weights ([B, T - 1], see `importance_weights`) of the trainer's `token_logprobs(batch.input_ids)`
+        against the rollout's, and their statistics merged with `logprob_mismatch`'s."""
+        padded = batch.padded(device=trainer_logprobs.device) if isinstance(batch, RolloutBatch) else batch
+        rollout, mask = padded.logprobs[:, 1:], padded.loss_mask[:, 1:]
+        weights, stats = importance_weights(rollout, trainer_logprobs, mask, mode=mode, cap=cap)
+        return weights, logprob_mismatch(rollout, trainer_logprobs, mask) | stats
 
 
 def _named_weights(weights) -> Mapping[str, torch.Tensor] | list:

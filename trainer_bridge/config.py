@@ -122,9 +122,17 @@ class RLConfig:
     """PPO: discount."""
     gae_lambda: float = 0.95
     """PPO: GAE lambda."""
+    off_policy_correction: str = "none"
+    """Rollout-vs-trainer correction: "none"; "tis" (each token's loss times min(r, importance_cap)); "mis"
+    (times r, and tokens with r outside [1/importance_cap, importance_cap] dropped), r = exp(trainer - rollout)
+    logprob under the pre-update policy. With "tis" / "mis" the clipped ratio is taken against the trainer's
+    pre-update logprobs instead of the rollout's (the decoupled form). See trainer_bridge.bridge.importance_weights."""
+    importance_cap: float = 2.0
+    """C of `off_policy_correction` (> 1)."""
 
     def __post_init__(self) -> None:
-        _float(self, "rl", "temperature", "lr", "clip_low", "clip_high", "kl_coef", "max_grad_norm", "gamma", "gae_lambda")
+        _float(self, "rl", "temperature", "lr", "clip_low", "clip_high", "kl_coef", "max_grad_norm", "gamma", "gae_lambda",
+               "importance_cap")
         _check(self.sleep_level in (0, 1, 2), "rl.sleep_level", self.sleep_level, "0, 1 or 2")
         for key in ("steps", "prompts_per_step", "samples_per_prompt", "max_tokens", "epochs_per_batch"):
             _check(getattr(self, key) >= 1, f"rl.{key}", getattr(self, key), ">= 1")
@@ -137,6 +145,9 @@ class RLConfig:
         _check(self.eval_every >= 0, "rl.eval_every", self.eval_every, ">= 0")
         _check(0 <= self.gamma <= 1, "rl.gamma", self.gamma, "in [0, 1]")
         _check(0 <= self.gae_lambda <= 1, "rl.gae_lambda", self.gae_lambda, "in [0, 1]")
+        _check(self.off_policy_correction in ("none", "tis", "mis"), "rl.off_policy_correction",
+               self.off_policy_correction, "none, tis or mis")
+        _check(self.importance_cap > 1, "rl.importance_cap", self.importance_cap, "> 1")
 
 
 @dataclass(kw_only=True, slots=True)

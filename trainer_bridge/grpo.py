@@ -12,6 +12,8 @@
         v                                                                          |
     TrainingModel.token_logprobs(input_ids)   [B, T-1]  (same model code as the engine)
     ratio = exp(logp - rollout_logp); loss = -min(ratio*A, clip(ratio)*A) (+ kl_coef * k3 KL to ref)
+    (rl.off_policy_correction tis / mis: ratio against the pre-update trainer logprobs, loss times the
+     TIS / MIS weight of each token; see trainer_bridge.bridge.importance_weights)
     token-level mean over every completion token of the batch
         |                                                                          |
         v                                                                          |
@@ -54,12 +56,19 @@ def grpo_loss(
     advantages: torch.Tensor,  # [B]
     rl: RLConfig,
     ref_logp: torch.Tensor | None = None,  # [B, T-1]
+    is_weights: torch.Tensor | None = None,  # [B, T-1] TIS / MIS weights (no grad), None: no correction
 ) -> tuple[torch.Tensor, dict[str, float]]:
-    """Clipped-ratio policy loss (+ KL to ref), averaged over all completion tokens of the batch."""
+    """Clipped-ratio policy loss (+ KL to ref), averaged over all completion tokens of the batch.
+
+    `rollout_logp` is the ratio's baseline (the behaviour policy; with an off-policy correction, the trainer's
+    pre-update logprobs). `is_weights` multiplies each token's policy loss (not the KL term).
+    """
     ratio = torch.exp(logp - rollout_logp)  # [B, T-1]
     adv = advantages[:, None]  # [B, 1]
     clipped = ratio.clamp(1 - rl.clip_low, 1 + rl.clip_high)
     per_token = -torch.minimum(ratio * adv, clipped * adv)  # [B, T-1]
+    if is_weights is not None:
+        per_token = per_token * is_weights
     num_tokens = mask.sum().clamp(min=1)
     stats = {"clip_frac": (((ratio - clipped).abs() > 0).float() * mask).sum().item() / num_tokens.item()}
     if ref_logp is not None:
@@ -89,7 +98,8 @@ def train(cfg: RunConfig) -> dict:
 
 
 def update(policy, ref, opt, padded: PaddedBatch, advantages: torch.Tensor, rl: RLConfig, bridge: TrainerBridge) -> dict:
-    """`epochs_per_batch` optimizer steps on one batch; the mismatch is measured before the first."""
+    """`epochs_per_batch` optimizer steps on one batch; the mismatch (and with `rl.off_policy_correction`, the
+    TIS / MIS weights, against the pre-update policy) is measured before the first."""
     input_ids = padded.input_ids  # [B, T]
     mask = padded.loss_mask[:, 1:]  # [B, T-1]
     rollout_logp = padded.logprobs[:, 1:]  # [B, T-1]
@@ -98,11 +108,17 @@ def update(policy, ref, opt, padded: PaddedBatch, advantages: torch.Tensor, rl: 
         with torch.no_grad():
             ref_logp = ref.token_logprobs(input_ids, rl.temperature)  # [B, T-1]
     out: dict[str, float] = {}
+    is_weights = None
     for epoch in range(rl.epochs_per_batch):
         logp = policy.token_logprobs(input_ids, rl.temperature)  # [B, T-1]
-        if epoch == 0:
+        if epoch == 0 and rl.off_policy_correction == "none":
             out |= bridge.logprob_mismatch(padded, logp)
-        loss, stats = grpo_loss(logp, rollout_logp, mask, advantages, rl, ref_logp)
+        elif epoch == 0:
+            is_weights, is_stats = bridge.importance_weights(padded, logp, mode=rl.off_policy_correction,
+                                                             cap=rl.importance_cap)
+            out |= is_stats
+            rollout_logp = logp.detach()  # the ratio's baseline: the pre-update trainer policy
+        loss, stats = grpo_loss(logp, rollout_logp, mask, advantages, rl, ref_logp, is_weights)
         opt.zero_grad(set_to_none=True)
         loss.backward()
         out["grad_norm"] = torch.nn.utils.clip_grad_norm_(policy.parameters(), rl.max_grad_norm).item()

@@ -5,6 +5,8 @@
     TrainingModel hidden states [B, T, H] -> logits (policy) and ValueHead -> V [B, T-1]
     GAE(gamma, lambda) over completion tokens -> advantages, returns  [B, T-1]
     loss = clipped policy loss (ratio vs rollout logprobs) + value_coef * (V - returns)^2
+    (rl.off_policy_correction tis / mis: ratio vs the pre-update trainer logprobs, policy loss times the
+     TIS / MIS weights; see trainer_bridge.bridge.importance_weights)
     AdamW step -> bridge.push_weights(policy)  (the value head stays on the trainer) -----+  v+1
 
 Run: `python -m trainer_bridge.ppo --config configs/grpo_toy.yaml --set algorithm=ppo`. The value head is
@@ -74,12 +76,17 @@ def gae(rewards: torch.Tensor, values: torch.Tensor, mask: torch.Tensor, gamma: 
 
 def ppo_loss(
     logp: torch.Tensor, values: torch.Tensor, rollout_logp: torch.Tensor, mask: torch.Tensor,
-    advantages: torch.Tensor, returns: torch.Tensor, rl: RLConfig,
+    advantages: torch.Tensor, returns: torch.Tensor, rl: RLConfig, is_weights: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, dict[str, float]]:
-    """Clipped policy loss + value_coef * squared error; token mean over the mask. All inputs [B, T-1]."""
+    """Clipped policy loss + value_coef * squared error; token mean over the mask. All inputs [B, T-1].
+
+    `rollout_logp` is the ratio's baseline; `is_weights` (TIS / MIS, no grad) multiplies the policy loss per token.
+    """
     ratio = torch.exp(logp - rollout_logp)
     clipped = ratio.clamp(1 - rl.clip_low, 1 + rl.clip_high)
     policy = -torch.minimum(ratio * advantages, clipped * advantages)
+    if is_weights is not None:
+        policy = policy * is_weights
     value = (values - returns) ** 2
     num_tokens = mask.sum().clamp(min=1)
     policy_loss = (policy * mask).sum() / num_tokens
@@ -97,10 +104,15 @@ def update(model: PolicyWithValue, opt, padded: PaddedBatch, rewards: torch.Tens
         sel = mask.bool()
         mean, std = advantages[sel].mean(), advantages[sel].std().clamp(min=1e-6)
         advantages = (advantages - mean) / std * mask
-    out = bridge.logprob_mismatch(padded, logp0)
+    is_weights = None
+    if rl.off_policy_correction == "none":
+        out = bridge.logprob_mismatch(padded, logp0)
+    else:
+        is_weights, out = bridge.importance_weights(padded, logp0, mode=rl.off_policy_correction, cap=rl.importance_cap)
+        rollout_logp = logp0  # the ratio's baseline: the pre-update trainer policy
     for _ in range(rl.epochs_per_batch):
         logp, values = model(input_ids, rl.temperature)
-        loss, stats = ppo_loss(logp, values, rollout_logp, mask, advantages, returns, rl)
+        loss, stats = ppo_loss(logp, values, rollout_logp, mask, advantages, returns, rl, is_weights)
         opt.zero_grad(set_to_none=True)
         loss.backward()
         out["grad_norm"] = torch.nn.utils.clip_grad_norm_(model.parameters(), rl.max_grad_norm).item()
