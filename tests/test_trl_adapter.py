@@ -137,3 +137,22 @@ def test_chat_prompts_are_tokenized_as_trl_does_and_bad_settings_are_refused(mod
         TRLAdapter(engine, sampling=SamplingParams(), off_policy_correction="clip")
     with pytest.raises(ValueError, match="measure_mismatch"):
         TRLAdapter(engine, sampling=SamplingParams(), off_policy_correction="mis", measure_mismatch=False)
+
+
+def test_the_example_runs_and_prints_its_pushes(tmp_path):
+    import os
+    import re
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    root = Path(__file__).resolve().parent.parent
+    env = {**os.environ, "TRITON_INTERPRET": os.environ.get("TRITON_INTERPRET", "1")}
+    run = subprocess.run([sys.executable, str(root / "trainer_bridge" / "examples" / "trl_grpo.py"), "--steps", "2",
+                          "--output-dir", str(tmp_path)], capture_output=True, text=True, timeout=120, env=env)
+    assert run.returncode == 0, run.stderr[-3000:]
+    steps = re.findall(r"^step (\d+): version (\d+)  push (\d+) B of (\d+) dense", run.stdout, re.M)
+    assert [(s, v) for s, v, _, _ in steps] == [("1", "1"), ("2", "2")]
+    (_, _, b1, d1), (_, _, b2, d2) = steps
+    assert b1 == d1 and int(b2) < int(d2)  # the first push dense, the second a patch
+    assert "2 steps, engine policy_version 2" in run.stdout
