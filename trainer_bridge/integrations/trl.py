@@ -21,7 +21,7 @@ The callback pushes the unwrapped `trainer.model` through `TrainerBridge.push_we
 step (the first push dense, later ones sparse patches where smaller; bit-exact in the engine dtype; the
 engine's `policy_version` goes up by one per step) and appends `bridge/push_*` (bytes, seconds, version)
 and `bridge/mismatch_*`, `bridge/is_*` (measured at rollout time with one no-grad trainer forward) to
-`trainer._metrics["train"]`, which TRL averages into its next log line.
+`trainer._metrics` (train or eval, as TRL's own), which TRL averages into its next log line.
 
 What it does not do: TRL 1.16 applies its own importance-sampling correction only on its vLLM path
 (`use_vllm and vllm_importance_sampling_correction`), so the `importance_weights` field reaches reward
@@ -179,9 +179,10 @@ def _trainer_logprobs(trainer, input_ids: torch.Tensor, lengths: torch.Tensor, t
 
 
 def _log(trainer, metrics: dict[str, float]) -> None:
-    """Append metrics under `bridge/` to TRL's train metrics (averaged into its next log line)."""
+    """Append metrics under `bridge/` to TRL's metrics of the current mode (averaged into its next log line)."""
     store = getattr(trainer, "_metrics", None)
     if store is None:
         return
+    mode = "train" if trainer.model.training else "eval"
     for key, value in metrics.items():
-        store["train"][f"bridge/{key}"].append(float(value))
+        store[mode][f"bridge/{key}"].append(float(value))
