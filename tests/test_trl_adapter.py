@@ -121,13 +121,24 @@ def test_chat_prompts_are_tokenized_as_trl_does_and_bad_settings_are_refused(mod
         temperature = 1.0
         _metrics = None
 
+    calls = []
+    generate = engine.generate
+
+    def spy(prompts, params, **kwargs):  # what reaches the engine: requests and their n
+        calls.append((list(prompts), [p.n for p in params]))
+        return generate(prompts, params, **kwargs)
+
+    engine.generate = spy
     chat = [[{"role": "user", "content": "12+3"}]] * 2 + [[{"role": "user", "content": "7+5"}]] * 2
     out = adapter.rollout_func(chat, FakeTrainer())
     assert out["prompt_ids"] == [toy_task.encode("12+3=")] * 2 + [toy_task.encode("7+5=")] * 2
     assert [len(c) for c in out["completion_ids"]] == [len(lp) for lp in out["logprobs"]]
     assert all(1 <= len(c) <= 3 for c in out["completion_ids"]) and "importance_weights" not in out
-    text = adapter.rollout_func(["12+3="], FakeTrainer())
-    assert text["prompt_ids"] == [toy_task.encode("12+3=")]
+    # TRL's layout (each prompt G times in a row): one request per distinct prompt with n = G, sharing its prefix
+    assert calls[-1] == ([toy_task.encode("12+3="), toy_task.encode("7+5=")], [2, 2])
+    text = adapter.rollout_func(["12+3=", "7+5=", "12+3="], FakeTrainer())
+    assert text["prompt_ids"] == [toy_task.encode(p) for p in ("12+3=", "7+5=", "12+3=")]
+    assert calls[-1][1] == [1, 1, 1]  # any other layout: one request per entry
     FakeTrainer.temperature = 0.7
     with pytest.raises(ValueError, match="temperature"):
         adapter.rollout_func(["1+1="], FakeTrainer())

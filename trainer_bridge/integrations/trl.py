@@ -14,8 +14,10 @@ token, TIS / MIS weights of the trainer's logprobs against the rollout's).
 
 Prompts are tokenized as TRL tokenizes them itself: text with `processing_class(text=prompts)`, chat
 messages with `processing_class.apply_chat_template(..., add_generation_prompt=True)` and the trainer's
-`chat_template` / `chat_template_kwargs`. All of one call's prompts are submitted in one `generate`, so
-the repeats of a prompt share its prefix blocks through the engine's prefix cache.
+`chat_template` / `chat_template_kwargs`. All of one call's prompts go to the engine in one `generate`; when
+they come as TRL lays them out (each prompt G times in a row) each distinct prompt is one request with
+`n = G`, so its G samples share the prompt's KV blocks (separate requests scheduled in the same step would
+not hit each other's prefix cache); any other layout is sent one request per entry.
 
 The callback pushes the unwrapped `trainer.model` through `TrainerBridge.push_weights` after every optimizer
 step (the first push dense, later ones sparse patches where smaller; bit-exact in the engine dtype; the
@@ -45,7 +47,8 @@ class TRLAdapter:
 
     `sampling`: how every completion is sampled; `n` must be 1 (TRL repeats the prompts itself) and
     `temperature` must equal the trainer's (TRL scores tokens at its own temperature). With `sampling.seed`
-    set, rollout r of the run uses seeds `seed + r * len(prompts) + i`, so steps do not repeat their noise.
+    set, rollout r of the run starts from seed `seed + r * len(prompts)` (see `TrainerBridge.rollout`), so steps
+do not repeat their noise.
     `off_policy_correction` / `importance_cap`: "none", "tis" or "mis" and its C (see
     `trainer_bridge.bridge.importance_weights`); `measure_mismatch=False` skips the trainer forward at rollout
     time (no mismatch metrics, no importance weights). `bridge`: an existing TrainerBridge over the engine.
@@ -93,7 +96,11 @@ class TRLAdapter:
         sampling = self.sampling
         if sampling.seed is not None:
             sampling = dataclasses.replace(sampling, seed=sampling.seed + len(self.rollout_versions) * len(prompts))
-        batch = self.bridge.rollout(prompt_ids, sampling)
+        unique, repeats = _runs(prompt_ids)
+        if repeats > 1:  # TRL's layout: each prompt G times in a row -> one request with n = G (shared prefix)
+            batch = self.bridge.rollout(unique, dataclasses.replace(sampling, n=repeats))
+        else:
+            batch = self.bridge.rollout(prompt_ids, sampling)
         assert len(batch.samples) == len(prompts)
         out: dict[str, list] = {
             "prompt_ids": [s.token_ids[: s.num_prompt_tokens] for s in batch.samples],
@@ -146,6 +153,18 @@ def _make_callback(adapter: TRLAdapter):
             return control
 
     return PushWeightsCallback()
+
+
+def _runs(prompt_ids: list[list[int]]) -> tuple[list[list[int]], int]:
+    """(distinct prompts, G) when `prompt_ids` is each of them repeated G times in a row, else (prompt_ids, 1)."""
+    first = prompt_ids[0]
+    g = next((i for i, p in enumerate(prompt_ids) if p != first), len(prompt_ids))
+    if g == 1 or len(prompt_ids) % g:
+        return prompt_ids, 1
+    groups = [prompt_ids[i : i + g] for i in range(0, len(prompt_ids), g)]
+    if any(any(p != grp[0] for p in grp) for grp in groups):
+        return prompt_ids, 1
+    return [grp[0] for grp in groups], g
 
 
 def _tokenize_like_trl(prompts: list, trainer) -> list[list[int]]:
