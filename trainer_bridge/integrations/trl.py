@@ -47,8 +47,8 @@ class TRLAdapter:
 
     `sampling`: how every completion is sampled; `n` must be 1 (TRL repeats the prompts itself) and
     `temperature` must equal the trainer's (TRL scores tokens at its own temperature). With `sampling.seed`
-    set, rollout r of the run starts from seed `seed + r * len(prompts)` (see `TrainerBridge.rollout`), so steps
-do not repeat their noise.
+    set, rollout r of the run starts from seed `seed + r * len(prompts)` (see `TrainerBridge.rollout`), so
+    steps do not repeat their noise.
     `off_policy_correction` / `importance_cap`: "none", "tis" or "mis" and its C (see
     `trainer_bridge.bridge.importance_weights`); `measure_mismatch=False` skips the trainer forward at rollout
     time (no mismatch metrics, no importance weights). `bridge`: an existing TrainerBridge over the engine.
