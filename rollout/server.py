@@ -297,6 +297,7 @@ class _Server:
         self.pending = 0  # prompts admitted and not yet answered (the event loop's thread only)
         self.paused = False  # /pause_generation until /continue_generation (the event loop's thread only)
         self.groups: dict[str, Any] = {}  # group_name -> torch process group (/init_weights_update_group)
+        self.span: _Span | None = None  # a paused push whose calls join one update (the event loop's thread only)
         self._token_text: dict[int, str] = {}
 
     # ---- request plumbing ---------------------------------------------------------------------------------
@@ -922,9 +923,19 @@ class _Server:
                         media_type="application/json")
 
     async def continue_generation(self, request: Request) -> Response:
+        """Steps again; a push staged while paused is applied first, and its outcome is in the answer
+        (`weight_update`: the result, or `{"success": false, "error"}` with the old weights kept)."""
+        body: dict[str, Any] = {"status": "ok", "message": "generation continued"}
+        if self.span is not None:
+            try:
+                result = await self.end_span()
+            except APIError as e:
+                body["weight_update"] = {"success": False, "error": e.message}
+            else:
+                body["weight_update"] = {"success": True, "weight_version": str(result.version), **result.to_json()}
         await self.engine.resume()
         self.paused = False
-        return Response(b'{"status":"ok","message":"generation continued"}', media_type="application/json")
+        return Response(json.dumps(body), media_type="application/json")
 
     async def get_weight_version(self, request: Request) -> Response:
         version = await self._call(lambda e: e.policy_version)
@@ -1028,6 +1039,11 @@ class _Server:
             raise APIError(400, str(e), param="dtypes") from None
         if req.abort_all_requests:
             await self.engine.abort_all()
+        if self.span is not None and (self.span.group_name != req.group_name or version is None
+                                      or version != self.span.version):
+            await self._end_span_quietly()  # another update begins: the staged one is applied (or refused) first
+        if self.paused and version is not None:
+            return await self.span_call(req, group, version, dtypes)
         source = None
 
         def update(e):
@@ -1049,6 +1065,73 @@ class _Server:
                 destroy_process_group(group)
             raise _engine_error(e) from None
         return _updated(result)
+
+    async def span_call(self, req, group, version: int, dtypes) -> Response:
+        """One call of a push made while paused: its records are staged in the update of `version` (opened by its
+        first call, on the engine's thread, which takes every call's broadcasts until /continue_generation)."""
+        from weight_updates.transports.protocol import serve_session
+        from weight_updates.transports.sglang_dist import Call, SpanningSource
+
+        if self.span is None:
+            specs = await self._call(lambda e: e.weight_specs())
+            device = await self._call(lambda e: e.weight_sink().device)
+            source = SpanningSource(group, version=version, specs=specs, device=device,
+                                    timeout_s=self.config.weight_group_timeout_s)
+
+            def run(e):
+                result = serve_session(e.weight_sink(), source)
+                if span.flush_cache:
+                    e.kv_manager.reset_prefix_cache()
+                return result
+
+            span = _Span(group_name=req.group_name, version=version, source=source,
+                         task=asyncio.ensure_future(self.engine.call(run)))
+            self.span = span
+        span = self.span
+        span.flush_cache = span.flush_cache or req.flush_cache
+        loop = asyncio.get_running_loop()
+        answered: asyncio.Future = loop.create_future()
+        span.source.submit(Call(names=req.names, dtypes=dtypes, shapes=req.shapes,
+                                buckets=None if req.buckets is None else [b.model_dump() for b in req.buckets],
+                                answer=lambda error: loop.call_soon_threadsafe(_settle_once, answered, error)))
+        done, _ = await asyncio.wait({answered, span.task}, return_when=asyncio.FIRST_COMPLETED)
+        error = answered.result() if answered in done else None
+        if answered not in done:  # the session ended before answering this call (it broke, or timed out)
+            error = self._span_failure(span) or "the staged update ended"
+        if error is not None:  # the span stays open: its later calls are refused too, /continue_generation says why
+            raise APIError(400, f"weight update to version {version} refused, nothing written: {error}")
+        return Response(json.dumps({"success": True, "message": f"staged for version {version}; applied at "
+                                                                "/continue_generation", "weight_version": str(version),
+                                    "staged_bytes": span.source.nbytes}), media_type="application/json")
+
+    async def end_span(self):
+        """Apply the staged update (the session validates, writes and publishes) or raise its refusal (APIError)."""
+        span = self.span
+        span.source.end()
+        try:
+            return await span.task
+        except BaseException as e:
+            raise _engine_error(e) from None
+        finally:
+            self._close_span(span)
+
+    async def _end_span_quietly(self) -> None:
+        try:
+            await self.end_span()
+        except APIError as e:
+            logger.warning("a staged weight update was refused: %s", e.message)
+
+    def _span_failure(self, span: "_Span") -> str | None:
+        e = span.task.exception() if span.task.done() and not span.task.cancelled() else None
+        return None if e is None else str(e)
+
+    def _close_span(self, span: "_Span") -> None:
+        from weight_updates.transports.sglang_dist import destroy_process_group
+
+        if self.span is span:
+            self.span = None
+        if span.source.broken and span.group_name in self.groups:
+            destroy_process_group(self.groups.pop(span.group_name))
 
     async def destroy_weights_update_group(self, request: Request) -> Response:
         from weight_updates.transports.sglang_dist import destroy_process_group
@@ -1077,6 +1160,19 @@ class _Server:
 def _has_body(request: Request) -> bool:
     declared = request.headers.get("content-length")
     return request.headers.get("transfer-encoding") == "chunked" or (declared is not None and declared != "0")
+
+
+class _Span:
+    """A push made while paused: its calls stage records in one session running on the engine's thread."""
+
+    def __init__(self, *, group_name: str, version: int, source, task: asyncio.Future) -> None:
+        self.group_name, self.version, self.source, self.task = group_name, version, source, task
+        self.flush_cache = False  # any call asked for it: flush once the update is applied
+
+
+def _settle_once(future: asyncio.Future, error: str | None) -> None:
+    if not future.done():
+        future.set_result(error)
 
 
 def _weight_version(text: str) -> int:

@@ -137,12 +137,17 @@ def test_slime_distributed_push_and_the_refused_ones(model_dir, tmp_path):
         sender.start()
         trainer = Trainer(client, tmp_path, "slime_group")
         names = list(new)  # the checkpoint's order; every tensor the engine holds
-        r = trainer.push(new, names, dense_body(new, "7"))
-        assert r.status_code == 200, r.text
-        assert r.json()["success"] and r.json()["weight_version"] == "7" and r.json()["num_dense"] == len(names)
-        assert trainer.proc.stdout.readline().strip() == "done"
+        # as slime sends it: buckets, each its own call with the same weight_version, staged until continue
+        half = len(names) // 2
+        for bucket in (names[:half], names[half:]):
+            tensors = {n: new[n] for n in bucket}
+            r = trainer.push(tensors, bucket, dense_body(tensors, "7"))
+            assert r.status_code == 200 and r.json()["success"] and r.json()["weight_version"] == "7", r.text
+            assert trainer.proc.stdout.readline().strip() == "done"
         assert sender.is_alive()  # still paused
-        assert client.post("/continue_generation").json()["status"] == "ok"
+        r = client.post("/continue_generation").json()
+        assert r["status"] == "ok" and r["weight_update"]["success"], r
+        assert r["weight_update"]["weight_version"] == "7" and r["weight_update"]["num_dense"] == len(names)
         sender.join(30)
         after = generate(client)
         for result in (waiting["r"], after):
@@ -169,13 +174,30 @@ def test_slime_distributed_push_and_the_refused_ones(model_dir, tmp_path):
         assert generate(client)["output_ids"] == expected
         assert client.get("/get_weight_version").json() == {"weight_version": "7"}
 
-        # the sender dies after half the tensors: refused within the timeout, the group is gone
+        # paused, a wrong shape in the second bucket refuses the whole update: the first bucket is not written
+        client.post("/pause_generation", json={})
+        first = {n: torch.zeros_like(new[n]) for n in names[:half]}
+        r = trainer.push(first, names[:half], dense_body(first, "8"))
+        assert r.status_code == 200 and trainer.proc.stdout.readline().strip() == "done"
+        second = {**{n: new[n] for n in names[half:]}, "model.norm.weight": torch.zeros(3)}
+        r = trainer.push(second, list(second), dense_body(second, "8"))
+        assert r.status_code == 400 and "model.norm.weight" in r.json()["error"]["message"], r.text
+        assert trainer.proc.stdout.readline().strip() == "done"
+        r = client.post("/continue_generation").json()
+        assert r["status"] == "ok" and not r["weight_update"]["success"] and "model.norm.weight" in r["weight_update"]["error"]
+        assert generate(client)["output_ids"] == expected
+        assert client.get("/get_weight_version").json() == {"weight_version": "7"}
+
+        # paused (slime's flow), the sender dies after half the tensors: refused within the timeout, the group is gone
+        client.post("/pause_generation", json={})
         started = time.monotonic()
         r = trainer.push(load_file(model_dir / "model.safetensors"), names, dense_body(new, "9"),
                          die_after=len(names) // 2)
         assert r.status_code == 400 and "broke off" in r.json()["error"]["message"], r.text
         assert time.monotonic() - started < REFUSED_WITHIN_S
         assert trainer.proc.wait(30) == 3
+        r = client.post("/continue_generation").json()
+        assert not r["weight_update"]["success"] and "broke off" in r["weight_update"]["error"], r
         result = generate(client)
         assert result["output_ids"] == expected and result["meta_info"]["weight_version"] == "7"
         info = client.get("/get_server_info").json()

@@ -11,6 +11,11 @@
     (or, "encoding": "patch", buckets: [{header, nbytes}]:
      broadcast(bucket_j as flat uint8, src=0)          read_bucket(header_j, buffer_j): Dense / Patch records)
 
+`BroadcastSource` is one call as one session. slime sends a push as several calls (buckets) with one
+weight_version between /pause_generation and /continue_generation; `SpanningSource` makes them one session whose
+records arrive call by call, staged (checked, nothing written) until the stream ends, then validated, written and
+published at once, or refused as a whole.
+
 The group is made as SGLang's ``init_custom_process_group`` makes it: a TCP rendezvous store, a ``PrefixStore``
 named after the group, and torch's process-group helper with the requested backend (gloo on CPU tensors, NCCL on
 CUDA ones); its timeout bounds every broadcast, so a sender that dies mid-push ends the session with an error
@@ -121,3 +126,97 @@ class BroadcastSource:
 
     def reply(self, result: UpdateResult | None, error: str | None) -> None:
         """Nothing goes back over the group (the HTTP response answers)."""
+
+
+class Call:
+    """One `/update_weights_from_distributed` call of an update that spans calls: what it announces, and how its
+    caller learns the outcome of its part (`answer(error)`, called once, from the receiving thread)."""
+
+    def __init__(self, *, names: Sequence[str], dtypes: Sequence[torch.dtype] | None = None,
+                 shapes: Sequence[Sequence[int]] | None = None, buckets: Sequence[dict] | None = None,
+                 answer: Callable[[str | None], None]) -> None:
+        self.names, self.dtypes, self.shapes, self.buckets, self.answer = list(names), dtypes, shapes, buckets, answer
+
+
+class SpanningSource:
+    """One session whose records arrive over several calls (a `MessageSource`): slime splits a push into buckets,
+    each its own call with the same weight_version, between /pause_generation and /continue_generation.
+
+    `submit(call)` hands a call to the receiving thread (the one running `serve_session`); its broadcasts are
+    taken in order whatever happened before, each dense record checked against `specs` (name, shape, dtype, not
+    twice) as it is read, and the call answered: None once its records are staged, or the error. `end()` closes
+    the stream (the session then validates, writes and publishes, or rolls back). No call nor end within
+    `timeout_s` breaks the stream.
+    """
+
+    _END = object()
+
+    def __init__(self, group, *, version: int, specs: dict, device: torch.device | str, timeout_s: float) -> None:
+        import queue
+
+        self.group, self.version, self.specs, self.device, self.timeout_s = group, version, specs, device, timeout_s
+        self._calls: queue.SimpleQueue = queue.SimpleQueue()
+        self._seen: set[str] = set()
+        self.nbytes = 0
+        self.broken = False
+        self.error: str | None = None  # the first error of the session, once known here
+
+    def submit(self, call: Call) -> None:
+        self._calls.put(call)
+
+    def end(self) -> None:
+        self._calls.put(self._END)
+
+    def start(self) -> Start:
+        return Start(version=self.version, names=None)
+
+    def chunks(self) -> Iterator[Callable[[], list[Update]]]:
+        import queue
+
+        while True:
+            try:
+                call = self._calls.get(timeout=self.timeout_s)
+            except queue.Empty:
+                raise WeightUpdateError(f"no further weight call within {self.timeout_s} s; update refused") from None
+            if call is self._END:
+                return
+            source = BroadcastSource(self.group, version=self.version, names=call.names, device=self.device,
+                                     dtypes=call.dtypes, shapes=call.shapes, buckets=call.buckets)
+            read_all = True
+            try:
+                for read in source.chunks():
+                    called = []
+                    yield functools.partial(self._checked, read, called)
+                    read_all = read_all and bool(called)
+            except Exception as e:
+                self.broken = source.broken
+                self.error = self.error or str(e)
+                call.answer(str(e))
+                raise
+            finally:
+                self.nbytes += source.nbytes
+            if not read_all and self.error is None:  # the session refused a record of this call
+                self.error = "a record was refused by the update session (see /continue_generation's answer)"
+            call.answer(None if self.error is None else f"update refused: {self.error}")
+
+    def _checked(self, read: Callable[[], list[Update]], called: list) -> list[Update]:
+        called.append(True)
+        try:
+            records = read()
+            for r in records:
+                spec = self.specs.get(r.name)
+                if spec is None:
+                    raise WeightUpdateError(f"{r.name}: not a weight of this model")
+                if r.name in self._seen:
+                    raise WeightUpdateError(f"{r.name}: sent twice in one update")
+                if isinstance(r, Dense) and (tuple(r.tensor.shape) != tuple(spec.shape) or r.tensor.dtype != spec.dtype):
+                    raise WeightUpdateError(f"{r.name}: got {r.tensor.dtype} {list(r.tensor.shape)}, the model holds "
+                                            f"{spec.dtype} {list(spec.shape)}")
+                self._seen.add(r.name)
+        except Exception as e:
+            self.error = self.error or str(e)
+            raise
+        return records
+
+    def reply(self, result: UpdateResult | None, error: str | None) -> None:
+        """Nothing goes over the group; the session's outcome is what `serve_session` returns or raises."""
