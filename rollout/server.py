@@ -34,7 +34,9 @@ RL clients call it, and SGLang's native `/generate` and RL control endpoints.
                                       "group_name", "backend"}: join the trainer's process group
     POST /update_weights_from_distributed  {"names", "dtypes", "shapes", "group_name", "weight_version",
                                       "flush_cache"} while the trainer broadcasts each tensor from rank 0 (or
-                                      "encoding": "patch" with "buckets"): one validate-then-apply session
+                                      "encoding": "patch" with "buckets"): one validate-then-apply session; while
+                                      paused, the calls of one weight_version are one session, staged call by
+                                      call and applied (or refused whole) at /continue_generation
     POST /destroy_weights_update_group  {"group_name"}
 
 `weight_version` is the engine's policy version written as a decimal string ("7" <-> 7). A weight push runs as one
