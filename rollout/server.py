@@ -17,7 +17,8 @@ RL clients call it, and SGLang's native `/generate` and RL control endpoints.
                                       "top_logprobs_num", "rid", "stream"}; one result per sample
     GET  /get_model_info              {"model_path", "served_model_name", "policy_version", "has_tokenizer", ...}
     GET  /get_weight_version          {"weight_version": "7"}: the policy version as SGLang's string
-    GET  /health_generate             200 once the engine generated a token (while paused: once it answers)
+    GET  /health_generate             200 once the engine generated a token (while paused: at once; asleep: once
+                                      the engine's thread answers)
     GET  /server_info, /get_server_info  the model, limits, weight version and pause state
     admin (ServerConfig.enable_admin):
     POST /abort_request               {"rid"} or {"abort_all": true}: those /generate calls return what they
@@ -944,8 +945,8 @@ class _Server:
         return Response(json.dumps({"weight_version": str(version)}), media_type="application/json")
 
     async def health_generate(self, request: Request) -> Response:
-        """One greedy token through the engine (SGLang's probe); while paused or asleep, the engine thread's
-        answer to a command."""
+        """One greedy token through the engine (SGLang's probe); while paused at once (nothing steps), while asleep
+        once the engine's thread answers."""
         if self.paused or await self._call(lambda e: e.is_sleeping):
             return Response(b'{"status":"ok"}', media_type="application/json")
         params = SamplingParams(max_tokens=1, temperature=0.0, ignore_eos=True)
