@@ -211,6 +211,9 @@ class SGLangSamplingParams(_Strict):
     sampling_seed: Nullable(Seed) = None
     seed: Nullable(Seed) = None
     """Another name of sampling_seed."""
+    custom_params: dict[str, Any] | None = None
+    """SGLang's arguments of a custom logit processor; taken and ignored (none runs here), as slime sends
+    `{"return_top_p_token_ids": true}` whenever top_p < 1."""
 
     @model_validator(mode="after")
     def _one_seed(self):
@@ -233,6 +236,8 @@ class GenerateRequest(_Strict):
     stream: bool = False
     rid: Union[str, list[str], None] = Field(default=None, description="a string, or a list of one per prompt")
     cache_salt: Nullable(CacheSalt) = None
+    return_routed_experts: Literal[False] = Field(
+        default=False, description="false (routing replay is not offered over HTTP)")
 
     @model_validator(mode="after")
     def _one_prompt_field(self):

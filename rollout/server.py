@@ -20,6 +20,7 @@ RL clients call it, and SGLang's native `/generate` and RL control endpoints.
     GET  /health_generate             200 once the engine generated a token (while paused: at once; asleep: once
                                       the engine's thread answers)
     GET  /server_info, /get_server_info  the model, limits, weight version and pause state
+    GET  /v1/loads                    {"loads": [{"num_running_reqs", "num_waiting_reqs", "num_reqs"}]}
     admin (ServerConfig.enable_admin):
     POST /abort_request               {"rid"} or {"abort_all": true}: those /generate calls return what they
                                       have, finish_reason "abort"
@@ -959,6 +960,13 @@ class _Server:
         except BaseException as e:
             raise _engine_error(e) from None
 
+    async def loads(self, request: Request) -> Response:
+        """SGLang's /v1/loads as slime polls it until a server is idle: the requests running and waiting."""
+        counts = await self._call(lambda e: (len(e.scheduler.running), len(e.scheduler.waiting)))
+        running, waiting = counts
+        return Response(json.dumps({"loads": [{"dp_rank": 0, "num_running_reqs": running, "num_waiting_reqs": waiting,
+                                               "num_reqs": running + waiting}]}), media_type="application/json")
+
     async def server_info(self, request: Request) -> Response:
         eng = self.engine.engine
         version = await self._call(lambda e: e.policy_version)
@@ -1230,7 +1238,8 @@ def build_app(engine: AsyncEngine, config: ServerConfig):
               ("/generate", server.generate, ["POST"]), ("/get_model_info", server.model_info, ["GET"]),
               ("/get_weight_version", server.get_weight_version, ["GET"]),
               ("/health_generate", server.health_generate, ["GET"]),
-              ("/server_info", server.server_info, ["GET"]), ("/get_server_info", server.server_info, ["GET"])]
+              ("/server_info", server.server_info, ["GET"]), ("/get_server_info", server.server_info, ["GET"]),
+              ("/v1/loads", server.loads, ["GET"])]
     if config.enable_admin:
         routes += [("/abort_request", server.abort, ["POST"]), ("/flush_cache", server.flush_cache, ["GET", "POST"]),
                    ("/release_memory_occupation", server.release_memory, ["POST"]),

@@ -127,6 +127,14 @@ def test_slime_distributed_push_and_the_refused_ones(model_dir, tmp_path):
     assert expected != original  # the push must be visible
     srv = LiveServer(AsyncEngine(config(model_dir)), ServerConfig(weight_group_timeout_s=GROUP_TIMEOUT_S))
     with srv, httpx.Client(base_url=srv.url, timeout=60) as client:
+        # slime's sampling_params as it sends them (GenerateState), with a sampling_seed
+        r = client.post("/generate", json={"input_ids": [3, 4, 5], "return_logprob": True, "sampling_params": {
+            "temperature": 1.0, "top_p": 0.9, "top_k": -1, "max_new_tokens": 4, "stop": None, "stop_token_ids": None,
+            "skip_special_tokens": False, "no_stop_trim": True, "spaces_between_special_tokens": False,
+            "custom_params": {"return_top_p_token_ids": True}, "sampling_seed": 11}})
+        meta = r.json()["meta_info"]
+        assert r.status_code == 200 and meta["prompt_tokens"] == 3 and meta["completion_tokens"] == len(
+            meta["output_token_logprobs"]) and meta["cached_tokens"] == 0 and meta["weight_version"] == "0"
         before = generate(client)
         assert before["output_ids"] == original and before["meta_info"]["weight_version"] == "0"
         # slime's sequence; a /generate sent while paused waits for continue_generation
@@ -255,11 +263,14 @@ def test_control_endpoint_shapes(model_dir, tmp_path):
         while len(srv.engine._streams) < 3:
             assert time.monotonic() < deadline
             time.sleep(0.01)
+        load = client.get("/v1/loads", params={"include": "core,disagg,queues"}).json()["loads"][0]
+        assert load["num_reqs"] == 3 and load["num_running_reqs"] + load["num_waiting_reqs"] == 3
         r = client.post("/abort_request", json={"abort_all": True})
         assert r.json() == {"success": True, "num_aborted": 3}
         for s in senders:
             s.join(30)
         assert [x["meta_info"]["finish_reason"]["type"] for x in results] == ["abort"] * 3
+        assert client.get("/v1/loads").json()["loads"][0]["num_reqs"] == 0
         assert client.get("/health_generate").status_code == 200  # paused: the engine thread still answers
         client.post("/continue_generation")
         r = client.post("/abort_request", json={})
