@@ -1073,7 +1073,7 @@ class _Server:
         except BaseException as e:
             if source is not None and source.broken:
                 self.groups.pop(req.group_name, None)
-                destroy_process_group(group)
+                await asyncio.to_thread(destroy_process_group, group)
             raise _engine_error(e) from None
         return _updated(result)
 
@@ -1124,7 +1124,7 @@ class _Server:
         except BaseException as e:
             raise _engine_error(e) from None
         finally:
-            self._close_span(span)
+            await self._close_span(span)
 
     async def _end_span_quietly(self) -> None:
         try:
@@ -1136,19 +1136,21 @@ class _Server:
         e = span.task.exception() if span.task.done() and not span.task.cancelled() else None
         return None if e is None else str(e)
 
-    def _close_span(self, span: "_Span") -> None:
+    async def _close_span(self, span: "_Span") -> None:
         from weight_updates.transports.sglang_dist import destroy_process_group
 
         if self.span is span:
             self.span = None
         if span.source.broken and span.group_name in self.groups:
-            destroy_process_group(self.groups.pop(span.group_name))
+            await asyncio.to_thread(destroy_process_group, self.groups.pop(span.group_name))
 
     async def destroy_weights_update_group(self, request: Request) -> Response:
         from weight_updates.transports.sglang_dist import destroy_process_group
 
         name = (await self.parse(request, P.DestroyWeightsUpdateGroupRequest)).group_name if _has_body(request) \
             else "weight_update_group"
+        if self.span is not None and self.span.group_name == name:
+            await self._end_span_quietly()  # what it staged is applied (or refused) before the group goes
         group = self.groups.get(name)
         if group is None:
             raise APIError(400, f"group_name {name!r} is not joined", param="group_name")
