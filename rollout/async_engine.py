@@ -20,7 +20,8 @@ The Engine is used only from its thread: requests, aborts and `call`s are comman
 between steps, so a weight update or `sleep` never lands in the middle of a step. A bad request raises
 its ValueError in the coroutine that sent it; the others go on. A cancelled `generate` / `stream` aborts
 its request; `abort(request_id)` ends one early and its caller gets the partial output (partial rollouts:
-stop the stragglers once enough groups are done). Not here: HTTP serving (rollout/server.py), chat
+stop the stragglers once enough groups are done); `abort_all()` ends every one. `pause()` stops stepping (requests
+keep their place and blocks; commands such as weight updates still run) until `resume()`. Not here: HTTP serving (rollout/server.py), chat
 templates.
 """
 
@@ -59,6 +60,7 @@ class AsyncEngine:
         self._ids = itertools.count()
         self._closed = False
         self._error: BaseException | None = None  # a step that raised: the engine thread has stopped
+        self._paused = False  # engine thread only: no steps while set
         self._thread = threading.Thread(target=self._run, name="rollout-engine", daemon=True)
         self._thread.start()
 
@@ -120,15 +122,37 @@ class AsyncEngine:
     async def abort(self, request_id: str) -> bool:
         """Abort a request: its `generate` returns the output so far (its `stream` ends with a last delta),
         finish_reason "abort" for the samples still running. False for an id that is unknown or already finished."""
-        def abort(engine) -> bool:
-            out = engine.abort_request(request_id)
-            target = self._streams.pop(request_id, None)
-            if out is not None and target is not None:
-                loop, outputs = target
-                loop.call_soon_threadsafe(outputs.put_nowait, out)
-            return out is not None
+        return await self.call(lambda engine: self._abort_one(engine, request_id))
 
-        return await self.call(abort)
+    def _abort_one(self, engine, request_id: str) -> bool:
+        out = engine.abort_request(request_id)
+        target = self._streams.pop(request_id, None)
+        if out is not None and target is not None:
+            loop, outputs = target
+            loop.call_soon_threadsafe(outputs.put_nowait, out)
+        return out is not None
+
+    async def abort_all(self) -> int:
+        """Abort every request in flight, as `abort` does each; returns how many there were."""
+        def abort_all(engine) -> int:
+            return sum(self._abort_one(engine, rid) for rid in list(self._streams))
+
+        return await self.call(abort_all)
+
+    async def pause(self) -> None:
+        """Stop stepping once the step in flight is done: requests keep their place (and KV blocks) and new
+        ones queue; commands still run. Until `resume()`."""
+        def pause(engine) -> None:
+            self._paused = True
+
+        await self.call(pause)
+
+    async def resume(self) -> None:
+        """Step again after `pause()` (nothing if not paused)."""
+        def resume(engine) -> None:
+            self._paused = False
+
+        await self.call(resume)
 
     async def call(self, fn: Callable[[Any], Any]) -> Any:
         """Run ``fn(engine)`` on the engine's thread between two steps; returns its result or raises its error.
@@ -165,7 +189,7 @@ class AsyncEngine:
         engine.runner.use_in_this_thread()
         while True:
             # wait for work when idle; otherwise take every command that arrived during the last step
-            idle = not engine.has_unfinished_requests()
+            idle = self._paused or not engine.has_unfinished_requests()
             try:
                 commands = [self._commands.get(block=idle)]
             except queue.Empty:
@@ -180,7 +204,7 @@ class AsyncEngine:
                     self._fail_all(RuntimeError("the AsyncEngine was closed"))
                     return
                 self._execute(*command)
-            if engine.has_unfinished_requests():
+            if not self._paused and engine.has_unfinished_requests():
                 try:
                     outs = engine.step()
                 except BaseException as e:  # the engine's state is unknown: stop, and tell every waiter

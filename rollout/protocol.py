@@ -211,6 +211,9 @@ class SGLangSamplingParams(_Strict):
     sampling_seed: Nullable(Seed) = None
     seed: Nullable(Seed) = None
     """Another name of sampling_seed."""
+    custom_params: dict[str, Any] | None = None
+    """SGLang's arguments of a custom logit processor; taken and ignored (none runs here), as slime sends
+    `{"return_top_p_token_ids": true}` whenever top_p < 1."""
 
     @model_validator(mode="after")
     def _one_seed(self):
@@ -233,6 +236,8 @@ class GenerateRequest(_Strict):
     stream: bool = False
     rid: Union[str, list[str], None] = Field(default=None, description="a string, or a list of one per prompt")
     cache_salt: Nullable(CacheSalt) = None
+    return_routed_experts: Literal[False] = Field(
+        default=False, description="false (routing replay is not offered over HTTP)")
 
     @model_validator(mode="after")
     def _one_prompt_field(self):
@@ -242,7 +247,24 @@ class GenerateRequest(_Strict):
 
 
 class AbortRequest(_Strict):
-    rid: str = Field(description="the rid a /generate request was sent with")
+    rid: str | None = Field(default=None, description="the rid a /generate request was sent with")
+    abort_all: bool = False
+    """Abort every request in flight (SGLang's; `rid` is then ignored)."""
+
+    @model_validator(mode="after")
+    def _rid_or_all(self):
+        if self.rid is None and not self.abort_all:
+            raise ValueError("give 'rid' or 'abort_all': true")
+        return self
+
+
+class PauseGenerationRequest(_Strict):
+    """POST /pause_generation (SGLang's)."""
+
+    mode: Literal["abort", "retract", "in_place"] = Field(
+        default="abort", description='"abort", "retract" or "in_place"')
+    """"abort": every request in flight ends now (finish_reason "abort"); "retract" and "in_place": they stay
+    where they are (blocks kept) and go on after /continue_generation. New requests wait either way."""
 
 
 class MemoryRequest(_Strict):
@@ -250,9 +272,85 @@ class MemoryRequest(_Strict):
         default=None, description='a list of "weights" and/or "kv_cache"')
 
 
+WeightVersion = Annotated[str, Field(description='a decimal integer string such as "7" (the new policy version)')]
+
+
 class UpdateWeightsFromDiskRequest(_Strict):
     model_path: str = Field(description="a checkpoint directory (safetensors of the served architecture)")
     version: int | None = Field(default=None, description="an integer (the new policy version)")
+    weight_version: Nullable(WeightVersion) = None
+    """SGLang's name of `version`, as a string; give one of the two."""
+    flush_cache: bool = True
+    abort_all_requests: bool = False
+    """Abort every request in flight before loading (SGLang's)."""
+
+    @model_validator(mode="after")
+    def _one_version(self):
+        if self.version is not None and self.weight_version is not None:
+            raise ValueError("give version or weight_version, not both")
+        return self
+
+
+class InitWeightsUpdateGroupRequest(_Strict):
+    """POST /init_weights_update_group (SGLang's): join the trainer's process group for weight broadcasts."""
+
+    master_address: str = Field(min_length=1, description="a host name or address")
+    master_port: int = Field(ge=1, le=65535, description="a port in [1, 65535]")
+    rank_offset: int = Field(ge=1, description="an integer >= 1 (rank 0 is the trainer, which broadcasts)")
+    world_size: int = Field(ge=2, description="an integer >= 2")
+    group_name: str = Field(default="weight_update_group", min_length=1, description="a non-empty string")
+    backend: Literal["gloo", "nccl"] = Field(default="nccl", description='"gloo" or "nccl"')
+
+    @model_validator(mode="after")
+    def _rank_in_world(self):
+        if self.rank_offset >= self.world_size:
+            raise ValueError(f"rank_offset must be < world_size ({self.world_size}), got {self.rank_offset}")
+        return self
+
+
+class PatchBucket(_Strict):
+    """One broadcast of a sparse push: a flat uint8 buffer of `nbytes` laid out as `header` says
+    (weight_updates/wire.py's bucket: a safetensors header whose metadata lists the records)."""
+
+    header: dict[str, Any]
+    nbytes: int = Field(ge=0, description="an integer >= 0")
+
+
+class UpdateWeightsFromDistributedRequest(_Strict):
+    """POST /update_weights_from_distributed (SGLang's): rank 0 broadcasts one tensor per name, in order, of the
+    announced dtype and shape; or, with `encoding: "patch"` (this engine's), one uint8 buffer per bucket."""
+
+    names: Annotated[list[str], Field(min_length=1)] = Field(description="a non-empty list of parameter names")
+    dtypes: list[str] | None = Field(default=None, description='a list of dtype names ("bfloat16"), one per name')
+    shapes: list[list[Annotated[int, Field(ge=0)]]] | None = Field(
+        default=None, description="a list of shapes (lists of integers >= 0), one per name")
+    group_name: str = Field(default="weight_update_group", min_length=1, description="a non-empty string")
+    flush_cache: bool = True
+    abort_all_requests: bool = False
+    weight_version: Nullable(WeightVersion) = None
+    load_format: str | None = None
+    """SGLang's; only None (or "direct") is taken."""
+    encoding: Literal["dense", "patch"] = Field(default="dense", description='"dense" or "patch"')
+    buckets: list[PatchBucket] | None = None
+    """With encoding "patch": the buckets rank 0 broadcasts, in order (and `names` lists their records)."""
+
+    @model_validator(mode="after")
+    def _fields_of_the_encoding(self):
+        if self.load_format not in (None, "direct"):
+            raise ValueError(f"load_format must be null or 'direct', got {self.load_format!r}")
+        if self.encoding == "dense":
+            if self.dtypes is None or self.shapes is None or self.buckets is not None:
+                raise ValueError("encoding 'dense' takes names, dtypes and shapes (and no buckets)")
+            if not len(self.names) == len(self.dtypes) == len(self.shapes):
+                raise ValueError(f"names, dtypes and shapes must have one entry per tensor, got {len(self.names)}, "
+                                 f"{len(self.dtypes)} and {len(self.shapes)}")
+        elif self.buckets is None or self.dtypes is not None or self.shapes is not None:
+            raise ValueError("encoding 'patch' takes names and buckets (and no dtypes or shapes)")
+        return self
+
+
+class DestroyWeightsUpdateGroupRequest(_Strict):
+    group_name: str = Field(default="weight_update_group", min_length=1, description="a non-empty string")
 
 
 # ---- responses -------------------------------------------------------------------------------------------------

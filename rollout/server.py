@@ -16,12 +16,35 @@ RL clients call it, and SGLang's native `/generate` and RL control endpoints.
     POST /generate                    SGLang's: {"text" | "input_ids", "sampling_params", "return_logprob",
                                       "top_logprobs_num", "rid", "stream"}; one result per sample
     GET  /get_model_info              {"model_path", "served_model_name", "policy_version", "has_tokenizer", ...}
+    GET  /get_weight_version          {"weight_version": "7"}: the policy version as SGLang's string
+    GET  /health_generate             200 once the engine generated a token (while paused: at once; asleep: once
+                                      the engine's thread answers)
+    GET  /server_info, /get_server_info  the model, limits, weight version and pause state
+    GET  /v1/loads                    {"loads": [{"num_running_reqs", "num_waiting_reqs", "num_reqs"}]}
     admin (ServerConfig.enable_admin):
-    POST /abort_request               {"rid"}: that /generate call returns what it has, finish_reason "abort"
+    POST /abort_request               {"rid"} or {"abort_all": true}: those /generate calls return what they
+                                      have, finish_reason "abort"
+    POST /pause_generation            {"mode"?: "abort" (default) | "retract" | "in_place"}: no engine steps
+                                      until /continue_generation; "abort" first ends every request in flight
+    POST /continue_generation         step again
     GET|POST /flush_cache             empty the prefix cache (blocks in use stay in use)
     POST /release_memory_occupation   {"tags"?}: Engine.sleep (level 2 when the tags include "weights")
     POST /resume_memory_occupation    {"tags"?}: Engine.wake_up(tags)
-    POST /update_weights_from_disk    {"model_path", "version"?}: Engine.load_weights, validated before writing
+    POST /update_weights_from_disk    {"model_path", "version"? | "weight_version"?}: Engine.load_weights,
+                                      validated before writing
+    POST /init_weights_update_group   {"master_address", "master_port", "rank_offset", "world_size",
+                                      "group_name", "backend"}: join the trainer's process group
+    POST /update_weights_from_distributed  {"names", "dtypes", "shapes", "group_name", "weight_version",
+                                      "flush_cache"} while the trainer broadcasts each tensor from rank 0 (or
+                                      "encoding": "patch" with "buckets"): one validate-then-apply session; while
+                                      paused, the calls of one weight_version are one session, staged call by
+                                      call and applied (or refused whole) at /continue_generation
+    POST /destroy_weights_update_group  {"group_name"}
+
+`weight_version` is the engine's policy version written as a decimal string ("7" <-> 7). A weight push runs as one
+command on the engine's thread (no step runs during it) and through the engine's weight sink: a wrong name, shape
+or dtype, or a broadcast that breaks off (sender gone, ServerConfig.weight_group_timeout_s), is refused with a 400
+and the old weights and version stay (a group whose broadcast broke off is destroyed: join a new one).
 
 Every request body is validated by its rollout/protocol.py model (unknown fields, wrong types, NaN refused),
 then against the engine and the server's limits (ServerConfig: n, prompt and completion tokens, body size,
@@ -276,6 +299,9 @@ class _Server:
         self.tool_parser = ToolParsers.get(config.tool_parser)
         self.created = int(time.time())
         self.pending = 0  # prompts admitted and not yet answered (the event loop's thread only)
+        self.paused = False  # /pause_generation until /continue_generation (the event loop's thread only)
+        self.groups: dict[str, Any] = {}  # group_name -> torch process group (/init_weights_update_group)
+        self.span: _Span | None = None  # a paused push whose calls join one update (the event loop's thread only)
         self._token_text: dict[int, str] = {}
 
     # ---- request plumbing ---------------------------------------------------------------------------------
@@ -836,7 +862,9 @@ class _Server:
                 finish["matched"] = c.stop_reason
             meta = {"id": f"{out.request_id}-{c.index}", "finish_reason": finish,
                     "prompt_tokens": len(out.prompt_token_ids), "completion_tokens": len(c.token_ids),
-                    "cached_tokens": out.num_cached_prompt_tokens, "policy_versions": c.policy_versions}
+                    "cached_tokens": out.num_cached_prompt_tokens, "policy_versions": c.policy_versions,
+                    "weight_version": str(c.policy_versions[-1] if c.policy_versions
+                                          else self.engine.engine.policy_version)}
             if c.spec_decode_stats is not None:
                 meta["spec_decode_stats"] = c.spec_decode_stats
             if req.return_logprob:
@@ -884,7 +912,73 @@ class _Server:
     # ---- control endpoints --------------------------------------------------------------------------------------
     async def abort(self, request: Request) -> Response:
         req: P.AbortRequest = await self.parse(request, P.AbortRequest)
+        if req.abort_all:
+            return Response(json.dumps({"success": True, "num_aborted": await self.engine.abort_all()}),
+                            media_type="application/json")
         return Response(json.dumps({"success": await self.engine.abort(req.rid)}), media_type="application/json")
+
+    async def pause_generation(self, request: Request) -> Response:
+        mode = (await self.parse(request, P.PauseGenerationRequest)).mode if _has_body(request) else "abort"
+        await self.engine.pause()  # first: nothing steps once the aborts below are done
+        self.paused = True
+        if mode == "abort":
+            await self.engine.abort_all()
+        return Response(json.dumps({"status": "ok", "message": f"generation paused ({mode})"}),
+                        media_type="application/json")
+
+    async def continue_generation(self, request: Request) -> Response:
+        """Steps again; a push staged while paused is applied first, and its outcome is in the answer
+        (`weight_update`: the result, or `{"success": false, "error"}` with the old weights kept)."""
+        body: dict[str, Any] = {"status": "ok", "message": "generation continued"}
+        if self.span is not None:
+            try:
+                result = await self.end_span()
+            except APIError as e:
+                body["weight_update"] = {"success": False, "error": e.message}
+            else:
+                body["weight_update"] = {"success": True, "weight_version": str(result.version), **result.to_json()}
+        await self.engine.resume()
+        self.paused = False
+        return Response(json.dumps(body), media_type="application/json")
+
+    async def get_weight_version(self, request: Request) -> Response:
+        version = await self._call(lambda e: e.policy_version)
+        return Response(json.dumps({"weight_version": str(version)}), media_type="application/json")
+
+    async def health_generate(self, request: Request) -> Response:
+        """One greedy token through the engine (SGLang's probe); while paused at once (nothing steps), while asleep
+        once the engine's thread answers."""
+        if self.paused or await self._call(lambda e: e.is_sleeping):
+            return Response(b'{"status":"ok"}', media_type="application/json")
+        params = SamplingParams(max_tokens=1, temperature=0.0, ignore_eos=True)
+        await self._generate_one([0], params, f"health-{uuid.uuid4().hex}")
+        return Response(b'{"status":"ok"}', media_type="application/json")
+
+    async def _generate_one(self, ids: list[int], params: SamplingParams, rid: str) -> RequestOutput:
+        try:
+            return await self.engine.generate(ids, params, request_id=rid)
+        except BaseException as e:
+            raise _engine_error(e) from None
+
+    async def loads(self, request: Request) -> Response:
+        """SGLang's /v1/loads as slime polls it until a server is idle: the requests running and waiting."""
+        counts = await self._call(lambda e: (len(e.scheduler.running), len(e.scheduler.waiting)))
+        running, waiting = counts
+        return Response(json.dumps({"loads": [{"dp_rank": 0, "num_running_reqs": running, "num_waiting_reqs": waiting,
+                                               "num_reqs": running + waiting}]}), media_type="application/json")
+
+    async def server_info(self, request: Request) -> Response:
+        eng = self.engine.engine
+        version = await self._call(lambda e: e.policy_version)
+        return Response(json.dumps({
+            "model_path": self.model_path, "served_model_name": self.served_model_name,
+            "weight_version": str(version), "policy_version": version, "max_model_len": self.max_model_len,
+            "max_num_seqs": eng.config.max_num_seqs, "dtype": str(eng.config.dtype),
+            "tp_size": eng.config.tensor_parallel_size, "dp_size": 1, "pp_size": 1, "ep_size": 1,
+            "host": self.config.host, "port": self.config.port, "block_size": eng.config.block_size,
+            "num_kv_blocks": eng.num_kv_blocks, "is_paused": self.paused,
+            "weight_update_groups": sorted(self.groups), "max_n": self.config.max_n,
+            "max_pending_requests": self.config.max_pending_requests}), media_type="application/json")
 
     async def flush_cache(self, request: Request) -> Response:
         await self.engine.call(lambda e: e.kv_manager.reset_prefix_cache())
@@ -902,8 +996,172 @@ class _Server:
 
     async def update_weights_from_disk(self, request: Request) -> Response:
         req: P.UpdateWeightsFromDiskRequest = await self.parse(request, P.UpdateWeightsFromDiskRequest)
-        result = await self._call(lambda e: e.load_weights(req.model_path, req.version))
-        return Response(json.dumps({"success": True, **result.to_json()}), media_type="application/json")
+        version = req.version if req.weight_version is None else _weight_version(req.weight_version)
+        if req.abort_all_requests:
+            await self.engine.abort_all()
+
+        def load(e):
+            result = e.load_weights(req.model_path, version)
+            if req.flush_cache:
+                e.kv_manager.reset_prefix_cache()
+            return result
+
+        result = await self._call(load)
+        return _updated(result)
+
+    async def init_weights_update_group(self, request: Request) -> Response:
+        from weight_updates.transports.sglang_dist import init_custom_process_group
+
+        req: P.InitWeightsUpdateGroupRequest = await self.parse(request, P.InitWeightsUpdateGroupRequest)
+        if req.group_name in self.groups:
+            raise APIError(400, f"group_name {req.group_name!r} is already joined; destroy it first",
+                           param="group_name")
+        if req.backend == "nccl" and await self._call(lambda e: e.weight_sink().device.type) != "cuda":
+            raise APIError(400, "backend 'nccl' needs the weights on a CUDA device; this engine's are on the CPU: "
+                                "use 'gloo'", param="backend")
+        self.groups[req.group_name] = None  # reserved while joining
+        try:
+            group = await asyncio.to_thread(
+                init_custom_process_group, backend=req.backend,
+                init_method=f"tcp://{req.master_address}:{req.master_port}", world_size=req.world_size,
+                rank=req.rank_offset, group_name=req.group_name, timeout=self._group_timeout())
+        except Exception as e:
+            del self.groups[req.group_name]
+            raise APIError(400, f"could not join the weight update group {req.group_name!r} at "
+                                f"{req.master_address}:{req.master_port}: {e}") from None
+        self.groups[req.group_name] = group
+        return Response(json.dumps({"success": True, "message": f"joined {req.group_name!r} as rank "
+                                                                f"{req.rank_offset} of {req.world_size}"}),
+                        media_type="application/json")
+
+    async def update_weights_from_distributed(self, request: Request) -> Response:
+        from weight_updates.transports.protocol import serve_session
+        from weight_updates.transports.sglang_dist import BroadcastSource, destroy_process_group, parse_dtype
+
+        req: P.UpdateWeightsFromDistributedRequest = await self.parse(request, P.UpdateWeightsFromDistributedRequest)
+        group = self.groups.get(req.group_name)
+        if group is None:
+            raise APIError(400, f"group_name {req.group_name!r} is not joined (POST /init_weights_update_group "
+                                "first)", param="group_name")
+        version = None if req.weight_version is None else _weight_version(req.weight_version)
+        try:
+            dtypes = None if req.dtypes is None else [parse_dtype(d) for d in req.dtypes]
+        except ValueError as e:
+            raise APIError(400, str(e), param="dtypes") from None
+        if req.abort_all_requests:
+            await self.engine.abort_all()
+        if self.span is not None and (self.span.group_name != req.group_name or version is None
+                                      or version != self.span.version):
+            await self._end_span_quietly()  # another update begins: the staged one is applied (or refused) first
+        if self.paused and version is not None:
+            return await self.span_call(req, group, version, dtypes)
+        source = None
+
+        def update(e):
+            nonlocal source
+            sink = e.weight_sink()
+            source = BroadcastSource(group, version=e.policy_version + 1 if version is None else version,
+                                     names=req.names, device=sink.device, dtypes=dtypes, shapes=req.shapes,
+                                     buckets=None if req.buckets is None else [b.model_dump() for b in req.buckets])
+            result = serve_session(sink, source)
+            if req.flush_cache:
+                e.kv_manager.reset_prefix_cache()
+            return result
+
+        try:
+            result = await self.engine.call(update)
+        except BaseException as e:
+            if source is not None and source.broken:
+                self.groups.pop(req.group_name, None)
+                await asyncio.to_thread(destroy_process_group, group)
+            raise _engine_error(e) from None
+        return _updated(result)
+
+    async def span_call(self, req, group, version: int, dtypes) -> Response:
+        """One call of a push made while paused: its records are staged in the update of `version` (opened by its
+        first call, on the engine's thread, which takes every call's broadcasts until /continue_generation)."""
+        from weight_updates.transports.protocol import serve_session
+        from weight_updates.transports.sglang_dist import Call, SpanningSource
+
+        if self.span is None:
+            specs = await self._call(lambda e: e.weight_specs())
+            device = await self._call(lambda e: e.weight_sink().device)
+            source = SpanningSource(group, version=version, specs=specs, device=device,
+                                    timeout_s=self.config.weight_group_timeout_s)
+
+            def run(e):
+                result = serve_session(e.weight_sink(), source)
+                if span.flush_cache:
+                    e.kv_manager.reset_prefix_cache()
+                return result
+
+            span = _Span(group_name=req.group_name, version=version, source=source,
+                         task=asyncio.ensure_future(self.engine.call(run)))
+            self.span = span
+        span = self.span
+        span.flush_cache = span.flush_cache or req.flush_cache
+        loop = asyncio.get_running_loop()
+        answered: asyncio.Future = loop.create_future()
+        span.source.submit(Call(names=req.names, dtypes=dtypes, shapes=req.shapes,
+                                buckets=None if req.buckets is None else [b.model_dump() for b in req.buckets],
+                                answer=lambda error: loop.call_soon_threadsafe(_settle_once, answered, error)))
+        done, _ = await asyncio.wait({answered, span.task}, return_when=asyncio.FIRST_COMPLETED)
+        error = answered.result() if answered in done else None
+        if answered not in done:  # the session ended before answering this call (it broke, or timed out)
+            error = self._span_failure(span) or "the staged update ended"
+        if error is not None:  # the span stays open: its later calls are refused too, /continue_generation says why
+            raise APIError(400, f"weight update to version {version} refused, nothing written: {error}")
+        return Response(json.dumps({"success": True, "message": f"staged for version {version}; applied at "
+                                                                "/continue_generation", "weight_version": str(version),
+                                    "staged_bytes": span.source.nbytes}), media_type="application/json")
+
+    async def end_span(self):
+        """Apply the staged update (the session validates, writes and publishes) or raise its refusal (APIError)."""
+        span = self.span
+        span.source.end()
+        try:
+            return await span.task
+        except BaseException as e:
+            raise _engine_error(e) from None
+        finally:
+            await self._close_span(span)
+
+    async def _end_span_quietly(self) -> None:
+        try:
+            await self.end_span()
+        except APIError as e:
+            logger.warning("a staged weight update was refused: %s", e.message)
+
+    def _span_failure(self, span: "_Span") -> str | None:
+        e = span.task.exception() if span.task.done() and not span.task.cancelled() else None
+        return None if e is None else str(e)
+
+    async def _close_span(self, span: "_Span") -> None:
+        from weight_updates.transports.sglang_dist import destroy_process_group
+
+        if self.span is span:
+            self.span = None
+        if span.source.broken and span.group_name in self.groups:
+            await asyncio.to_thread(destroy_process_group, self.groups.pop(span.group_name))
+
+    async def destroy_weights_update_group(self, request: Request) -> Response:
+        from weight_updates.transports.sglang_dist import destroy_process_group
+
+        name = (await self.parse(request, P.DestroyWeightsUpdateGroupRequest)).group_name if _has_body(request) \
+            else "weight_update_group"
+        if self.span is not None and self.span.group_name == name:
+            await self._end_span_quietly()  # what it staged is applied (or refused) before the group goes
+        group = self.groups.get(name)
+        if group is None:
+            raise APIError(400, f"group_name {name!r} is not joined", param="group_name")
+        del self.groups[name]
+        await asyncio.to_thread(destroy_process_group, group)
+        return _success()
+
+    def _group_timeout(self):
+        from datetime import timedelta
+
+        return timedelta(seconds=self.config.weight_group_timeout_s)
 
     async def _call(self, fn):
         try:
@@ -915,6 +1173,34 @@ class _Server:
 def _has_body(request: Request) -> bool:
     declared = request.headers.get("content-length")
     return request.headers.get("transfer-encoding") == "chunked" or (declared is not None and declared != "0")
+
+
+class _Span:
+    """A push made while paused: its calls stage records in one session running on the engine's thread."""
+
+    def __init__(self, *, group_name: str, version: int, source, task: asyncio.Future) -> None:
+        self.group_name, self.version, self.source, self.task = group_name, version, source, task
+        self.flush_cache = False  # any call asked for it: flush once the update is applied
+
+
+def _settle_once(future: asyncio.Future, error: str | None) -> None:
+    if not future.done():
+        future.set_result(error)
+
+
+def _weight_version(text: str) -> int:
+    """SGLang's weight_version string as the engine's policy version; 400 naming the field otherwise."""
+    if not text.isascii() or not text.isdigit():
+        raise APIError(400, f"weight_version must be a decimal integer string such as \"7\", got {text!r}",
+                       param="weight_version")
+    return int(text)
+
+
+def _updated(result) -> Response:
+    """SGLang's answer to a weight update ({"success", "message"}), with this engine's result and the version."""
+    return Response(json.dumps({"success": True, "message": f"updated to version {result.version}",
+                                "weight_version": str(result.version), **result.to_json()}),
+                    media_type="application/json")
 
 
 def _success() -> Response:
@@ -951,12 +1237,21 @@ def build_app(engine: AsyncEngine, config: ServerConfig):
               ("/v1/models/{model:path}", server.model, ["GET"]),
               ("/v1/completions", server.completions, ["POST"]),
               ("/v1/chat/completions", server.chat_completions, ["POST"]),
-              ("/generate", server.generate, ["POST"]), ("/get_model_info", server.model_info, ["GET"])]
+              ("/generate", server.generate, ["POST"]), ("/get_model_info", server.model_info, ["GET"]),
+              ("/get_weight_version", server.get_weight_version, ["GET"]),
+              ("/health_generate", server.health_generate, ["GET"]),
+              ("/server_info", server.server_info, ["GET"]), ("/get_server_info", server.server_info, ["GET"]),
+              ("/v1/loads", server.loads, ["GET"])]
     if config.enable_admin:
         routes += [("/abort_request", server.abort, ["POST"]), ("/flush_cache", server.flush_cache, ["GET", "POST"]),
                    ("/release_memory_occupation", server.release_memory, ["POST"]),
                    ("/resume_memory_occupation", server.resume_memory, ["POST"]),
-                   ("/update_weights_from_disk", server.update_weights_from_disk, ["POST"])]
+                   ("/update_weights_from_disk", server.update_weights_from_disk, ["POST"]),
+                   ("/pause_generation", server.pause_generation, ["POST"]),
+                   ("/continue_generation", server.continue_generation, ["POST"]),
+                   ("/init_weights_update_group", server.init_weights_update_group, ["POST"]),
+                   ("/update_weights_from_distributed", server.update_weights_from_distributed, ["POST"]),
+                   ("/destroy_weights_update_group", server.destroy_weights_update_group, ["POST"])]
     for path, endpoint, methods in routes:
         app.add_route(path, endpoint, methods=methods)
 

@@ -50,11 +50,15 @@ class ServerConfig:
     retry_after_s: int = 1
     """The `Retry-After` seconds a 429 (too many pending requests) or 503 (no free KV blocks to score a
     prompt) suggests."""
+    weight_group_timeout_s: int = 60
+    """Seconds a weight-update process group (/init_weights_update_group) waits for its peers to join, and
+    each broadcast of a push for its sender: past it the push is refused and the old weights stay."""
 
     def __post_init__(self) -> None:
         if not (isinstance(self.port, int) and 0 <= self.port <= 65535):
             raise ValueError(f"ServerConfig.port must be an integer in [0, 65535], got {self.port!r}")
-        for name in ("max_n", "max_body_bytes", "max_pending_requests", "max_cache_salt_chars", "retry_after_s"):
+        for name in ("max_n", "max_body_bytes", "max_pending_requests", "max_cache_salt_chars", "retry_after_s",
+                     "weight_group_timeout_s"):
             value = getattr(self, name)
             if not (isinstance(value, int) and value >= 1):
                 raise ValueError(f"ServerConfig.{name} must be an integer >= 1, got {value!r}")
