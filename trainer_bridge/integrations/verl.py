@@ -63,6 +63,7 @@ def server_name(replica_rank: int, prefix: str = f"{NAME}_") -> str:
 
 # ---- verl's sampling_params dict -> SamplingParams ----------------------------------------------------------------
 _SAMPLING_KEYS = {"temperature", "top_p", "top_k", "min_p", "seed", "stop", "stop_token_ids", "min_tokens", "ignore_eos"}
+_HANDLED_KEYS = {"logprobs", "repetition_penalty", "max_tokens", "max_new_tokens"}  # turned into fields by hand
 
 
 def sampling_params_from_verl(params: dict[str, Any], *, max_tokens: int) -> SamplingParams:
@@ -79,7 +80,7 @@ def sampling_params_from_verl(params: dict[str, Any], *, max_tokens: int) -> Sam
             continue
         if key not in _SAMPLING_KEYS:
             raise ValueError(f"sampling_params.{key} is not supported by {NAME} (supported: "
-                             f"{sorted(_SAMPLING_KEYS | {'logprobs', 'repetition_penalty', 'max_tokens', 'max_new_tokens'})})")
+                             f"{sorted(_SAMPLING_KEYS | _HANDLED_KEYS)})")
         if value is not None:
             fields[key] = list(value) if key in ("stop", "stop_token_ids") else value
     if fields.get("top_k") == -1:
@@ -174,7 +175,8 @@ class EngineServer:
                            num_preempted=sample.num_preemptions, extra_fields=extra)
 
     def _aborted(self) -> TokenOutput:
-        return TokenOutput(token_ids=[], log_probs=None, stop_reason="aborted", extra_fields={"global_steps": self.global_steps})
+        return TokenOutput(token_ids=[], log_probs=None, stop_reason="aborted",
+                           extra_fields={"global_steps": self.global_steps})
 
     # ---- pause / resume (partial rollouts, weight syncs) ----------------------------------------------------------
     async def abort_all_requests(self, reset_prefix_cache: bool = True, reject_request: bool = False) -> dict[str, Any]:
@@ -285,6 +287,7 @@ class EngineReplica(RolloutReplica):
     async def launch_servers(self) -> None:
         import ray
         from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
+        from verl.plugin.platform import get_platform
         from verl.utils.device import get_resource_name
 
         if self.nnodes != 1:
@@ -303,6 +306,8 @@ class EngineReplica(RolloutReplica):
                 w.__ray_call__.remote(lambda self: (ray.get_runtime_context().get_node_id(),
                                                     ray.get_runtime_context().get_accelerator_ids()[resource][0]))
                 for w in self.workers]))
+            # the workers' GPUs, visible to an actor that reserves none (Ray would hide them), as verl's vLLM server
+            env.update({var: "1" for var in get_platform().ray_noset_envvars()})
             env["CUDA_VISIBLE_DEVICES"] = ",".join(devices)
             options = {"num_cpus": 0, "scheduling_strategy": NodeAffinitySchedulingStrategy(node_id=node_id[0], soft=False)}
         if self.is_reward_model or self.is_teacher_model:
