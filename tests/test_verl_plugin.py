@@ -171,11 +171,25 @@ def test_server_answers_verls_agent_loop_and_takes_sparse_pushes(tmp_path):
         with pytest.raises(ValueError, match="unknown parameter"):  # refused before anything is sent
             await adapter.update_weights(iter([("no.such.weight", torch.zeros(2))]), global_steps=3)
         assert await server.policy_version.remote() == 2
+
+        # a push the engine refuses (its weights sleep) changes nothing, the adapter's snapshot included: the next
+        # push is diffed against push 2 again, so the elements changed since then all arrive
+        await adapter.resume(tags=["kv_cache"])
+        await replica.sleep()
+        pushed[name].view(-1)[40:80] -= 0.25
+        with pytest.raises(ValueError, match="sleeps"):
+            await adapter.update_weights(iter(pushed.items()), global_steps=3)
+        assert await server.policy_version.remote() == 2
+        await adapter.resume(tags=["weights"])
+        await adapter.update_weights(iter(pushed.items()), global_steps=3)
+        assert (adapter.last_push["version"], adapter.last_push["num_dense"]) == (3, 0)
+        held = _exported(server)
+        assert all(torch.equal(_bits(held[n]), _bits(pushed[n])) for n in pushed)
         await adapter.resume(tags=["kv_cache"])
 
         after = await generate(prompts[0], greedy)
-        assert after.extra_fields["global_steps"] == 2
-        assert after.extra_fields["policy_versions"] == [2] * len(after.token_ids)
+        assert after.extra_fields["global_steps"] == 3
+        assert after.extra_fields["policy_versions"] == [3] * len(after.token_ids)
         return after, pushed
 
     ray.init(include_dashboard=False, num_cpus=2, log_to_driver=False)

@@ -210,7 +210,7 @@ class EngineServer:
         if not self.free_cache_engine or self.rollout_mode == RolloutMode.STANDALONE:
             return
         level = 2 if self.rollout_mode == RolloutMode.HYBRID else 1
-        await self.engine.call(lambda e: None if e.is_sleeping else e.sleep(level))
+        await self.engine.call(lambda e: e.sleep(level))  # a no-op if what it frees is freed already
 
     async def wake_up(self, tags: list[str] | None = None) -> None:
         """Bring back what `sleep` freed (`tags`: "weights" and/or "kv_cache"; default both); the prefix cache
@@ -226,7 +226,7 @@ class EngineServer:
     async def release_kv_cache(self) -> None:
         """Free the KV cache only (the weights stay on the device) for the length of a weight sync."""
         if self.free_cache_engine and self.rollout_mode != RolloutMode.COLOCATED:
-            await self.engine.call(lambda e: None if e.is_sleeping else e.sleep(1))
+            await self.engine.call(lambda e: e.sleep(1))
 
     async def resume_kv_cache(self) -> None:
         if self.free_cache_engine and self.rollout_mode != RolloutMode.COLOCATED:
