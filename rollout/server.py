@@ -614,6 +614,34 @@ class _Server:
                 choice.prompt_token_ids = prompt_ids
         return choice, offset
 
+    async def _open(self, request: Request, rid: str, streams: "_Streams", start, release) -> Any:
+        """Await `start` (the streams' first outputs, prompt scoring) unless the client leaves; on any failure the
+        streams are closed, the admission released and the error raised as its HTTP error."""
+        try:
+            return await self.until_disconnect(request, rid, start)
+        except BaseException as e:
+            await streams.close()
+            release()
+            raise _engine_error(e) from None
+
+    @staticmethod
+    def _event_stream(body: AsyncIterator[bytes], rid: str, streams: "_Streams", release) -> "_EventStream":
+        """The server-sent events of `body`, then [DONE]; an error once the response has started becomes an
+        event; the streams are closed and the admission released however the stream ends."""
+        async def events():
+            try:
+                async for event in body:
+                    yield event
+            except Exception as e:  # noqa: BLE001 (the response has started: the error becomes an event)
+                yield _stream_error(e)
+            yield _DONE
+
+        async def cleanup():
+            await streams.close()
+            release()
+
+        return _EventStream(events(), rid, cleanup)
+
     async def _stream_completions(self, request, req, rid, texts, prompts, params, score_top, release) -> Response:
         streams = _Streams(self.engine, [(ids, params, f"{rid}-{i}") for i, ids in enumerate(prompts)])
 
@@ -624,12 +652,7 @@ class _Server:
             await streams.first()
             return scores
 
-        try:
-            scores = await self.until_disconnect(request, rid, start())
-        except BaseException as e:
-            await streams.close()
-            release()
-            raise _engine_error(e) from None
+        scores = await self._open(request, rid, streams, start(), release)
 
         async def events():
             created, n = int(time.time()), req.n
@@ -637,31 +660,23 @@ class _Server:
             offsets: dict[int, int] = {}
             completion_tokens = 0
             cached = [0] * len(prompts)
-            try:
-                async for i, out in streams:
-                    cached[i] = out.num_cached_prompt_tokens
-                    for c in out.outputs:
-                        index = i * n + c.index
-                        first = index not in started
-                        started.add(index)
-                        completion_tokens += len(c.token_ids)
-                        choice, offsets[index] = self._completion_choice(
-                            req, index, c, texts[i], prompts[i], scores[i], first, offsets.get(index, 0))
-                        yield _event(P.CompletionResponse(id=rid, created=created, model=self.served_model_name,
-                                                          choices=[choice]))
-                if req.stream_options is not None and req.stream_options.include_usage:
+            async for i, out in streams:
+                cached[i] = out.num_cached_prompt_tokens
+                for c in out.outputs:
+                    index = i * n + c.index
+                    first = index not in started
+                    started.add(index)
+                    completion_tokens += len(c.token_ids)
+                    choice, offsets[index] = self._completion_choice(
+                        req, index, c, texts[i], prompts[i], scores[i], first, offsets.get(index, 0))
                     yield _event(P.CompletionResponse(id=rid, created=created, model=self.served_model_name,
-                                                      choices=[], usage=_usage(sum(map(len, prompts)),
-                                                                               completion_tokens, sum(cached))))
-            except Exception as e:  # noqa: BLE001 (the response has started: the error becomes an event)
-                yield _stream_error(e)
-            yield _DONE
+                                                      choices=[choice]))
+            if req.stream_options is not None and req.stream_options.include_usage:
+                yield _event(P.CompletionResponse(id=rid, created=created, model=self.served_model_name,
+                                                  choices=[], usage=_usage(sum(map(len, prompts)),
+                                                                           completion_tokens, sum(cached))))
 
-        async def cleanup():
-            await streams.close()
-            release()
-
-        return _EventStream(events(), rid, cleanup)
+        return self._event_stream(events(), rid, streams, release)
 
     async def chat_completions(self, request: Request) -> Response:
         req: P.ChatCompletionRequest = await self.parse(request, P.ChatCompletionRequest)
@@ -737,12 +752,7 @@ class _Server:
             await streams.first()
             return score
 
-        try:
-            score = await self.until_disconnect(request, rid, start())
-        except BaseException as e:
-            await streams.close()
-            release()
-            raise _engine_error(e) from None
+        score = await self._open(request, rid, streams, start(), release)
         first_extras = {"prompt_token_ids": ids if req.return_token_ids else None,
                         "prompt_logprobs": None if score is None else self.prompt_logprobs(ids, score,
                                                                                            req.prompt_logprobs)}
@@ -757,56 +767,48 @@ class _Server:
             streamers = {}
             num_calls = [0] * req.n
             completion_tokens = cached = 0
-            try:
-                for j in range(req.n):  # the role first, as OpenAI streams it
-                    yield chunk(P.ChatStreamChoice(index=j, delta=P.ChatDelta(role="assistant", content="")),
-                                **(first_extras if j == 0 else {}))
-                async for _, out in streams:
-                    cached = out.num_cached_prompt_tokens
-                    for c in out.outputs:
-                        j = c.index
-                        completion_tokens += len(c.token_ids)
-                        if parse_tools:
-                            streamer = streamers.get(j)
-                            if streamer is None:
-                                streamer = streamers[j] = self.tool_parser.streamer()
-                            pieces = streamer.feed(c.text or "") + (streamer.finish() if c.finished else [])
-                        else:
-                            pieces = [("content", c.text)] if c.text else []
-                        content = "".join(p for kind, p in pieces if kind == "content")
-                        calls = []
-                        for kind, tc in pieces:
-                            if kind == "tool_call":
-                                calls.append(P.ToolCallDelta(index=num_calls[j], id=tc.id,
-                                                             function=P.FunctionCallOut(name=tc.name,
-                                                                                        arguments=tc.arguments)))
-                                num_calls[j] += 1
-                        finish = None
-                        if c.finished:
-                            finish = "tool_calls" if num_calls[j] and c.finish_reason == "stop" else c.finish_reason
-                        choice = P.ChatStreamChoice(
-                            index=j, delta=P.ChatDelta(content=content or None, tool_calls=calls or None),
-                            finish_reason=finish, stop_reason=c.stop_reason if c.finished else None,
-                            logprobs=self.chat_logprobs(c, num_top, req.return_tokens_as_token_ids)
-                            if req.logprobs else None,
-                            policy_versions=c.policy_versions,
-                            spec_decode_stats=c.spec_decode_stats if c.finished else None)
-                        if req.return_token_ids:
-                            choice.token_ids = c.token_ids
-                        yield chunk(choice)
-                if req.stream_options is not None and req.stream_options.include_usage:
-                    yield _event(P.ChatCompletionChunk(
-                        id=rid, created=created, model=self.served_model_name, choices=[],
-                        usage=_usage(len(ids), completion_tokens, cached)))
-            except Exception as e:  # noqa: BLE001 (the response has started: the error becomes an event)
-                yield _stream_error(e)
-            yield _DONE
+            for j in range(req.n):  # the role first, as OpenAI streams it
+                yield chunk(P.ChatStreamChoice(index=j, delta=P.ChatDelta(role="assistant", content="")),
+                            **(first_extras if j == 0 else {}))
+            async for _, out in streams:
+                cached = out.num_cached_prompt_tokens
+                for c in out.outputs:
+                    j = c.index
+                    completion_tokens += len(c.token_ids)
+                    if parse_tools:
+                        streamer = streamers.get(j)
+                        if streamer is None:
+                            streamer = streamers[j] = self.tool_parser.streamer()
+                        pieces = streamer.feed(c.text or "") + (streamer.finish() if c.finished else [])
+                    else:
+                        pieces = [("content", c.text)] if c.text else []
+                    content = "".join(p for kind, p in pieces if kind == "content")
+                    calls = []
+                    for kind, tc in pieces:
+                        if kind == "tool_call":
+                            calls.append(P.ToolCallDelta(index=num_calls[j], id=tc.id,
+                                                         function=P.FunctionCallOut(name=tc.name,
+                                                                                    arguments=tc.arguments)))
+                            num_calls[j] += 1
+                    finish = None
+                    if c.finished:
+                        finish = "tool_calls" if num_calls[j] and c.finish_reason == "stop" else c.finish_reason
+                    choice = P.ChatStreamChoice(
+                        index=j, delta=P.ChatDelta(content=content or None, tool_calls=calls or None),
+                        finish_reason=finish, stop_reason=c.stop_reason if c.finished else None,
+                        logprobs=self.chat_logprobs(c, num_top, req.return_tokens_as_token_ids)
+                        if req.logprobs else None,
+                        policy_versions=c.policy_versions,
+                        spec_decode_stats=c.spec_decode_stats if c.finished else None)
+                    if req.return_token_ids:
+                        choice.token_ids = c.token_ids
+                    yield chunk(choice)
+            if req.stream_options is not None and req.stream_options.include_usage:
+                yield _event(P.ChatCompletionChunk(
+                    id=rid, created=created, model=self.served_model_name, choices=[],
+                    usage=_usage(len(ids), completion_tokens, cached)))
 
-        async def cleanup():
-            await streams.close()
-            release()
-
-        return _EventStream(events(), rid, cleanup)
+        return self._event_stream(events(), rid, streams, release)
 
     async def generate(self, request: Request) -> Response:
         req: P.GenerateRequest = await self.parse(request, P.GenerateRequest)
@@ -881,12 +883,7 @@ class _Server:
         """SGLang's stream: after every step that gave tokens, the result so far (cumulative, as SGLang streams
         by default), a list of one result per sample when n > 1, then [DONE]."""
         streams = _Streams(self.engine, [(ids, params, rid)])
-        try:
-            await self.until_disconnect(request, rid, streams.first())
-        except BaseException as e:
-            await streams.close()
-            release()
-            raise _engine_error(e) from None
+        await self._open(request, rid, streams, streams.first(), release)
         n = params.n
         text = "" if self.tokenizer is not None else None
 
@@ -894,20 +891,12 @@ class _Server:
             so_far = RequestOutput(request_id=rid, prompt=None, prompt_token_ids=ids, outputs=[
                 CompletionOutput(index=j, token_ids=[], logprobs=None, finish_reason=None, policy_versions=[],
                                  text=text) for j in range(n)])
-            try:
-                async for _, out in streams:
-                    so_far.add(out)
-                    results = self.sglang_result(so_far, req)
-                    yield _event(results if n > 1 else results[0])
-            except Exception as e:  # noqa: BLE001 (the response has started: the error becomes an event)
-                yield _stream_error(e)
-            yield _DONE
+            async for _, out in streams:
+                so_far.add(out)
+                results = self.sglang_result(so_far, req)
+                yield _event(results if n > 1 else results[0])
 
-        async def cleanup():
-            await streams.close()
-            release()
-
-        return _EventStream(events(), rid, cleanup)
+        return self._event_stream(events(), rid, streams, release)
 
     # ---- control endpoints --------------------------------------------------------------------------------------
     async def abort(self, request: Request) -> Response:
