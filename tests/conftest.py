@@ -154,3 +154,17 @@ def perturbed_checkpoint(src: Path, dst: Path, seed: int) -> Path:
     g = torch.Generator().manual_seed(seed)
     save_file({k: v + 0.05 * torch.randn(v.shape, generator=g) for k, v in weights.items()}, dst / "model.safetensors")
     return dst
+
+
+def replace_sampled_tokens(engine, token_of) -> None:
+    """Make `engine` report `token_of(req_id)` as each sample's next token: the model runs as usual and the
+    tokens its runner reports are replaced (sync steps reach `collect` through `runner.execute`, async ones
+    directly), so a random model "writes" a chosen completion."""
+    real = engine.runner.collect
+
+    def collect(handle):
+        out = real(handle)
+        out.sampled_token_ids = [[token_of(rid)] for rid in out.req_ids]
+        return out
+
+    engine.runner.collect = collect

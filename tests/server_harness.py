@@ -9,6 +9,7 @@ import threading
 import time
 from pathlib import Path
 
+from conftest import replace_sampled_tokens
 from rollout.async_engine import AsyncEngine
 from rollout.server import bind, build_app, uvicorn_server
 from rollout.server_config import ServerConfig
@@ -110,22 +111,14 @@ class LiveServer:
 
 class ScriptedTokens:
     """Makes `engine` (an `Engine`) report `tokens[k]` as the k-th token of every sample, then `tokens[-1]`
-    forever: the model runs as usual, and the tokens its runner reports are replaced (as
-    tests/test_output_processor.py does), so a random model "writes" a chosen completion."""
+    forever (`conftest.replace_sampled_tokens`)."""
 
     def __init__(self, engine, tokens: list[int]) -> None:
         from collections import Counter
 
         self.tokens = tokens
         self._next: Counter = Counter()
-        real = engine.runner.collect
-
-        def collect(handle):
-            out = real(handle)
-            out.sampled_token_ids = [[self._token(rid)] for rid in out.req_ids]
-            return out
-
-        engine.runner.collect = collect  # sync steps reach it through runner.execute, async ones directly
+        replace_sampled_tokens(engine, self._token)
 
     def _token(self, req_id: str) -> int:
         k = self._next[req_id]

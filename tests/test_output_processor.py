@@ -17,6 +17,7 @@ from collections import Counter
 
 import pytest
 
+from conftest import replace_sampled_tokens
 from rollout import AsyncEngine, Engine, EngineConfig, RequestOutputKind, SamplingParams
 from rollout.detokenizer import IncrementalDetokenizer
 from rollout.outputs import RequestOutput
@@ -58,14 +59,7 @@ class Script:
         self.default: list[list[int]] = []
         self._next: Counter = Counter()
         self._filler = engine.tokenizer.encode(".")[0]
-        real = engine.runner.collect
-
-        def collect(handle):
-            out = real(handle)
-            out.sampled_token_ids = [[self._token(rid)] for rid in out.req_ids]
-            return out
-
-        engine.runner.collect = collect  # sync steps reach it through runner.execute, async ones directly
+        replace_sampled_tokens(engine, self._token)
 
     def _token(self, req_id: str) -> int:
         j = int(req_id.rsplit("-", 1)[1])
