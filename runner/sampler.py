@@ -18,9 +18,9 @@ class Sampler:
 
     On CUDA, steps whose rows use no top-k / top-p / min-p (the caller knows, from the host-side
     parameters, and says so in `sampling.uses`) take the split-vocabulary kernel, which fills the GPU even
-    at batch 1; other steps take the one-pass kernel. In deterministic mode a row without truncation always gets the split-vocabulary
-    kernel's token and logprob, whatever else is in its batch: that is the reduction the trainer side
-    reproduces bitwise (`kernels.sampling.token_logprobs`)."""
+    at batch 1; other steps take the one-pass kernel. In deterministic mode a row without truncation always
+    gets the split-vocabulary kernel's token and logprob, whatever else is in its batch: that is the
+    reduction the trainer side reproduces bitwise (`kernels.sampling.token_logprobs`)."""
 
     def __init__(self, device: torch.device, deterministic: bool = False) -> None:
         self._fn = sample_ref
