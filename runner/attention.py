@@ -24,6 +24,16 @@ class AttentionMetadata:
     deterministic: bool = False
     plan: AttentionPlan | None = None  # CPU path: blocks to read and masks, built by the first layer
 
+    @classmethod
+    def one_sequence(cls, num_query: int, seq_len: int, block_table: torch.Tensor, slot_mapping: torch.Tensor,
+                     deterministic: bool) -> "AttentionMetadata":
+        """One sequence whose last `num_query` of `seq_len` tokens are the query (block_table [1, blocks])."""
+        dev = block_table.device
+        return cls(query_start_loc=torch.tensor([0, num_query], dtype=torch.int32, device=dev),
+                   seq_lens=torch.tensor([seq_len], dtype=torch.int32, device=dev), block_tables=block_table,
+                   slot_mapping=slot_mapping, max_query_len=num_query, max_seq_len=seq_len,
+                   deterministic=deterministic)
+
 
 class AttentionBackend:
     """Stores new K/V into the paged cache and attends over it. CPU: torch reference; CUDA: Triton."""

@@ -532,15 +532,8 @@ class ModelRunner:
         assert num_blocks <= self.num_kv_blocks
         dev = self.device
         block_table = torch.arange(num_blocks, dtype=torch.int32, device=dev)[None, :]
-        meta = AttentionMetadata(
-            query_start_loc=torch.tensor([0, n], dtype=torch.int32, device=dev),
-            seq_lens=torch.tensor([n], dtype=torch.int32, device=dev),
-            block_tables=block_table,
-            slot_mapping=torch.arange(n, dtype=torch.int64, device=dev),
-            max_query_len=n,
-            max_seq_len=n,
-            deterministic=self.config.deterministic,
-        )
+        meta = AttentionMetadata.one_sequence(n, n, block_table, torch.arange(n, dtype=torch.int64, device=dev),
+                                              self.config.deterministic)
         with torch.inference_mode():
             ids = torch.tensor(token_ids, dtype=torch.int64, device=dev)
             hidden = self.model(ids, torch.arange(n, device=dev), meta)

@@ -39,15 +39,7 @@ def prompt_logprobs(runner, token_ids: list[int], block_ids: list[int], num_top:
         for start in range(0, n - 1, token_chunk):
             end = min(start + token_chunk, n - 1)
             q = end - start
-            meta = AttentionMetadata(
-                query_start_loc=torch.tensor([0, q], dtype=torch.int32, device=dev),
-                seq_lens=torch.tensor([end], dtype=torch.int32, device=dev),
-                block_tables=table,
-                slot_mapping=slots[start:end],
-                max_query_len=q,
-                max_seq_len=end,
-                deterministic=runner.config.deterministic,
-            )
+            meta = AttentionMetadata.one_sequence(q, end, table, slots[start:end], runner.config.deterministic)
             hidden = runner.model(ids[start:end], pos[start:end], meta)  # [q, H]
             for lo in range(0, q, logit_chunk):
                 hi = min(lo + logit_chunk, q)
