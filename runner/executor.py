@@ -5,7 +5,7 @@
     executor.collective_rpc(method, *args) -> [result of rank 0, rank 1, ...]
                                           any other call, on every rank: `method` names a ModelRunner
                                           method or attribute path ("allocate_kv_cache",
-                                          "weight_sync.apply"), or "package.module:function", which is
+                                          "weight_sync.prepare"), or "package.module:function", which is
                                           called as function(runner, *args)
     executor.driver                       rank 0's ModelRunner (its device, weights, graphs, ...)
 

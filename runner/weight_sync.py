@@ -6,9 +6,10 @@ a tensor-parallel engine gets every record, and each writes its own shard throug
 records in the rank's own coordinates (each rank maps its own bucket, see
 weight_updates/transports/rank_local.py). Each receiver caches checksums in its own coordinates, so an
 update through one drops the other's cache, and both follow the engine's policy version, which the
-caller passes in. A full-coordinate update can also be staged (`prepare` -> `commit` -> `publish`, or
-`rollback`), one collective RPC per step, so that a tensor-parallel engine's update is undone on every
-rank when any rank (or any other engine of a pool) fails. Not here: moving records between processes, the
+caller passes in. A full-coordinate update is staged (`prepare` -> `commit` -> `publish`, or `rollback`),
+one collective RPC per step, so that a tensor-parallel engine's update is undone on every rank when any
+rank (or any other engine of a pool) fails; in one process the engine's weight sink uses the "full"
+receiver directly. Not here: moving records between processes, the
 engine's version bump.
 """
 
@@ -46,11 +47,6 @@ class WeightSync:
             if other_path != path:
                 other.invalidate_checksums()
         return receiver
-
-    def apply(self, version: int, records: list, current_version: int) -> "UpdateResult":
-        """Apply Dense / Patch records in full checkpoint coordinates (under TP: called on every rank with the
-        same records; sessions read shards back with collectives, so every rank must run it)."""
-        return self.receiver("full", current_version).apply(version, records)
 
     # A staged update in full coordinates, in the steps the engine drives on every rank (each a collective RPC):
     # prepare (validate, nothing written) -> commit (write, verify) -> publish, or rollback at any point.
