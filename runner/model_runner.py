@@ -69,7 +69,8 @@ class ModelRunner:
         self.block_size = config.block_size
         self.backend = AttentionBackend(self.device)
         self.model = load_model(
-            config.model, model_config, self.dtype, self.device, self.backend, max_model_len, config.deterministic, tp
+            config.model, model_config, self.dtype, self.device, self.backend, max_model_len, config.deterministic, tp,
+            random_seed=config.seed if config.load_format == "dummy" else None,
         )
         self.num_kv_heads = self.model.num_kv_heads  # this rank's
         if tp is None:
