@@ -2,7 +2,7 @@
 
 A sparse block routes each token to `top_k` of `num_experts` experts: router logits from `gate` [E, H], a
 softmax in float32, the top-k (torch.topk order: descending probability), renormalised when
-`norm_topk_prob`; the experts' SiLU MLPs are stacked (`experts.w13` [E, 2I, H] gate|up rows, `experts.w2`
+`norm_topk_prob` (one kernel on CUDA: `kernels.routing`); the experts' SiLU MLPs are stacked (`experts.w13` [E, 2I, H] gate|up rows, `experts.w2`
 [E, H, I]) and run by one fused kernel (`kernels.moe.fused_moe` on CUDA, `kernels.moe_ref.fused_moe_ref`
 otherwise and for gradients). Qwen2-MoE adds a dense shared expert scaled by sigmoid(`shared_expert_gate`).
 Which layers are sparse follows transformers: layer i unless i is in `mlp_only_layers`, and only when
@@ -30,6 +30,7 @@ import torch
 from torch import nn
 
 from kernels.moe_ref import fused_moe_ref
+from kernels.routing_ref import routing_weights_ref, topk_ids_ref
 from runner.deterministic import kernel_forward
 from runner.layers import Linear
 from runner.model_config import ModelConfig
@@ -126,27 +127,41 @@ class SparseMoeBlock(nn.Module):
     def set_deterministic(self, deterministic: bool) -> None:
         self.deterministic = deterministic
 
-    def route(self, x: torch.Tensor, lead: tuple[int, ...]) -> tuple[torch.Tensor, torch.Tensor]:
-        """x [N, H] -> (weights [N, k] float32, expert ids [N, k] int64): the router's top-k, or the replayed
-        experts (positions t < T' of each row) with their probabilities under this router."""
-        probs = torch.softmax(self.gate(x).float(), dim=-1)  # [N, E]
-        ids = torch.topk(probs, self.top_k, dim=-1).indices
-        if self.replay is not None:
-            replay = self.replay
-            ids = ids.view(*lead, self.top_k).clone()
-            ids[:, : replay.shape[1]] = replay.to(ids.device, torch.int64)
-            ids = ids.view(-1, self.top_k)
-        weights = probs.gather(-1, ids)
-        if self.norm_topk_prob:
-            weights = weights / weights.sum(dim=-1, keepdim=True)
-        return weights, ids
+    def route(self, x: torch.Tensor, lead: tuple[int, ...], meta: AttentionMetadata | None = None):
+        """x [N, H] -> (weights [N, k] float32, expert ids [N, k]): the router's top-k, or the replayed
+        experts (positions t < T' of each row) with their probabilities under this router. A paged forward
+        with a routing store bound also records the ids at each token's KV slot."""
+        logits = self.gate(x)  # [N, E] model dtype
+        k, norm = self.top_k, self.norm_topk_prob
+        record = meta is not None and self.store is not None
+        if logits.is_cuda and (self.deterministic or not torch.is_grad_enabled()):
+            from kernels.routing import route_topk
+
+            kw = dict(store=self.store, slots=meta.slot_mapping, layer=self.moe_index) if record else {}
+            if self.replay is None and not (torch.is_grad_enabled() and logits.requires_grad):
+                return route_topk(logits, k, norm, **kw)  # the engine: one kernel
+            with torch.no_grad():
+                ids = self._with_replay(route_topk(logits, k, norm, **kw)[1], lead)
+            weights = kernel_forward(lambda lg: route_topk(lg, k, norm, ids=ids)[0],
+                                     lambda lg: routing_weights_ref(lg, ids, norm), logits)
+            return weights, ids
+        ids = self._with_replay(topk_ids_ref(logits, k), lead)
+        if record:
+            self.store[meta.slot_mapping, self.moe_index] = ids.to(torch.int32)  # padding (slot -1): the spare row
+        return routing_weights_ref(logits, ids, norm), ids
+
+    def _with_replay(self, ids: torch.Tensor, lead: tuple[int, ...]) -> torch.Tensor:
+        """ids [N, k] with the replayed experts in place at positions t < T' of each row (dense forward)."""
+        if self.replay is None:
+            return ids
+        ids = ids.view(*lead, self.top_k).clone()
+        ids[:, : self.replay.shape[1]] = self.replay.to(ids.device, ids.dtype)
+        return ids.view(-1, self.top_k)
 
     def forward(self, hidden: torch.Tensor, meta: AttentionMetadata | None = None) -> torch.Tensor:
         lead = tuple(hidden.shape[:-1])
         x = hidden.reshape(-1, hidden.shape[-1])
-        weights, ids = self.route(x, lead)
-        if meta is not None and self.store is not None:
-            self.store[meta.slot_mapping, self.moe_index] = ids.to(torch.int32)  # padding (slot -1): the spare row
+        weights, ids = self.route(x, lead, meta)
         w13, w2, det = self.experts.w13, self.experts.w2, self.deterministic
 
         def reference(a, b, c, w):
