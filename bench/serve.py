@@ -130,6 +130,8 @@ def in_process(config: dict, jobs: dict, args) -> dict:
 
     try:
         asyncio.run(main())
+        results["engine"] = {"num_kv_blocks": engine.engine.num_kv_blocks,
+                             "num_preemptions": engine.engine.scheduler.stats.num_preemptions}
     finally:
         engine.close()
     return results
@@ -187,6 +189,8 @@ def over_http(config_path: Path, jobs: dict, args) -> dict:
                     results[name] = await run_clients(args.clients, list(enumerate(jobs[name])), call)
 
         asyncio.run(main())
+        info = httpx.get(url + "/server_info", timeout=10).json()
+        results["engine"] = {k: info[k] for k in ("num_kv_blocks", "num_preemptions")}
         return results
     finally:
         server.terminate()
@@ -245,6 +249,7 @@ def main() -> None:
             torch.cuda.empty_cache()  # the server process sizes its KV cache from the free memory
         measured["http"] = over_http(config_path, jobs, args)
         for system, results in measured.items():
+            emit(kind="serve_engine", system=system, **results.pop("engine"), **common)
             for workload_name, (tokens, seconds, latencies) in results.items():
                 latencies.sort()
                 emit(kind="serve", system=system, workload=workload_name, tokens_per_s=round(tokens / seconds, 1),

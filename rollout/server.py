@@ -965,7 +965,8 @@ class _Server:
             "max_num_seqs": eng.config.max_num_seqs, "dtype": str(eng.config.dtype),
             "tp_size": eng.config.tensor_parallel_size, "dp_size": 1, "pp_size": 1, "ep_size": 1,
             "host": self.config.host, "port": self.config.port, "block_size": eng.config.block_size,
-            "num_kv_blocks": eng.num_kv_blocks, "is_paused": self.paused,
+            "num_kv_blocks": eng.num_kv_blocks, "num_preemptions": eng.scheduler.stats.num_preemptions,
+            "is_paused": self.paused,
             "weight_update_groups": sorted(self.groups), "max_n": self.config.max_n,
             "max_pending_requests": self.config.max_pending_requests}), media_type="application/json")
 
