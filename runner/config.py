@@ -54,3 +54,4 @@ class RunnerConfig:
     tp_sampling: str = "sharded"
     deterministic: bool = False
     speculative: SpeculativeConfig | None = None
+    enable_return_routed_experts: bool = True

@@ -1,0 +1,290 @@
+"""Routing replay (R3) plumbing: `SamplingParams(return_routed_experts=True)` gives each completion the experts
+of its P + L - 1 input positions, the server sends them base64-encoded, and the trainer bridge hands them to the
+trainer's forward.
+
+Until a MoE model exists, a probe model stands in for one: a Llama (registered under its own architecture) that
+declares `routed_experts_shape` and whose forward writes a known function of (token id, position, layer) into
+the bound routing store, row `slot_mapping[t]`, as a MoE layer writes its top-k expert ids. Every reported row
+must therefore equal that function of the token at its position in the final sequence: a row reported from
+the wrong slot, a stale row, a rejected draft's row or a missing one is caught.
+"""
+
+from __future__ import annotations
+
+import base64
+
+import numpy as np
+import pytest
+import torch
+
+from rollout import Engine, EngineConfig, SamplingParams
+from rollout.config import SpeculativeConfig
+from runner.models import ModelRegistry
+from runner.models.llama import DecoderForCausalLM
+from runner.testing import write_random_checkpoint
+
+ARCH = "RoutingProbeForCausalLM"
+TOP_K = 3
+
+
+def probe_experts(token_ids, positions, num_layers: int) -> np.ndarray:
+    """int32 [T, num_layers, TOP_K]: what the probe's layer l "routes" the token at a position to."""
+    t = np.asarray(token_ids, dtype=np.int64)[:, None, None]
+    p = np.asarray(positions, dtype=np.int64)[:, None, None]
+    layer = np.arange(num_layers)[None, :, None]
+    j = np.arange(TOP_K)[None, None, :]
+    return ((t * 7919 + p * 104729 + layer * 31 + j * 1009) % 100_003).astype(np.int32)
+
+
+class RoutingProbe(DecoderForCausalLM):
+    """A Llama that writes `probe_experts` into the bound routing store on every paged forward (rows of padding
+    tokens, slot -1, skipped) and records the `routed_experts` its dense forward gets."""
+
+    def __init__(self, cfg, backend=None, tp=None) -> None:
+        super().__init__(cfg, backend, tp)
+        self.routed_store = None
+        self.dense_routed = []  # routed_experts of each forward_dense call
+
+    @property
+    def routed_experts_shape(self) -> tuple[int, int]:
+        return (self.config.num_layers, TOP_K)
+
+    def bind_routed_experts(self, store) -> None:
+        self.routed_store = store
+
+    def forward_with_aux(self, input_ids, positions, meta, aux_layers=()):
+        out = super().forward_with_aux(input_ids, positions, meta, aux_layers)
+        if self.routed_store is not None:
+            keep = meta.slot_mapping >= 0
+            rows = probe_experts(input_ids.cpu().numpy(), positions.cpu().numpy(), self.config.num_layers)
+            self.routed_store[meta.slot_mapping[keep]] = torch.from_numpy(rows).to(self.routed_store.device)[keep]
+        return out
+
+    def forward_dense(self, input_ids, aux_layers=(), routed_experts=None):
+        self.dense_routed.append(routed_experts)
+        return super().forward_dense(input_ids, aux_layers)
+
+
+ModelRegistry.register_model(ARCH, RoutingProbe)
+
+
+@pytest.fixture(scope="module")
+def probe_dir(tmp_path_factory):
+    return write_random_checkpoint(tmp_path_factory.mktemp("probe"), architecture=ARCH, vocab_size=96,
+                                   hidden_size=32, intermediate_size=64, num_attention_heads=4,
+                                   num_key_value_heads=2, max_position_embeddings=256, std=0.3)
+
+
+@pytest.fixture(scope="module")
+def dense_dir(tmp_path_factory):
+    return write_random_checkpoint(tmp_path_factory.mktemp("dense"), vocab_size=96, hidden_size=32,
+                                   intermediate_size=64, num_attention_heads=4, num_key_value_heads=2,
+                                   max_position_embeddings=256)
+
+
+def engine_config(path, **kw) -> EngineConfig:
+    return EngineConfig(**{"model": str(path), "dtype": "float32", "max_num_seqs": 8, "num_kv_blocks": 64,
+                           "block_size": 4, "max_model_len": 128, **kw})
+
+
+def expected(prompt: list[int], completion: list[int], num_layers: int = 2) -> np.ndarray:
+    tokens = list(prompt) + list(completion)
+    return probe_experts(tokens[:-1], np.arange(len(tokens) - 1), num_layers)
+
+
+class Reports:
+    """Every `RunnerOutput.routed_experts` the engine's runner returns, in order: (req_id, start, rows)."""
+
+    def __init__(self, engine) -> None:
+        self.items: list[tuple[str, int, np.ndarray]] = []
+        real = engine.runner.collect
+
+        def collect(handle):
+            out = real(handle)
+            for rid, (start, rows) in (out.routed_experts or {}).items():
+                self.items.append((rid, start, rows.copy()))
+            return out
+
+        engine.runner.collect = collect
+
+    def check(self, prompts, outs) -> dict[str, int]:
+        """Every report is the probe's rows of the final tokens at its positions, and each request's reports
+        run on from the previous one or restart at 0 (a recompute); every completion was reported through
+        position P + L - 2. Returns the restarts per request."""
+        final = {f"{o.request_id}-{c.index}": list(p) + c.token_ids for p, o in zip(prompts, outs) for c in o.outputs}
+        reached, restarts = {}, {}
+        for rid, start, rows in self.items:
+            tokens = final[rid]
+            end = start + rows.shape[0]
+            assert rows.shape[0] > 0 and end <= len(tokens), (rid, start, end, len(tokens))
+            if start != reached.get(rid, 0):
+                assert start == 0, (rid, start, reached.get(rid))
+                restarts[rid] = restarts.get(rid, 0) + 1
+            reached[rid] = end
+            np.testing.assert_array_equal(rows, probe_experts(tokens[start:end], np.arange(start, end), 2))
+        assert {rid: reached.get(rid, 0) >= len(t) - 1 for rid, t in final.items()} == dict.fromkeys(final, True)
+        return restarts
+
+
+PROMPTS = [list(range(3, 3 + 13)), [5, 9, 13, 2, 7], list(range(20, 60))]
+
+
+def asking(**kw) -> SamplingParams:
+    return SamplingParams(return_routed_experts=True, **kw)
+
+
+def check_completions(prompts, outs) -> None:
+    for prompt, out in zip(prompts, outs):
+        for c in out.outputs:
+            assert c.routed_experts.dtype == np.int32
+            assert c.routed_experts.shape == (len(prompt) + len(c.token_ids) - 1, 2, TOP_K)
+            np.testing.assert_array_equal(c.routed_experts, expected(prompt, c.token_ids))
+
+
+def test_every_completion_carries_the_experts_of_its_input_positions(probe_dir):
+    engine = Engine(engine_config(probe_dir))
+    reports = Reports(engine)
+    params = [asking(n=2, max_tokens=9, seed=1, ignore_eos=True), asking(max_tokens=1, seed=2, ignore_eos=True),
+              asking(temperature=0, max_tokens=30, stop_token_ids=list(range(0, 96, 5)))]
+    outs = engine.generate(PROMPTS, params)
+    check_completions(PROMPTS, outs)
+    assert reports.check(PROMPTS, outs) == {}
+    assert {len(c.token_ids) for o in outs for c in o.outputs} >= {9, 1}
+    # the samples of one prompt share its full blocks, and with them those positions' rows
+    a, b = outs[0].outputs
+    np.testing.assert_array_equal(a.routed_experts[: len(PROMPTS[0])], b.routed_experts[: len(PROMPTS[0])])
+
+
+def test_prefix_cache_hits_are_reported_from_the_cached_blocks_on_the_first_step(probe_dir):
+    engine = Engine(engine_config(probe_dir))
+    engine.generate([PROMPTS[2]], asking(max_tokens=4, seed=3, ignore_eos=True))
+    reports = Reports(engine)
+    outs = engine.generate([PROMPTS[2] + [7, 8]], asking(max_tokens=5, seed=4, ignore_eos=True))
+    cached = outs[0].num_cached_prompt_tokens
+    assert cached >= 36  # the whole blocks of the first prompt
+    check_completions([PROMPTS[2] + [7, 8]], outs)
+    reports.check([PROMPTS[2] + [7, 8]], outs)
+    rid, start, rows = reports.items[0]
+    assert start == 0 and rows.shape[0] == len(PROMPTS[2]) + 2  # cached positions and the computed ones at once
+
+
+@pytest.mark.parametrize("kw", [
+    dict(max_num_batched_tokens=8),  # chunked prefill: steps where nothing samples still report
+    dict(num_kv_blocks=16, max_num_seqs=4, max_num_batched_tokens=16),  # preemption by recompute
+    dict(num_kv_blocks=16, max_num_seqs=4, max_num_batched_tokens=12, async_scheduling=True),
+])
+def test_chunked_prefill_preemption_and_async_scheduling_report_every_position(probe_dir, kw):
+    engine = Engine(engine_config(probe_dir, **kw))
+    reports = Reports(engine)
+    params = [asking(n=2, max_tokens=20, seed=1, ignore_eos=True), asking(max_tokens=25, seed=2, ignore_eos=True),
+              asking(max_tokens=20, seed=5, stop_token_ids=list(range(0, 96, 9)))]
+    outs = engine.generate(PROMPTS, params)
+    check_completions(PROMPTS, outs)
+    restarts = reports.check(PROMPTS, outs)
+    preempted = {f"{o.request_id}-{c.index}": c.num_preemptions for o in outs for c in o.outputs if c.num_preemptions}
+    assert restarts == preempted  # each recompute is sent again from position 0, and only then
+    if kw.get("num_kv_blocks"):
+        assert preempted
+    else:  # the long prompt's chunks were reported before it sampled
+        long = f"{outs[2].request_id}-0"
+        assert any(start + len(rows) < len(PROMPTS[2]) for rid, start, rows in reports.items if rid == long)
+
+
+def test_speculative_decoding_reports_only_accepted_positions(probe_dir):
+    engine = Engine(engine_config(probe_dir, num_kv_blocks=128,
+                                  speculative=SpeculativeConfig(method="eagle", num_speculative_tokens=3)))
+    engine.spec_controller.auto_off = False
+    reports = Reports(engine)
+    prompts = PROMPTS * 2
+    outs = engine.generate(prompts, [asking(max_tokens=24, seed=s, ignore_eos=True) for s in range(len(prompts))])
+    hist = engine.spec_decode_stats["acceptance_histogram"]
+    assert hist[0] > 0 and sum(hist[1:]) > 0  # rejected drafts (whose rows must not be sent) and accepted ones
+    check_completions(prompts, outs)
+    assert reports.check(prompts, outs) == {}
+
+
+def test_requests_that_do_not_ask_get_nothing_and_cost_no_gather(probe_dir):
+    engine = Engine(engine_config(probe_dir))
+    calls = []
+    real = engine.runner.routed_launch
+    engine.runner.routed_launch = lambda gather, final=True: calls.append(gather.req_ids) or real(gather, final)
+    reports = Reports(engine)
+    outs = engine.generate(PROMPTS[:2], SamplingParams(max_tokens=5, seed=1, ignore_eos=True))
+    assert all(c.routed_experts is None for o in outs for c in o.outputs)
+    assert not calls and not reports.items
+    outs = engine.generate(PROMPTS[:2], [asking(max_tokens=5, seed=1, ignore_eos=True),
+                                         SamplingParams(max_tokens=5, seed=1, ignore_eos=True)])
+    assert outs[1].outputs[0].routed_experts is None
+    asked = f"{outs[0].request_id}-0"
+    assert calls and all(ids == [asked] for ids in calls) and {rid for rid, _, _ in reports.items} == {asked}
+
+
+def test_dense_model_or_store_off_refuses_the_request(probe_dir, dense_dir):
+    dense = Engine(engine_config(dense_dir))
+    assert dense.routed_experts_shape is None and dense.runner.routed_store is None
+    with pytest.raises(ValueError, match="return_routed_experts: .*dense model"):
+        dense.add_request([1, 2, 3], asking())
+    with pytest.raises(ValueError, match="return_routed_experts: .*dense model"):
+        dense.generate([[1, 2, 3], [4, 5]], [SamplingParams(), asking()])
+    assert not dense.has_unfinished_requests()  # nothing was queued
+    off = Engine(engine_config(probe_dir, enable_return_routed_experts=False))
+    assert off.routed_experts_shape is None and off.runner.routed_store is None
+    with pytest.raises(ValueError, match="return_routed_experts: .*enable_return_routed_experts is False"):
+        off.add_request([1, 2, 3], asking())
+    assert not off.has_unfinished_requests()
+    with pytest.raises(ValueError, match="SamplingParams.return_routed_experts must be a bool"):
+        SamplingParams(return_routed_experts=1)
+
+
+def test_the_store_lives_with_the_kv_cache_and_is_counted_in_its_sizing(probe_dir):
+    on = Engine(engine_config(probe_dir, num_kv_blocks=None, kv_cache_bytes=200_000))
+    off = Engine(engine_config(probe_dir, num_kv_blocks=None, kv_cache_bytes=200_000, enable_return_routed_experts=False))
+    assert on.routed_experts_shape == (2, TOP_K)
+    per_block = on.runner.kv_bytes_per_block()
+    assert per_block - off.runner.kv_bytes_per_block() == 4 * 2 * TOP_K * 4  # block_size rows of int32 [L, k]
+    assert on.num_kv_blocks == 200_000 // per_block < off.num_kv_blocks
+    store = on.runner.routed_store
+    assert store.dtype == torch.int32 and store.shape == (on.num_kv_blocks * 4, 2, TOP_K)
+    assert on.runner.model.routed_store is store
+    on.sleep(1)
+    assert on.runner.routed_store is None and on.runner.model.routed_store is None
+    on.wake_up()
+    store = on.runner.routed_store
+    assert store.shape == (on.num_kv_blocks * 4, 2, TOP_K) and on.runner.model.routed_store is store
+    outs = on.generate(PROMPTS, asking(max_tokens=6, seed=1, ignore_eos=True))
+    check_completions(PROMPTS, outs)
+
+
+def test_cumulative_and_delta_outputs(probe_dir):
+    from rollout import RequestOutput
+    from rollout.sampling_params import RequestOutputKind
+
+    engine = Engine(engine_config(probe_dir, max_num_batched_tokens=8))
+    prompt = PROMPTS[0]
+    engine.add_request(prompt, asking(n=2, max_tokens=6, seed=1, ignore_eos=True), request_id="c")
+    engine.add_request(prompt, asking(n=2, max_tokens=6, seed=1, ignore_eos=True,
+                                      output_kind=RequestOutputKind.DELTA), request_id="d")
+    cumulative, deltas = [], []
+    while engine.has_unfinished_requests():
+        for out in engine.step():
+            (cumulative if out.request_id == "c" else deltas).append(out)
+    waited = False
+    for out in cumulative:  # every cumulative output: the rows so far
+        for c in out.outputs:
+            if c.token_ids:
+                np.testing.assert_array_equal(c.routed_experts, expected(prompt, c.token_ids))
+            else:  # a sample still computing its prompt: the positions computed so far
+                waited = True
+                rows = c.routed_experts
+                assert rows.shape[0] < len(prompt) - 1
+                np.testing.assert_array_equal(rows, expected(prompt, [0])[: rows.shape[0]])
+    assert waited
+    carried = [c.finished for out in deltas for c in out.outputs if c.routed_experts is not None]
+    assert carried == [True, True]  # a delta output carries them in each sample's last delta only
+    folded = RequestOutput(request_id="d", prompt=None, prompt_token_ids=prompt)
+    for out in deltas:
+        folded.add(out)
+    assert len(folded.outputs) == 2 and len(cumulative[-1].outputs) == 2
+    for c, whole in zip(folded.outputs, cumulative[-1].outputs):
+        assert c.token_ids == whole.token_ids
+        np.testing.assert_array_equal(c.routed_experts, whole.routed_experts)
