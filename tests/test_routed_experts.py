@@ -70,14 +70,14 @@ ModelRegistry.register_model(ARCH, RoutingProbe)
 
 @pytest.fixture(scope="module")
 def probe_dir(tmp_path_factory):
-    return write_random_checkpoint(tmp_path_factory.mktemp("probe"), architecture=ARCH, vocab_size=96,
+    return write_random_checkpoint(tmp_path_factory.mktemp("probe"), architecture=ARCH, vocab_size=320,
                                    hidden_size=32, intermediate_size=64, num_attention_heads=4,
                                    num_key_value_heads=2, max_position_embeddings=256, std=0.3)
 
 
 @pytest.fixture(scope="module")
 def dense_dir(tmp_path_factory):
-    return write_random_checkpoint(tmp_path_factory.mktemp("dense"), vocab_size=96, hidden_size=32,
+    return write_random_checkpoint(tmp_path_factory.mktemp("dense"), vocab_size=320, hidden_size=32,
                                    intermediate_size=64, num_attention_heads=4, num_key_value_heads=2,
                                    max_position_embeddings=256)
 
@@ -288,3 +288,174 @@ def test_cumulative_and_delta_outputs(probe_dir):
     for c, whole in zip(folded.outputs, cumulative[-1].outputs):
         assert c.token_ids == whole.token_ids
         np.testing.assert_array_equal(c.routed_experts, whole.routed_experts)
+
+
+# ---- the HTTP server ----------------------------------------------------------------------------------------
+def decoded(b64: str, shape=(-1, 2, TOP_K)) -> np.ndarray:
+    """What a client (slime) does with SGLang's `routed_experts`: base64 -> int32 bytes -> [n, L_moe, k]."""
+    return np.frombuffer(base64.b64decode(b64), dtype="<i4").reshape(shape)
+
+
+@pytest.fixture(scope="module")
+def chat_probe_dir(probe_dir, tmp_path_factory):
+    from server_harness import chat_model_dir
+
+    return chat_model_dir(probe_dir, tmp_path_factory.mktemp("probe_chat"), 320)
+
+
+def server_events(client, path: str, body: dict) -> list[dict]:
+    with client.stream("POST", path, json=body) as r:
+        events = [e.removeprefix("data: ") for e in r.read().decode().split("\n\n") if e]
+    assert r.status_code == 200 and events[-1] == "[DONE]", events
+    return [__import__("json").loads(e) for e in events[:-1]]
+
+
+def test_server_sends_routed_experts_base64_as_sglang_and_openai_extensions(chat_probe_dir):
+    httpx = pytest.importorskip("httpx")
+    from rollout import AsyncEngine
+    from server_harness import LiveServer
+
+    prompt = PROMPTS[0]
+    sampling = {"max_new_tokens": 6, "n": 2, "sampling_seed": 3, "ignore_eos": True}
+    with LiveServer(AsyncEngine(engine_config(chat_probe_dir))) as srv, \
+            httpx.Client(base_url=srv.url, timeout=60) as client:
+        r = client.post("/generate", json={"input_ids": prompt, "return_routed_experts": True, "sampling_params": sampling})
+        assert r.status_code == 200, r.text
+        for result in r.json():
+            np.testing.assert_array_equal(decoded(result["meta_info"]["routed_experts"]),
+                                          expected(prompt, result["output_ids"]))
+        r = client.post("/generate", json={"input_ids": prompt, "sampling_params": sampling})
+        assert all("routed_experts" not in result["meta_info"] for result in r.json())
+        # streamed: the last result carries them, the earlier ones do not
+        chunks = server_events(client, "/generate", {"input_ids": prompt, "stream": True, "return_routed_experts": True,
+                                                     "sampling_params": {**sampling, "n": 1}})
+        assert len(chunks) > 2 and ["routed_experts" in c["meta_info"] for c in chunks] == [False] * (len(chunks) - 1) + [True]
+        np.testing.assert_array_equal(decoded(chunks[-1]["meta_info"]["routed_experts"]),
+                                      expected(prompt, chunks[-1]["output_ids"]))
+
+        # OpenAI completions: each choice's routed_experts and routed_experts_shape (streamed: its last chunk)
+        body = {"prompt": prompt, "max_tokens": 5, "n": 2, "seed": 1, "ignore_eos": True, "return_token_ids": True,
+                "return_routed_experts": True}
+        choices = client.post("/v1/completions", json=body).json()["choices"]
+        assert len(choices) == 2
+        for choice in choices:
+            assert choice["routed_experts_shape"] == [len(prompt) + 5 - 1, 2, TOP_K]
+            np.testing.assert_array_equal(decoded(choice["routed_experts"], choice["routed_experts_shape"]),
+                                          expected(prompt, choice["token_ids"]))
+        plain = client.post("/v1/completions", json={**body, "return_routed_experts": False}).json()["choices"]
+        assert all("routed_experts" not in c and "routed_experts_shape" not in c for c in plain)
+        chunks = server_events(client, "/v1/completions", {**body, "n": 1, "stream": True})
+        carrying = [c["choices"][0] for c in chunks if "routed_experts" in c["choices"][0]]
+        assert len(carrying) == 1 and carrying[0]["finish_reason"] == "length"
+        tokens = [t for c in chunks for t in c["choices"][0]["token_ids"]]
+        np.testing.assert_array_equal(decoded(carrying[0]["routed_experts"], carrying[0]["routed_experts_shape"]),
+                                      expected(prompt, tokens))
+
+        # OpenAI chat: the rendered prompt's positions first
+        messages = [{"role": "user", "content": "what is the weather in Paris today?"}]
+        body = {"messages": messages, "max_tokens": 4, "seed": 2, "ignore_eos": True, "return_token_ids": True,
+                "return_routed_experts": True}
+        response = client.post("/v1/chat/completions", json=body).json()
+        (choice,) = response["choices"]
+        np.testing.assert_array_equal(decoded(choice["routed_experts"], choice["routed_experts_shape"]),
+                                      expected(response["prompt_token_ids"], choice["token_ids"]))
+        chunks = server_events(client, "/v1/chat/completions", {**body, "stream": True})
+        carrying = [c["choices"][0] for c in chunks if c["choices"] and "routed_experts" in c["choices"][0]]
+        assert len(carrying) == 1 and carrying[0]["finish_reason"] == "length"
+        np.testing.assert_array_equal(decoded(carrying[0]["routed_experts"], carrying[0]["routed_experts_shape"]),
+                                      decoded(choice["routed_experts"], choice["routed_experts_shape"]))
+
+        # refused like any other bad field: 400 in OpenAI's shape, naming the field
+        for path, bad in [("/generate", {"input_ids": prompt, "return_routed_experts": "yes"}),
+                          ("/v1/completions", {"prompt": prompt, "return_routed_experts": 1}),
+                          ("/v1/completions", {"prompt": prompt, "echo": True, "max_tokens": 0,
+                                               "return_routed_experts": True})]:
+            r = client.post(path, json=bad)
+            assert r.status_code == 400 and r.json()["error"]["param"] == "return_routed_experts", r.text
+            assert "return_routed_experts" in r.json()["error"]["message"]
+
+
+def test_server_of_a_dense_model_refuses_return_routed_experts(dense_dir):
+    httpx = pytest.importorskip("httpx")
+    from rollout import AsyncEngine
+    from server_harness import LiveServer
+
+    with LiveServer(AsyncEngine(engine_config(dense_dir))) as srv, httpx.Client(base_url=srv.url, timeout=60) as client:
+        for path, body in [("/generate", {"input_ids": [1, 2, 3], "return_routed_experts": True}),
+                           ("/v1/completions", {"prompt": [1, 2, 3], "return_routed_experts": True})]:
+            r = client.post(path, json=body)
+            error = r.json()["error"]
+            assert r.status_code == 400 and error["type"] == "invalid_request_error", r.text
+            assert error["param"] == "return_routed_experts" and "dense model" in error["message"]
+        r = client.post("/generate", json={"input_ids": [1, 2, 3], "sampling_params": {"max_new_tokens": 2}})
+        assert r.status_code == 200 and len(r.json()["output_ids"]) == 2
+
+
+# ---- the trainer bridge ------------------------------------------------------------------------------------
+def test_bridge_batches_carry_the_experts_aligned_and_padded_and_the_losses_replay_them(probe_dir):
+    from trainer_bridge import TrainerBridge, TrainingModel, grpo, ppo
+    from trainer_bridge.config import RLConfig
+
+    engine = Engine(engine_config(probe_dir))
+    bridge = TrainerBridge(engine)
+    assert bridge.routed_experts  # on by default: the engine's model routes
+    batch = bridge.rollout(PROMPTS, SamplingParams(n=2, max_tokens=6, seed=1, stop_token_ids=list(range(0, 320, 11))))
+    for s in batch.samples:
+        np.testing.assert_array_equal(s.routed_experts, probe_experts(s.token_ids[:-1], np.arange(len(s.token_ids) - 1), 2))
+    padded = batch.padded()
+    b, width = padded.input_ids.shape
+    routed = padded.routed_experts
+    assert routed.dtype == torch.int32 and routed.shape == (b, width - 1, 2, TOP_K)
+    assert min(len(s.token_ids) for s in batch.samples) < width  # some rows are padded
+    for i, s in enumerate(batch.samples):
+        n = len(s.token_ids)
+        assert torch.equal(routed[i, : n - 1], torch.from_numpy(s.routed_experts))
+        assert torch.equal(routed[i, n - 1 :], torch.arange(TOP_K, dtype=torch.int32).expand(width - n, 2, TOP_K))
+
+    policy = TrainingModel.from_pretrained(probe_dir)
+    logp = policy.token_logprobs(padded.input_ids, routed_experts=routed)
+    assert logp.shape == (b, width - 1) and policy.model.dense_routed[-1] is routed
+    for bad, what in [(routed[:, :-1], "shape"), (routed.float(), "dtype"), (routed[..., :2], "top_k")]:
+        with pytest.raises(ValueError, match=r"routed_experts must be an integer tensor \[B, T - 1, num_moe_layers, top_k\]"):
+            policy.token_logprobs(padded.input_ids, routed_experts=bad)
+    # the losses hand them to every forward of the batch
+    rl = RLConfig()
+    policy.model.dense_routed.clear()
+    opt = torch.optim.SGD(policy.parameters(), lr=0.0)
+    grpo.update(policy, None, opt, padded, torch.randn(b), rl, bridge)
+    assert policy.model.dense_routed and all(r is routed for r in policy.model.dense_routed)
+    policy.model.dense_routed.clear()
+    model = ppo.PolicyWithValue(policy)
+    ppo.update(model, torch.optim.SGD(model.parameters(), lr=0.0), padded, torch.randn(b), rl, bridge)
+    assert len(policy.model.dense_routed) == 1 + rl.epochs_per_batch and all(r is routed for r in policy.model.dense_routed)
+
+    off = TrainerBridge(engine, routed_experts=False).rollout(PROMPTS, SamplingParams(max_tokens=3, seed=1))
+    assert all(s.routed_experts is None for s in off.samples) and off.padded().routed_experts is None
+    policy.model.dense_routed.clear()
+    grpo.update(policy, None, opt, off.padded(), torch.randn(len(off.samples)), rl, bridge)
+    assert policy.model.dense_routed == [None]
+
+
+def test_bridge_and_trainer_of_a_dense_model(dense_dir):
+    from trainer_bridge import TrainerBridge, TrainingModel
+
+    engine = Engine(engine_config(dense_dir))
+    assert not TrainerBridge(engine).routed_experts
+    with pytest.raises(ValueError, match="return_routed_experts: .*dense model"):
+        TrainerBridge(engine, routed_experts=True).rollout(PROMPTS, SamplingParams(max_tokens=3))
+    dense = TrainingModel.from_pretrained(dense_dir)
+    ids = torch.tensor([PROMPTS[1]])
+    with pytest.raises(ValueError, match="routed_experts: DecoderForCausalLM has no MoE layers"):
+        dense.token_logprobs(ids, routed_experts=torch.zeros(1, 4, 2, TOP_K, dtype=torch.int32))
+    assert dense.token_logprobs(ids).shape == (1, 4)
+
+
+def store_shape(runner):
+    return None if runner.routed_store is None else list(runner.routed_store.shape)
+
+
+def test_tensor_parallel_engine_reports_from_rank_0s_store(probe_dir, single_thread):
+    with Engine(engine_config(probe_dir, tensor_parallel_size=2)) as engine:
+        assert engine.collective_rpc("test_routed_experts:store_shape") == [[64 * 4, 2, TOP_K], None]
+        outs = engine.generate(PROMPTS, asking(n=2, max_tokens=5, seed=1, ignore_eos=True))
+    check_completions(PROMPTS, outs)
