@@ -186,7 +186,13 @@ class AsyncEngine:
 
     def _run(self) -> None:
         engine = self.engine
-        engine.runner.use_in_this_thread()
+        try:
+            engine.runner.use_in_this_thread()
+        except BaseException as e:
+            logger.exception("the engine thread could not select its device; the AsyncEngine stops")
+            self._error = e
+            self._fail_all(e)
+            return
         while True:
             # wait for work when idle; otherwise take every command that arrived during the last step
             idle = self._paused or not engine.has_unfinished_requests()

@@ -42,6 +42,10 @@ class EngineConfig:
     """"cpu", "cuda" or "cuda:N"."""
     dtype: str = "auto"
     """Compute and weight dtype: float32, bfloat16, float16, or auto (the checkpoint's torch_dtype)."""
+    load_format: str = "safetensors"
+    """"safetensors" reads the checkpoint's weights; "dummy" draws every weight at random on the device
+    instead (seeded by `seed`; the model directory needs only config.json): benchmarks at real sizes
+    without writing tens of GB of random checkpoint."""
     max_model_len: int | None = None
     """Longest prompt + completion, in tokens; defaults to the model's max_position_embeddings capped at 8192."""
     max_num_seqs: int = 256
@@ -94,6 +98,8 @@ class EngineConfig:
             raise ValueError("EngineConfig.model must name a model directory")
         if self.dtype not in _DTYPES:
             raise ValueError(f"EngineConfig.dtype must be one of {_DTYPES}, got {self.dtype!r}")
+        if self.load_format not in ("safetensors", "dummy"):
+            raise ValueError(f"EngineConfig.load_format must be 'safetensors' or 'dummy', got {self.load_format!r}")
         if not (self.device == "cpu" or self.device == "cuda" or self.device.startswith("cuda:")):
             raise ValueError(f"EngineConfig.device must be 'cpu', 'cuda' or 'cuda:N', got {self.device!r}")
         for name in ("max_num_seqs", "max_num_batched_tokens", "block_size", "tensor_parallel_size"):

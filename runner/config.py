@@ -42,6 +42,7 @@ class RunnerConfig:
     model: str  # checkpoint directory
     device: str = "cpu"
     dtype: str = "auto"
+    load_format: str = "safetensors"
     max_num_seqs: int = 256
     max_num_batched_tokens: int = 8192
     block_size: int = 16

@@ -85,12 +85,13 @@ def _read_shard(file: Path, name: str, lazy, slot: CheckpointSlot) -> torch.Tens
 
 def load_model(
     model_dir: str | Path, cfg: ModelConfig, dtype: torch.dtype, device: torch.device, backend, max_position: int,
-    deterministic: bool = False, tp=None,
+    deterministic: bool = False, tp=None, random_seed: int | None = None,
 ) -> CausalLM:
     """Build the registered class of `cfg.architecture` on meta, allocate once on `device` in `dtype`, fill
     from the checkpoint, check completeness.
 
     With `tp` (a `runner.parallel.group.TPGroup`) the model is the rank's shard and only its slices are read.
+    With `random_seed` nothing is read: every checkpoint slot is drawn on `device` (`fill_random`).
     """
     _, model_cls = ModelRegistry.resolve([cfg.architecture])
     with torch.device("meta"):
@@ -98,6 +99,10 @@ def load_model(
     model = model.to(dtype=dtype).to_empty(device=device)
     model.init_rotary(max_position, device)
     weights = CheckpointWeights(model)
+    if random_seed is not None:
+        fill_random(weights, random_seed)
+        model.set_deterministic(deterministic)
+        return model.eval()
     loaded: set[str] = set()
     with torch.no_grad():
         for file, name, lazy in checkpoint_tensors(model_dir, cfg.tie_word_embeddings):
@@ -122,6 +127,18 @@ def load_model(
     model.set_deterministic(deterministic)
     model.eval()
     return model
+
+
+def fill_random(weights: "CheckpointWeights", seed: int, std: float = 0.02) -> None:
+    """Every checkpoint slot of the model drawn on its device: N(0, std^2), norm weights 1 + N(0, 0.01^2).
+    Under tensor parallelism each rank draws its own part (the ranks' parts are not one consistent tensor
+    drawn whole: for benchmarks, where only the shapes matter)."""
+    g = torch.Generator(device=weights.device).manual_seed(seed)
+    with torch.no_grad():
+        for name, slot in weights.layout.items():
+            view = weights.view(name)
+            noise = torch.randn(view.shape, generator=g, device=weights.device, dtype=torch.float32)
+            view.copy_(1.0 + 0.01 * noise if slot.init == "ones" else std * noise)
 
 
 class CheckpointWeights:

@@ -1,7 +1,7 @@
 """Model hyper-parameters read from a Hugging Face `config.json`.
 
 Accepts every architecture registered with `runner.models.ModelRegistry` (the built-in Llama, Mistral,
-Qwen2 and Qwen3 dense families, and any model registered from outside), and keeps the raw dict as
+Qwen2 and Qwen3 dense families, Qwen2-MoE and Qwen3-MoE, and any model registered from outside), and keeps the raw dict as
 `hf_config` for a model class's own keys. The fields here are those every decoder has; the Llama / Qwen
 family rules (q/k/v bias, o_proj bias, q/k norm) follow the built-in architectures, or config.json's
 `model_type` for another registered one. Reads both the transformers-5 rope format (`rope_parameters`) and
@@ -24,6 +24,8 @@ _FAMILIES = {  # the built-in architectures' config rules
     "MistralForCausalLM": "llama",  # Llama's layers and names; sliding-window attention only as a length cap
     "Qwen2ForCausalLM": "qwen2",
     "Qwen3ForCausalLM": "qwen3",
+    "Qwen2MoeForCausalLM": "qwen2",  # the Qwen2 attention (qkv bias); sparse blocks: runner/models/qwen_moe.py
+    "Qwen3MoeForCausalLM": "qwen3",
 }
 
 _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}

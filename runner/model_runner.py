@@ -102,12 +102,15 @@ class ModelRunner:
         self.model_config = model_config
         self.tp = tp  # runner.parallel.group.TPGroup, or None
         self.device = torch.device(config.device) if tp is None else tp.device
+        if self.device.type == "cuda" and self.device.index is None:  # "cuda": the current device, by its index
+            self.device = torch.device("cuda", torch.cuda.current_device())
         self.dtype = parse_dtype(config.dtype if config.dtype != "auto" else (model_config.checkpoint_dtype or "float32"))
         self.max_model_len = max_model_len
         self.block_size = config.block_size
         self.backend = AttentionBackend(self.device)
         self.model = load_model(
-            config.model, model_config, self.dtype, self.device, self.backend, max_model_len, config.deterministic, tp
+            config.model, model_config, self.dtype, self.device, self.backend, max_model_len, config.deterministic, tp,
+            random_seed=config.seed if config.load_format == "dummy" else None,
         )
         self.num_kv_heads = self.model.num_kv_heads  # this rank's
         shape = getattr(self.model, "routed_experts_shape", None) if config.enable_return_routed_experts else None

@@ -16,7 +16,8 @@ import torch
 from runner.model_config import ModelConfig
 from runner.models import ModelRegistry
 
-ARCH = {"llama": "LlamaForCausalLM", "qwen2": "Qwen2ForCausalLM", "qwen3": "Qwen3ForCausalLM"}
+ARCH = {"llama": "LlamaForCausalLM", "qwen2": "Qwen2ForCausalLM", "qwen3": "Qwen3ForCausalLM",
+        "qwen2_moe": "Qwen2MoeForCausalLM", "qwen3_moe": "Qwen3MoeForCausalLM"}
 
 QWEN25_05B = dict(
     family="qwen2", vocab_size=151936, hidden_size=896, intermediate_size=4864, num_hidden_layers=24,
@@ -58,7 +59,7 @@ def write_random_checkpoint(
         tie_word_embeddings=False, bos_token_id=0, eos_token_id=1,
     )
     config.update(overrides)
-    if family == "qwen3":
+    if family in ("qwen3", "qwen3_moe"):
         config.setdefault("head_dim", config["hidden_size"] // config["num_attention_heads"])
     config.update(architectures=[architecture or ARCH[family]], model_type=family, dtype=dtype)
     torch_dtype = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}[dtype]

@@ -15,7 +15,10 @@ _FAMILIES = {
     "qwen2": ("Qwen2Config", "Qwen2ForCausalLM"),
     "qwen3": ("Qwen3Config", "Qwen3ForCausalLM"),
     "mistral": ("MistralConfig", "MistralForCausalLM"),
+    "qwen3_moe": ("Qwen3MoeConfig", "Qwen3MoeForCausalLM"),
+    "qwen2_moe": ("Qwen2MoeConfig", "Qwen2MoeForCausalLM"),
 }
+_MOE = dict(num_experts=8, num_experts_per_tok=2, moe_intermediate_size=32)  # tiny sparse blocks
 
 
 def make_checkpoint(path: Path, family: str = "llama", *, seed: int = 0, dtype=torch.float32, **overrides) -> Path:
@@ -36,8 +39,12 @@ def make_checkpoint(path: Path, family: str = "llama", *, seed: int = 0, dtype=t
         eos_token_id=1,
         bos_token_id=0,
     )
-    if family in ("qwen3", "mistral"):
+    if family in ("qwen3", "mistral", "qwen3_moe"):
         kwargs["head_dim"] = 16
+    if family.endswith("_moe"):
+        kwargs.update(_MOE, norm_topk_prob=family == "qwen3_moe")
+    if family == "qwen2_moe":
+        kwargs["shared_expert_intermediate_size"] = 48
     kwargs.update(overrides)
     config = cfg_cls(**kwargs)
     torch.manual_seed(seed)

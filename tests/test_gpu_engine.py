@@ -175,3 +175,19 @@ def test_sleep_gives_back_cache_and_weight_memory_and_wake_up_replays_graphs(bf1
         engine.wake_up()
         assert runner.graphs is not None and all(p.is_cuda for p in runner._parameters())
         assert [c.token_ids for o in engine.generate(prompts, params) for c in o.outputs] == before, f"level {level}"
+
+
+def test_async_engine_on_plain_cuda_runs_in_its_own_thread(bf16_model):
+    """device="cuda" (no index) names the current device: the AsyncEngine's thread selects it and serves."""
+    import asyncio
+
+    from rollout.async_engine import AsyncEngine
+
+    engine = Engine(EngineConfig(model=str(bf16_model), device="cuda", dtype="bfloat16", max_num_seqs=8,
+                                 max_model_len=256, num_kv_blocks=64))
+    assert engine.runner.device.index == torch.cuda.current_device()
+    params = SamplingParams(max_tokens=6, ignore_eos=True, seed=2)
+    ref = engine.generate([[5, 6, 7]], params)[0].outputs[0].token_ids
+    with AsyncEngine(engine) as served:
+        out = asyncio.run(served.generate([5, 6, 7], params))
+    assert out.outputs[0].token_ids == ref

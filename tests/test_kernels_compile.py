@@ -57,9 +57,11 @@ def _launch_every_kernel() -> None:
     from kernels.activation import silu_and_mul
     from kernels.attention import paged_attention, store_kv
     from kernels.checksum import checksum_many
+    from kernels.moe import fused_moe
     from kernels.norm import fused_add_rms_norm, rms_norm
     from kernels.rotary import apply_rotary, rotary_store_kv
     from kernels.rotary_ref import build_cos_sin_cache, rope_inv_freq
+    from kernels.routing import route_topk
     from kernels.sampling import sample, sample_untruncated, token_logprobs
     from kernels.scatter import gather_many, scatter_many
     from runner.spec_decode.rejection_kernel import draft_sample, rejection_sample
@@ -107,6 +109,22 @@ def _launch_every_kernel() -> None:
     draft_sample(target[:, 0], temp[:R], seeds[:R], pos[:R], 1, tokens, torch.zeros(R, V), 7, chunk=16)
     rejection_sample(target, torch.randint(0, V, (R, K), generator=g), draft_probs, torch.tensor([2, 1]), temp[:R],
                      seeds[:R], pos[:R], 11, 13, chunk=16)
+    E, W = 4, 128  # hidden = intermediate = W: wide enough that every tile config is the one of real widths
+    w13, w2 = torch.randn(E, 2 * W, W, generator=g).to(h), torch.randn(E, W, W, generator=g).to(h)
+    # T = 4, 24, 48, 600 at k = 2: each BLOCK_M class (600 also takes the two-launch alignment); then the
+    # deterministic config, int32 expert ids, and float32 (IEEE dot products)
+    for tokens, deterministic, ids_dtype, dtype in ((4, False, torch.int64, h), (24, False, torch.int64, h),
+                                                    (48, False, torch.int64, h), (600, False, torch.int64, h),
+                                                    (4, True, torch.int64, h), (4, False, torch.int32, h),
+                                                    (4, False, torch.int64, torch.float32)):
+        ids = torch.randint(0, E, (tokens, 2), generator=g, dtype=ids_dtype)
+        fused_moe(torch.randn(tokens, W, generator=g).to(dtype), w13.to(dtype), w2.to(dtype),
+                  torch.rand(tokens, 2, generator=g), ids, deterministic=deterministic)
+    # routing: top-k with the routing store, and replayed ids (half-precision logits, as the router gives)
+    logits = torch.randn(5, 128, generator=g).to(h)
+    store = torch.zeros(8, 2, 8, dtype=torch.int32)
+    route_topk(logits, 8, True, store=store, slots=torch.tensor([0, 1, -1, 3, 4]), layer=1)
+    route_topk(logits, 8, False, ids=torch.randint(0, 128, (5, 8), generator=g, dtype=torch.int32))
 
 
 def test_every_kernel_compiles_for_sm90_and_sm80(monkeypatch):
@@ -131,7 +149,7 @@ def test_every_kernel_compiles_for_sm90_and_sm80(monkeypatch):
     monkeypatch.setattr(InterpretedFunction, "run", recording_run)
     _launch_every_kernel()
     kernels = {s["kernel"] for s in specs.values()}
-    assert len(kernels) >= 17, sorted(kernels)  # every launcher reached its kernels
+    assert len(kernels) >= 22, sorted(kernels)  # every launcher reached its kernels
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
     root = Path(__file__).resolve().parent.parent
     env["PYTHONPATH"] = os.pathsep.join(p for p in (str(root), env.get("PYTHONPATH")) if p)

@@ -108,3 +108,23 @@ def test_sliding_window_models_stay_within_the_window(ckpt_factory):
     torch.testing.assert_close(engine.collective_rpc("full_sequence_logits", tokens)[0], ref, atol=1e-4, rtol=1e-4)
     qwen = ckpt_factory("qwen2", use_sliding_window=True, sliding_window=40, max_window_layers=0)
     assert Engine(EngineConfig(model=str(qwen), dtype="float32", num_kv_blocks=64)).max_model_len == 40
+
+
+def test_dummy_load_format_draws_weights_without_reading_a_checkpoint(ckpt_factory, tmp_path):
+    """load_format="dummy": only config.json is read; every slot is drawn (seeded: same seed, same weights;
+    norms near 1, the rest about N(0, 0.02^2)), and the engine generates."""
+    (tmp_path / "config.json").write_bytes((ckpt_factory("qwen3_moe") / "config.json").read_bytes())
+    engines = [Engine(EngineConfig(model=str(tmp_path), dtype="float32", load_format="dummy", seed=s,
+                                   num_kv_blocks=16)) for s in (0, 0, 1)]
+    views = [e.runner.weights for e in engines]
+    for name in views[0].layout:
+        a, b, c = (w.view(name) for w in views)
+        assert torch.equal(a, b) and not torch.equal(a, c), name
+        if name.endswith("norm.weight"):
+            assert (a - 1).abs().max() < 0.1, name
+        else:
+            assert 0.015 < a.std() < 0.025, name
+    out = engines[0].generate([[3, 4, 5]], SamplingParams(max_tokens=4, seed=0, ignore_eos=True))
+    assert len(out[0].outputs[0].token_ids) == 4
+    with pytest.raises(ValueError, match="load_format must be 'safetensors' or 'dummy', got 'npz'"):
+        EngineConfig(model=str(tmp_path), load_format="npz")

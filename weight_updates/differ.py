@@ -36,6 +36,7 @@ from weight_updates.encoding import (MAX_PATCH_NUMEL, Dense, Patch, Update, bit_
                                      encode_streams, gaps_over_limits, packed_nbytes, segment_ids, segment_sums,
                                      stream_gaps)
 from weight_updates.target import ParamSpec
+from weight_updates.aliases import expand, fused_expert_aliases
 
 Weights = torch.nn.Module | Mapping[str, torch.Tensor] | Iterable[tuple[str, torch.Tensor]]
 
@@ -111,9 +112,11 @@ class PendingPush:
 
 def checked_named_tensors(weights: Weights, specs: Mapping[str, ParamSpec]) -> dict[str, torch.Tensor]:
     """Name -> detached tensor of a push: every name known to ``specs``, given once, of its spec's shape and
-    a floating dtype. Raises ValueError naming the first offender."""
+    a floating dtype. Raises ValueError naming the first offender. A fused expert name of transformers
+    (``...experts.gate_up_proj``, ``...experts.down_proj``; see ``weight_updates.aliases``) stands for its
+    per-expert checkpoint tensors, which it is split into (views)."""
     pushed: dict[str, torch.Tensor] = {}
-    for name, tensor in iter_named_tensors(weights):
+    for name, tensor in _expanded(iter_named_tensors(weights), specs):
         spec = specs.get(name)
         if spec is None:
             raise ValueError(f"unknown parameter {name!r} (not in the engine's checkpoint specs)")
@@ -125,6 +128,17 @@ def checked_named_tensors(weights: Weights, specs: Mapping[str, ParamSpec]) -> d
             raise ValueError(f"{name}: dtype {tensor.dtype} is not a floating point dtype")
         pushed[name] = tensor.detach()
     return pushed
+
+
+def _expanded(pairs: Iterable[tuple[str, torch.Tensor]], specs: Mapping[str, ParamSpec]):
+    aliases = None
+    for name, tensor in pairs:
+        if name not in specs:
+            aliases = fused_expert_aliases(specs) if aliases is None else aliases
+            if name in aliases:
+                yield from expand(name, tensor, aliases[name])
+                continue
+        yield name, tensor
 
 
 def iter_named_tensors(weights: Weights) -> Iterable[tuple[str, torch.Tensor]]:

@@ -290,12 +290,17 @@ class MLP(nn.Module):
 
 
 class DecoderLayer(nn.Module):
-    def __init__(self, cfg: ModelConfig, backend: AttentionBackend | None, tp: TPGroup | None = None) -> None:
+    """Attention then a feed-forward block `mlp` (the dense `MLP` unless one is given), each after an RMSNorm
+    fused with the residual add. A feed-forward block is called as `mlp(hidden)`, or as `mlp(hidden, meta)`
+    when it declares `takes_metadata = True` (a MoE block records its routing per KV slot)."""
+
+    def __init__(self, cfg: ModelConfig, backend: AttentionBackend | None, tp: TPGroup | None = None,
+                 mlp: nn.Module | None = None) -> None:
         super().__init__()
         self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.self_attn = Attention(cfg, backend, tp)
         self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
-        self.mlp = MLP(cfg, tp)
+        self.mlp = MLP(cfg, tp) if mlp is None else mlp
 
     def checkpoint_layout(self, tp_rank: int, tp_size: int) -> dict[str, CheckpointSlot]:
         layout: dict[str, CheckpointSlot] = {}
@@ -311,14 +316,16 @@ class DecoderLayer(nn.Module):
             hidden, residual = self.input_layernorm(hidden, residual)
         hidden = self.self_attn(rope, hidden, meta)
         hidden, residual = self.post_attention_layernorm(hidden, residual)
+        if getattr(self.mlp, "takes_metadata", False):
+            return self.mlp(hidden, meta), residual
         return self.mlp(hidden), residual
 
 
 class DecoderModel(nn.Module):
-    def __init__(self, cfg: ModelConfig, backend: AttentionBackend | None, tp: TPGroup | None = None) -> None:
+    def __init__(self, cfg: ModelConfig, layers: list[DecoderLayer], tp: TPGroup | None = None) -> None:
         super().__init__()
         self.embed_tokens = VocabParallelEmbedding(cfg.vocab_size, cfg.hidden_size, tp)
-        self.layers = nn.ModuleList(DecoderLayer(cfg, backend, tp) for _ in range(cfg.num_layers))
+        self.layers = nn.ModuleList(layers)
         self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
 
 
@@ -329,10 +336,15 @@ class DecoderForCausalLM(nn.Module):
         super().__init__()
         self.config = cfg
         self.tp = tp
-        self.model = DecoderModel(cfg, backend, tp)
+        self.model = DecoderModel(cfg, [self.make_layer(cfg, backend, tp, i) for i in range(cfg.num_layers)], tp)
         self.lm_head = None if cfg.tie_word_embeddings else ParallelLMHead(cfg.vocab_size, cfg.hidden_size, tp)
         self.register_buffer("cos_sin_cache", torch.empty(0), persistent=False)  # [max_pos, head_dim] f32
         self.deterministic = False
+
+    def make_layer(self, cfg: ModelConfig, backend: AttentionBackend | None, tp: TPGroup | None,
+                   index: int) -> DecoderLayer:
+        """Layer `index` (a subclass builds its own feed-forward blocks here: runner/models/qwen_moe.py)."""
+        return DecoderLayer(cfg, backend, tp)
 
     @property
     def num_kv_heads(self) -> int:

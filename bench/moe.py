@@ -1,0 +1,237 @@
+"""Mixture-of-Experts decode at the Qwen3-30B-A3B shape: this engine vs transformers `generate`, routing-replay
+overhead, and a dense vs patch weight push, in one run. Prints one JSON line per measurement.
+
+    python bench/moe.py --device cuda                         # Qwen3-30B-A3B shape, bf16, one GPU
+    python bench/moe.py --quick                               # CPU, a tiny MoE: a smoke test of the script
+
+The weights are random (`EngineConfig(load_format="dummy")`, drawn on the device; the model directory holds
+only config.json), so no 61 GB checkpoint is written. transformers builds the same architecture from the same
+config.json with its own random init, after the engine has been closed (both do not fit at once).
+
+Roofline: the device copy bandwidth (read + written) measured in the same run, against the bytes one decode
+step must read: the attention and router weights, the LM head, the KV of the live context, and the experts
+the step touches — at batch 1 the top-k active experts per layer; at larger batches the distinct experts the
+batch's tokens were routed to, counted per layer from the routing the engine returns (`routed_experts`) for
+the timed run itself.
+
+Routing replay: the same batch-64 workload with `return_routed_experts=True` against without.
+Weight push: the tensors of the first `--push-layers` layers (all their experts, attention, norms, router)
+pushed as a full dense copy and as a patch after about 1% of their elements changed, through the engine's
+own receiving path (`apply_weight_update`); bytes, milliseconds and the whole-model extrapolation.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+import tempfile
+import time
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+import torch  # noqa: E402
+
+from bench.generate import copy_bandwidth, emit, release_memory, sync  # noqa: E402
+
+QWEN3_30B_A3B = dict(
+    architectures=["Qwen3MoeForCausalLM"], model_type="qwen3_moe", vocab_size=151936, hidden_size=2048,
+    intermediate_size=6144, num_hidden_layers=48, num_attention_heads=32, num_key_value_heads=4, head_dim=128,
+    num_experts=128, num_experts_per_tok=8, moe_intermediate_size=768, norm_topk_prob=True,
+    decoder_sparse_step=1, mlp_only_layers=[], rms_norm_eps=1e-6, rope_theta=1_000_000.0,
+    max_position_embeddings=40960, tie_word_embeddings=False, hidden_act="silu", bos_token_id=151643,
+    eos_token_id=151645, dtype="bfloat16",
+)
+TINY = dict(QWEN3_30B_A3B, vocab_size=512, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+            num_attention_heads=4, num_key_value_heads=2, head_dim=16, num_experts=8, num_experts_per_tok=2,
+            moe_intermediate_size=32, dtype="float32")
+
+
+def byte_counts(cfg: dict, elem: int) -> dict:
+    """Bytes of each part of the model, by the checkpoint's shapes."""
+    h, layers, e = cfg["hidden_size"], cfg["num_hidden_layers"], cfg["num_experts"]
+    q, kv = cfg["num_attention_heads"] * cfg["head_dim"], cfg["num_key_value_heads"] * cfg["head_dim"]
+    attention = (h * (q + 2 * kv) + q * h) * elem + 2 * cfg["head_dim"] * elem + 2 * h * elem  # + q/k and layer norms
+    router = e * h * elem
+    expert = 3 * cfg["moe_intermediate_size"] * h * elem
+    return dict(attention=attention, router=router, expert=expert, layers=layers,
+                lm_head=cfg["vocab_size"] * h * elem, embedding=cfg["vocab_size"] * h * elem,
+                kv_per_token=2 * layers * kv * elem,
+                total=layers * (attention + router + e * expert) + 2 * cfg["vocab_size"] * h * elem)
+
+
+def touched_experts(outs, prompt_len: int, new_tokens: int) -> float:
+    """Mean over decode steps and layers of the number of distinct experts the step's tokens used."""
+    import numpy as np
+
+    routed = np.stack([c.routed_experts for o in outs for c in o.outputs])  # [B, P + L - 1, layers, k]
+    steps = routed[:, prompt_len : prompt_len + new_tokens - 1]  # the decode steps' input positions
+    b, s, layers, k = steps.shape
+    per = steps.transpose(1, 2, 0, 3).reshape(s, layers, b * k)
+    counts = [len(np.unique(per[i, j])) for i in range(s) for j in range(layers)]
+    return float(np.mean(counts))
+
+
+def run_engine(path, args, batch, *, routed: bool = False, **engine_kw):
+    from rollout import Engine, EngineConfig, SamplingParams
+
+    engine = Engine(EngineConfig(model=path, device=args.device, dtype=args.dtype, load_format="dummy",
+                                 max_num_seqs=max(batch, 1), max_model_len=args.prompt_len + args.new_tokens + 16,
+                                 **engine_kw))
+    g = torch.Generator().manual_seed(0)
+    prompts = torch.randint(2, engine.model_config.vocab_size, (batch, args.prompt_len), generator=g).tolist()
+    params = SamplingParams(temperature=1.0, max_tokens=args.new_tokens, ignore_eos=True, seed=1,
+                            return_routed_experts=routed)
+    engine.generate(prompts, SamplingParams(max_tokens=8, ignore_eos=True, return_routed_experts=routed))
+    best, outs = float("inf"), None
+    for _ in range(2):
+        sync(args.device)
+        t = time.perf_counter()
+        outs = engine.generate(prompts, params)
+        sync(args.device)
+        best = min(best, time.perf_counter() - t)
+    return engine, outs, best
+
+
+def bench_hf(path, args, batch, new_tokens):
+    import transformers
+
+    cfg = transformers.AutoConfig.from_pretrained(path)
+    with torch.device(args.device):
+        model = transformers.AutoModelForCausalLM.from_config(cfg, dtype=getattr(torch, args.dtype)).eval()
+    g = torch.Generator().manual_seed(0)
+    ids = torch.randint(2, cfg.vocab_size, (batch, args.prompt_len), generator=g).to(args.device)
+    kw = dict(do_sample=True, temperature=1.0, top_k=0, top_p=1.0, max_new_tokens=new_tokens,
+              min_new_tokens=new_tokens, pad_token_id=0, eos_token_id=None, attention_mask=torch.ones_like(ids))
+    with torch.inference_mode():
+        model.generate(ids, **{**kw, "max_new_tokens": 2, "min_new_tokens": 2})
+        sync(args.device)
+        t = time.perf_counter()
+        model.generate(ids, **kw)
+        sync(args.device)
+    elapsed = time.perf_counter() - t
+    del model
+    release_memory()
+    return batch * new_tokens / elapsed
+
+
+def bench_push(engine, args, common) -> None:
+    """Dense and patch pushes of the first `push_layers` layers' tensors through the engine's receiver."""
+    from weight_updates import Dense
+    from weight_updates.differ import WeightDiffer
+
+    specs = engine.weight_specs()
+    prefixes = tuple(f"model.layers.{i}." for i in range(args.push_layers))
+    names = [n for n in specs if n.startswith(prefixes)]
+    sub = {n: specs[n] for n in names}
+    weights = engine.runner.weights
+    w0 = {n: weights.view(n).clone() for n in names}
+    differ = WeightDiffer(sub, device=args.device)
+    differ.commit(differ.encode(w0))  # the trainer starts from what the engine holds
+    g = torch.Generator(device=args.device).manual_seed(3)
+    w1 = {}
+    for n, t in w0.items():
+        new = t.clone().view(-1)
+        idx = torch.randint(0, new.numel(), (max(1, new.numel() // 100),), generator=g, device=args.device)
+        new[idx] += 0.01
+        w1[n] = new.view(t.shape)
+    nbytes = sum(t.numel() * t.element_size() for t in w0.values())
+    total = byte_counts(QWEN3_30B_A3B if not args.quick else TINY, torch.finfo(getattr(torch, args.dtype)).bits // 8)["total"]
+    version = engine.policy_version
+    for mode in ("patch", "dense"):
+        sync(args.device)
+        t0 = time.perf_counter()
+        if mode == "patch":
+            push = differ.encode(w1)
+            records, payload = push.updates, push.stats.nbytes
+        else:
+            records = [Dense.of(n, t) for n, t in w1.items()]
+            payload = nbytes
+        sync(args.device)
+        t1 = time.perf_counter()
+        version += 1
+        engine.apply_weight_update(version, records)
+        sync(args.device)
+        t2 = time.perf_counter()
+        if mode == "patch":
+            differ.commit(push)
+        ok = all(torch.equal(weights.view(n), w1[n]) for n in names)
+        emit(kind="weight_push", mode=mode, tensors=len(names), layers=args.push_layers, tensor_bytes=nbytes,
+             payload_bytes=payload, encode_ms=round(1e3 * (t1 - t0), 2), apply_ms=round(1e3 * (t2 - t1), 2),
+             bitwise_equal=ok, whole_model_apply_ms_estimate=round(1e3 * (t2 - t1) * total / nbytes, 1),
+             whole_model_payload_bytes_estimate=int(payload * total / nbytes), **common)
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
+    ap.add_argument("--dtype", default=None)
+    ap.add_argument("--batches", default=None, help="comma-separated batch sizes (default 1,64,256)")
+    ap.add_argument("--prompt-len", type=int, default=None)
+    ap.add_argument("--new-tokens", type=int, default=None)
+    ap.add_argument("--hf-new-tokens", type=int, default=None, help="new tokens of the transformers runs")
+    ap.add_argument("--hf-batches", default=None, help="transformers batch sizes (default 1,64)")
+    ap.add_argument("--push-layers", type=int, default=None)
+    ap.add_argument("--no-hf", action="store_true")
+    ap.add_argument("--quick", action="store_true", help="a tiny MoE on the CPU")
+    args = ap.parse_args()
+    cuda = args.device.startswith("cuda")
+    args.dtype = args.dtype or ("bfloat16" if cuda and not args.quick else "float32")
+    args.prompt_len = args.prompt_len or (16 if args.quick else 128)
+    args.new_tokens = args.new_tokens or (16 if args.quick else 256)
+    args.push_layers = args.push_layers or (1 if args.quick else 8)
+    batches = [int(b) for b in (args.batches or ("1,4" if args.quick else "1,64,256")).split(",")]
+    hf_batches = [int(b) for b in (args.hf_batches or ("1,4" if args.quick else "1,64")).split(",")]
+    hf_new = args.hf_new_tokens or (8 if args.quick else 32)
+    cfg = dict(TINY if args.quick else QWEN3_30B_A3B, dtype=args.dtype)
+    elem = torch.finfo(getattr(torch, args.dtype)).bits // 8
+    sizes = byte_counts(cfg, elem)
+    bw = copy_bandwidth(args.device)
+    shape = "tiny-moe" if args.quick else "qwen3-30b-a3b"
+    common = dict(device=args.device, shape=shape, dtype=args.dtype)
+    emit(kind="copy_bandwidth", gb_per_s=round(bw / 1e9, 1), **common)
+    emit(kind="model_bytes", total_gb=round(sizes["total"] / 1e9, 2),
+         active_gb_batch1=round((sizes["layers"] * (sizes["attention"] + sizes["router"]
+                                                    + cfg["num_experts_per_tok"] * sizes["expert"])
+                                 + sizes["lm_head"]) / 1e9, 3), **common)
+    tps: dict[int, float] = {}
+    with tempfile.TemporaryDirectory() as d:
+        with open(os.path.join(d, "config.json"), "w") as f:
+            json.dump(cfg, f)
+        for batch in batches:
+            engine, outs, secs = run_engine(d, args, batch, routed=True)
+            tokens = sum(len(c.token_ids) for o in outs for c in o.outputs)
+            tps[batch] = tokens / secs
+            touched = touched_experts(outs, args.prompt_len, args.new_tokens)
+            step_bytes = (sizes["layers"] * (sizes["attention"] + sizes["router"] + touched * sizes["expert"])
+                          + sizes["lm_head"] + batch * sizes["kv_per_token"] * (args.prompt_len + args.new_tokens / 2))
+            emit(kind="generate", system="engine", batch=batch, prompt_len=args.prompt_len,
+                 new_tokens=args.new_tokens, tokens_per_s=round(tps[batch], 1), seconds=round(secs, 3),
+                 experts_touched_per_layer=round(touched, 2), step_bytes_gb=round(step_bytes / 1e9, 3),
+                 roofline_fraction=round((step_bytes / bw) / (batch / tps[batch]), 3), **common)
+            engine.close()
+            del engine, outs
+            release_memory()
+        # routing replay's cost: the same batch without returning the experts (this engine leaves room for
+        # the push's copies of the pushed layers)
+        replay_batch = 64 if 64 in tps else batches[-1]
+        engine, outs, secs = run_engine(d, args, replay_batch, routed=False, gpu_memory_utilization=0.6)
+        plain = sum(len(c.token_ids) for o in outs for c in o.outputs) / secs
+        emit(kind="routing_replay_overhead", batch=replay_batch, tokens_per_s_with=round(tps[replay_batch], 1),
+             tokens_per_s_without=round(plain, 1), overhead=round(1 - tps[replay_batch] / plain, 4), **common)
+        bench_push(engine, args, common)
+        engine.close()
+        del engine, outs
+        release_memory()
+        if not args.no_hf:
+            for batch in hf_batches:
+                hf_tps = bench_hf(d, args, batch, hf_new)
+                mine = tps.get(batch)
+                emit(kind="generate", system="hf_dynamic", batch=batch, new_tokens=hf_new,
+                     tokens_per_s=round(hf_tps, 2),
+                     engine_speedup=None if mine is None else round(mine / hf_tps, 1), **common)
+
+
+if __name__ == "__main__":
+    main()
