@@ -10,9 +10,9 @@
       one copy of results to the host   the step's only sync
 
 MoE routing replay: a model with a `routed_experts_shape` (num_moe_layers, top_k) gets a routing store next to
-the KV cache, int32 [num_kv_blocks * block_size, num_moe_layers, top_k] (`routed_store`, one row per KV slot,
-bound with `model.bind_routed_experts`; allocated, freed, slept and woken with the cache, and counted in its
-per-block bytes). Its MoE layers write the experts of every token they run at the token's KV slot. For the
+the KV cache, int32 [num_kv_blocks * block_size + 1, num_moe_layers, top_k] (`routed_store`: one row per KV
+slot, and a last one that takes padding tokens' writes, slot -1), bound with `model.bind_routed_experts`,
+allocated, freed, slept and woken with the cache, and counted in its per-block bytes. Its MoE layers write the experts of every token they run at the token's KV slot. For the
 requests that asked (`RequestSampling.return_routed_experts`), each step gathers the rows of the positions
 that became final, from the first one not reported yet (`InputBatch.routed_from`) through the block table,
 right after the forward, and copies them out with the sampled tokens (`RoutedGather`, into
@@ -118,7 +118,7 @@ class ModelRunner:
         """(num_moe_layers, top_k) when requests may ask for their routed experts; None for a dense model or with
         `enable_return_routed_experts` off."""
         self._keeps_routing = shape is not None and (tp is None or tp.rank == 0)
-        self.routed_store: torch.Tensor | None = None  # [num_kv_blocks * block_size, L_moe, k] int32 (rank 0)
+        self.routed_store: torch.Tensor | None = None  # [num_kv_blocks * block_size + 1, L_moe, k] int32 (rank 0)
         if tp is None:
             self.weights = CheckpointWeights(self.model)
             self.sampler = Sampler(self.device, config.deterministic)
@@ -268,8 +268,9 @@ class ModelRunner:
         ]
         self.model.bind_kv_cache(self.kv_caches)
         if self._keeps_routing:
-            self.routed_store = torch.zeros(num_blocks * self.block_size, *self.routed_experts_shape, dtype=torch.int32,
-                                            device=self.device)
+            # the last row takes the writes of padding tokens (KV slot -1), so the model writes unmasked
+            self.routed_store = torch.zeros(num_blocks * self.block_size + 1, *self.routed_experts_shape,
+                                            dtype=torch.int32, device=self.device)
             self.model.bind_routed_experts(self.routed_store)
         if self.spec is not None:
             self.spec.allocate_kv_cache(num_blocks)

@@ -1,12 +1,15 @@
-"""Routing replay (R3) plumbing: `SamplingParams(return_routed_experts=True)` gives each completion the experts
-of its P + L - 1 input positions, the server sends them base64-encoded, and the trainer bridge hands them to the
+"""Routing replay (R3): `SamplingParams(return_routed_experts=True)` gives each completion the experts of its
+P + L - 1 input positions, the server sends them base64-encoded, and the trainer bridge hands them to the
 trainer's forward.
 
-Until a MoE model exists, a probe model stands in for one: a Llama (registered under its own architecture) that
-declares `routed_experts_shape` and whose forward writes a known function of (token id, position, layer) into
-the bound routing store, row `slot_mapping[t]`, as a MoE layer writes its top-k expert ids. Every reported row
-must therefore equal that function of the token at its position in the final sequence: a row reported from
-the wrong slot, a stale row, a rejected draft's row or a missing one is caught.
+The plumbing is checked with a probe model: a Llama (registered under its own architecture) that declares
+`routed_experts_shape` and whose forward writes a known function of (token id, position, layer) into the bound
+routing store, row `slot_mapping[t]`, as a MoE layer writes its top-k expert ids. Every reported row must
+therefore equal that function of the token at its position in the final sequence: a row reported from the
+wrong slot, a stale row, a rejected draft's row or a missing one is caught. Then end to end with the real
+Qwen3-MoE / Qwen2-MoE (tiny random checkpoints written by transformers, fp32 CPU): the routed experts are the
+top-k of transformers' router logits for the same tokens, and with them the deterministic trainer's logprobs
+equal the engine's bitwise.
 """
 
 from __future__ import annotations
@@ -244,13 +247,13 @@ def test_the_store_lives_with_the_kv_cache_and_is_counted_in_its_sizing(probe_di
     assert per_block - off.runner.kv_bytes_per_block() == 4 * 2 * TOP_K * 4  # block_size rows of int32 [L, k]
     assert on.num_kv_blocks == 200_000 // per_block < off.num_kv_blocks
     store = on.runner.routed_store
-    assert store.dtype == torch.int32 and store.shape == (on.num_kv_blocks * 4, 2, TOP_K)
+    assert store.dtype == torch.int32 and store.shape == (on.num_kv_blocks * 4 + 1, 2, TOP_K)
     assert on.runner.model.routed_store is store
     on.sleep(1)
     assert on.runner.routed_store is None and on.runner.model.routed_store is None
     on.wake_up()
     store = on.runner.routed_store
-    assert store.shape == (on.num_kv_blocks * 4, 2, TOP_K) and on.runner.model.routed_store is store
+    assert store.shape == (on.num_kv_blocks * 4 + 1, 2, TOP_K) and on.runner.model.routed_store is store
     outs = on.generate(PROMPTS, asking(max_tokens=6, seed=1, ignore_eos=True))
     check_completions(PROMPTS, outs)
 
@@ -456,6 +459,100 @@ def store_shape(runner):
 
 def test_tensor_parallel_engine_reports_from_rank_0s_store(probe_dir, single_thread):
     with Engine(engine_config(probe_dir, tensor_parallel_size=2)) as engine:
-        assert engine.collective_rpc("test_routed_experts:store_shape") == [[64 * 4, 2, TOP_K], None]
+        assert engine.collective_rpc("test_routed_experts:store_shape") == [[64 * 4 + 1, 2, TOP_K], None]
         outs = engine.generate(PROMPTS, asking(n=2, max_tokens=5, seed=1, ignore_eos=True))
     check_completions(PROMPTS, outs)
+
+
+# ---- end to end: Qwen3-MoE and Qwen2-MoE against transformers' router ----------------------------------------
+MOE_VARIANTS = [
+    ("qwen3_moe", {}),
+    ("qwen3_moe", {"norm_topk_prob": False, "num_hidden_layers": 4, "mlp_only_layers": [1],
+                   "decoder_sparse_step": 2}),  # one sparse layer (3) of four
+    ("qwen2_moe", {}),
+]
+MOE_PROMPTS = [[5, 9, 13, 2, 7], list(range(40, 63)), [7] * 18]
+
+
+def hf_router_probs(hf, tokens: list[int]) -> torch.Tensor:
+    """[len(tokens), num_moe_layers, E] float32: transformers' router softmax at every position."""
+    with torch.no_grad():
+        logits = hf(torch.tensor([tokens]), output_router_logits=True).router_logits  # per sparse layer [T, E]
+    return torch.stack([lg.float().softmax(-1) for lg in logits], dim=1)
+
+
+def assert_transformers_top_k(hf, tokens: list[int], routed: np.ndarray, top_k: int) -> None:
+    """`routed` [len(tokens) - 1, L_moe, k] are the top-k experts of transformers' router for these tokens, most
+    probable first: exactly where the router's k + 1 largest probabilities stand apart by more than float32
+    noise between two implementations (1e-5), and up to such near-ties everywhere."""
+    probs = hf_router_probs(hf, tokens)[: len(tokens) - 1]  # the last token's routing is never an input
+    assert routed.shape == (probs.shape[0], probs.shape[1], top_k)
+    top = probs.topk(top_k + 1, dim=-1)
+    ids = torch.from_numpy(routed).long()
+    torch.testing.assert_close(probs.gather(-1, ids), top.values[..., :top_k], atol=1e-5, rtol=0)
+    clear = (top.values[..., :-1] - top.values[..., 1:]).min(-1).values > 1e-5  # [T-1, L_moe]
+    assert clear.float().mean() > 0.9  # near-ties are rare, so the exact check below covers most positions
+    assert torch.equal(ids[clear], top.indices[..., :top_k][clear])
+
+
+@pytest.mark.parametrize("variant", MOE_VARIANTS, ids=lambda v: v[0] + ("-" + "-".join(sorted(v[1])) if v[1] else ""))
+@pytest.mark.parametrize("engine_kw", [
+    {},
+    dict(max_num_batched_tokens=8, num_kv_blocks=20, block_size=4, async_scheduling=True),  # chunks, preemption
+], ids=["plain", "chunked-preempted-async"])
+def test_moe_routed_experts_are_transformers_router_top_k(ckpt_factory, variant, engine_kw):
+    from conftest import load_hf
+
+    family, overrides = variant
+    path = ckpt_factory(family, **overrides)
+    hf = load_hf(path)
+    engine = Engine(EngineConfig(**{"model": str(path), "dtype": "float32", "max_num_seqs": 8, "num_kv_blocks": 64,
+                                    **engine_kw}))
+    num_moe_layers = 1 if overrides.get("mlp_only_layers") else 2
+    assert engine.routed_experts_shape == (num_moe_layers, 2)
+    params = [asking(n=2, max_tokens=12, seed=3, ignore_eos=True), asking(temperature=0, max_tokens=16, ignore_eos=True),
+              asking(max_tokens=10, seed=4, ignore_eos=True)]
+    outs = engine.generate(MOE_PROMPTS, params)
+    if engine_kw:
+        assert engine.scheduler.stats.num_preemptions > 0
+    for prompt, out in zip(MOE_PROMPTS, outs):
+        for c in out.outputs:
+            assert_transformers_top_k(hf, prompt + c.token_ids, c.routed_experts, 2)
+    engine.close()
+
+
+def test_moe_replay_makes_the_deterministic_trainer_equal_the_engine_bitwise(ckpt_factory, record_property):
+    """Deterministic mode, a batched engine run (chunks, preemption) against the trainer's padded batch forward
+    with the rollout's experts: logprobs equal bitwise. Without replay the trainer routes by itself; how many
+    (position, layer) pairs then pick other experts than the engine did is reported (`routed_differently`)."""
+    from trainer_bridge import TrainerBridge, TrainingModel
+
+    path = ckpt_factory("qwen3_moe", seed=5)
+    engine = Engine(EngineConfig(model=str(path), dtype="float32", deterministic=True, max_num_seqs=6,
+                                 max_num_batched_tokens=7, block_size=4, num_kv_blocks=16))
+    bridge = TrainerBridge(engine)
+    g = torch.Generator().manual_seed(5)
+    prompts = [torch.randint(2, 128, (n,), generator=g).tolist() for n in (3, 17, 9, 30)]
+    batch = bridge.rollout(prompts, SamplingParams(n=2, max_tokens=16, seed=7, ignore_eos=True))
+    assert engine.scheduler.stats.num_preemptions > 0
+    padded = batch.padded()
+    trainer = TrainingModel.from_pretrained(path, dtype="float32", deterministic=True)
+    mask = padded.loss_mask[:, 1:].bool()
+    with torch.no_grad():
+        replayed = trainer.token_logprobs(padded.input_ids, routed_experts=padded.routed_experts)
+        own = []
+        hooks = [b.register_forward_hook(lambda m, a, o: own.append(m.route(a[0].reshape(-1, a[0].shape[-1]),
+                                                                              tuple(a[0].shape[:-1]))[1]))
+                 for b in trainer.model.sparse_blocks]
+        trainer.token_logprobs(padded.input_ids)
+        for h in hooks:
+            h.remove()
+    assert torch.equal(replayed[mask], padded.logprobs[:, 1:][mask])
+    b, t = padded.input_ids.shape
+    trainer_routing = torch.stack([ids.view(b, t, -1) for ids in own], dim=2)[:, :-1]  # [B, T-1, L_moe, k]
+    valid = torch.zeros(b, t - 1, dtype=torch.bool)
+    for i, s in enumerate(batch.samples):
+        valid[i, : len(s.token_ids) - 1] = True
+    differ = (trainer_routing.to(torch.int32) != padded.routed_experts).any(-1)[valid]  # [positions, L_moe]
+    record_property("routed_differently", f"{int(differ.sum())} of {differ.numel()} (position, layer) pairs")
+    print(f"without replay: {int(differ.sum())} of {differ.numel()} (position, layer) pairs route differently")
