@@ -158,7 +158,8 @@ class Engine:
         max_tokens = min(params.max_tokens, self.max_model_len - len(token_ids))
         base_seed = params.seed if params.seed is not None else self._rng.getrandbits(32)
         group = RequestGroup(request_id, text, list(token_ids), params)
-        routing = self.routed_experts_shape if params.return_routed_experts else None
+        routing = self.routed_experts_shape if params.return_routed_experts else None  # (L_moe, k)
+        routing_rows = len(token_ids) + min(max_tokens, 512)  # a first capacity of the rows (they grow as needed)
         for j in range(params.n):
             req = Request(
                 req_id=f"{request_id}-{j}",
@@ -171,7 +172,7 @@ class Engine:
                 num_prompt_tokens=len(token_ids),
                 spec_stats=new_spec_stats(self.config.speculative.num_speculative_tokens) if self.config.speculative else None,
                 cache_keys=() if params.cache_salt is None else (("cache_salt", params.cache_salt),),
-                routed_experts=None if routing is None else RoutedExperts(*routing, len(token_ids) + min(max_tokens, 1024)),
+                routed_experts=None if routing is None else RoutedExperts(*routing, routing_rows),
             )
             group.members.append(req)
         self.output_processor.add(group, kind)

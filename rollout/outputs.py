@@ -45,10 +45,10 @@ class CompletionOutput:
     most probable first) chosen at each MoE layer for input position t, i.e. the prompt and every generated token
     but the last — what a trainer's forward over prompt + completion replays (its row t routes the token at
     position t). Rows of positions served from the prefix cache are those of the computation that filled the
-    blocks (so the n samples share the rows of their prompt's full blocks). Cumulative and final outputs carry it; a DELTA output carries it only in the sample's last delta
-    (the one with finish_reason), whole (prompt rows included), and None before. A sample without a token yet
-    (still computing its prompt, or aborted before its first token) has only the rows of the positions computed
-    so far. None when not asked for."""
+    blocks (so the n samples share the rows of their prompt's full blocks). Cumulative and final outputs carry
+    it; a DELTA output carries it only in the sample's last delta (the one with finish_reason), whole (prompt
+    rows included), and None before. A sample without a token yet (still computing its prompt, or aborted
+    before its first token) has only the rows of the positions computed so far. None when not asked for."""
 
     @property
     def finished(self) -> bool:

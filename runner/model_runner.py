@@ -12,11 +12,12 @@
 MoE routing replay: a model with a `routed_experts_shape` (num_moe_layers, top_k) gets a routing store next to
 the KV cache, int32 [num_kv_blocks * block_size + 1, num_moe_layers, top_k] (`routed_store`: one row per KV
 slot, and a last one that takes padding tokens' writes, slot -1), bound with `model.bind_routed_experts`,
-allocated, freed, slept and woken with the cache, and counted in its per-block bytes. Its MoE layers write the experts of every token they run at the token's KV slot. For the
-requests that asked (`RequestSampling.return_routed_experts`), each step gathers the rows of the positions
-that became final, from the first one not reported yet (`InputBatch.routed_from`) through the block table,
-right after the forward, and copies them out with the sampled tokens (`RoutedGather`, into
-`RunnerOutput.routed_experts`); steps without such requests do nothing of this. Under tensor parallelism
+allocated, freed, slept and woken with the cache, and counted in its per-block bytes. Its MoE layers write
+the experts of every token they run at the token's KV slot. For the requests that asked
+(`RequestSampling.return_routed_experts`), each step gathers the rows of the positions that became final,
+from the first one not reported yet (`InputBatch.routed_from`) through the block table, right after the
+forward, and copies them out with the sampled tokens (`RoutedGather`, into `RunnerOutput.routed_experts`);
+steps without such requests do nothing of this. Under tensor parallelism
 only rank 0 keeps a store (the router is replicated, so rank 0's choices are every rank's).
 
 The device buffers (`[max_num_batched_tokens]`, `[max_num_seqs, ...]`) are allocated once, so a CUDA

@@ -258,6 +258,21 @@ def test_the_store_lives_with_the_kv_cache_and_is_counted_in_its_sizing(probe_di
     check_completions(PROMPTS, outs)
 
 
+def test_a_samples_rows_grow_as_reported_and_a_recompute_overwrites_them():
+    from rollout.request import RoutedExperts
+
+    rows = RoutedExperts(2, TOP_K, capacity=2)
+    first, again = probe_experts(range(7), range(7), 2), probe_experts(range(50, 57), range(7), 2)
+    rows.write(0, first[:2])
+    rows.write(2, first[2:7])  # past the capacity: grown, the earlier rows kept
+    np.testing.assert_array_equal(rows.first(100), first)
+    np.testing.assert_array_equal(rows.first(4), first[:4])
+    rows.write(0, again[:3])  # a recompute from 0: the later rows are stale until reported again
+    np.testing.assert_array_equal(rows.first(100), again[:3])
+    with pytest.raises(AssertionError):
+        rows.write(4, again[4:])  # a gap: reports run on or restart lower
+
+
 def test_cumulative_and_delta_outputs(probe_dir):
     from rollout import RequestOutput
     from rollout.sampling_params import RequestOutputKind

@@ -63,8 +63,9 @@ class TrainingModel(nn.Module):
         routed_experts = torch.as_tensor(routed_experts, device=input_ids.device)
         want = (input_ids.shape[0], input_ids.shape[1] - 1, *shape)
         if tuple(routed_experts.shape) != want or routed_experts.dtype not in _INDEX_DTYPES:
-            raise ValueError(f"routed_experts must be an integer tensor [B, T - 1, num_moe_layers, top_k] = {list(want)} "
-                             f"for input_ids {list(input_ids.shape)}, got {routed_experts.dtype} {list(routed_experts.shape)}")
+            raise ValueError(f"routed_experts must be an integer tensor [B, T - 1, num_moe_layers, top_k] = "
+                             f"{list(want)} for input_ids {list(input_ids.shape)}, got {routed_experts.dtype} "
+                             f"{list(routed_experts.shape)}")
         return self.model.forward_dense(input_ids, routed_experts=routed_experts)
 
     def token_logprobs(self, input_ids: torch.Tensor, temperature: float = 1.0,
