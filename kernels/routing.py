@@ -1,8 +1,8 @@
 """Mixture-of-Experts routing in one Triton kernel (the CUDA path of `kernels/routing_ref.py`).
 
 One program per token reads its row of router logits [E], takes the softmax in float32, picks the top-k
-experts (k rounds of argmax, lowest index first among equal probabilities; torch.topk's order for distinct
-values) or takes the given experts (routing replay), writes their probabilities (renormalised when asked) and
+experts (k rounds of argmax, lowest index first among equal probabilities — torch.topk's order for distinct
+values; equal ones, frequent among bfloat16 logits, torch may order otherwise) or takes the given experts (routing replay), writes their probabilities (renormalised when asked) and
 ids, and, with a routing store, the ids at the token's KV slot of one layer's plane — what the torch path
 does in six kernels. The weights agree with the reference to float32 rounding (the softmax's sum is
 reduced in another order); batch invariant: each row's result depends on that row only.
