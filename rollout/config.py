@@ -77,6 +77,10 @@ class EngineConfig:
     """Batch-invariant kernels: per-token results independent of batch composition and chunking."""
     speculative: SpeculativeConfig | None = None
     """Speculative decoding; None disables it."""
+    enable_return_routed_experts: bool = True
+    """MoE models: keep a routing store next to the KV cache (int32 [KV slots, MoE layers, top_k], counted in
+    the cache's sizing), so that requests may ask for `SamplingParams.return_routed_experts`; False leaves it
+    out (such requests are then refused). Dense models have no store either way."""
     async_scheduling: bool | None = None
     """Schedule and stage step t+1 while step t runs on the device (tokens of t reach t+1 on the device);
     hides the host's per-step work behind the GPU's. Not with speculative decoding. None (the default)

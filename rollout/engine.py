@@ -37,7 +37,7 @@ from rollout.kv_cache_manager import KVCacheManager
 from rollout.model_files import resolve_model
 from rollout.output_processor import OutputProcessor
 from rollout.outputs import RequestOutput
-from rollout.request import Request, RequestGroup
+from rollout.request import Request, RequestGroup, RoutedExperts
 from rollout.sampling_params import RequestOutputKind, SamplingParams
 from rollout.scheduler import Scheduler
 from rollout.sleep import SleepState
@@ -124,6 +124,20 @@ class Engine:
     def num_kv_blocks(self) -> int:
         return self.kv_manager.pool.num_blocks
 
+    @property
+    def routed_experts_shape(self) -> tuple[int, int] | None:
+        """(num_moe_layers, top_k) of the `routed_experts` a request may ask for (`SamplingParams.
+        return_routed_experts`); None when it may not (see `routed_experts_refusal`)."""
+        return self.runner.routed_experts_shape
+
+    def routed_experts_refusal(self) -> str | None:
+        """Why a request may not ask for `return_routed_experts` here, in words; None when it may."""
+        if self.runner.routed_experts_shape is not None:
+            return None
+        if getattr(self.runner.model, "routed_experts_shape", None) is None:
+            return f"{self.model_config.architecture} is a dense model (no MoE layers, so no routed experts)"
+        return "this engine keeps no routing store (EngineConfig.enable_return_routed_experts is False)"
+
     # ---- requests -------------------------------------------------------------------------------------
     def add_request(self, prompt: Prompt, params: SamplingParams | None = None, request_id: str | None = None) -> str:
         """Queue one prompt (n samples). Raises ValueError, and queues nothing, for a bad request."""
@@ -144,6 +158,8 @@ class Engine:
         max_tokens = min(params.max_tokens, self.max_model_len - len(token_ids))
         base_seed = params.seed if params.seed is not None else self._rng.getrandbits(32)
         group = RequestGroup(request_id, text, list(token_ids), params)
+        routing = self.routed_experts_shape if params.return_routed_experts else None  # (L_moe, k)
+        routing_rows = len(token_ids) + min(max_tokens, 512)  # a first capacity of the rows (they grow as needed)
         for j in range(params.n):
             req = Request(
                 req_id=f"{request_id}-{j}",
@@ -156,6 +172,7 @@ class Engine:
                 num_prompt_tokens=len(token_ids),
                 spec_stats=new_spec_stats(self.config.speculative.num_speculative_tokens) if self.config.speculative else None,
                 cache_keys=() if params.cache_salt is None else (("cache_salt", params.cache_salt),),
+                routed_experts=None if routing is None else RoutedExperts(*routing, routing_rows),
             )
             group.members.append(req)
         self.output_processor.add(group, kind)
@@ -450,6 +467,10 @@ class Engine:
     def _validate_prompt(self, token_ids: list[int], params: SamplingParams) -> None:
         if len(token_ids) == 0:
             raise ValueError("prompt is empty")
+        if params.return_routed_experts:
+            refusal = self.routed_experts_refusal()
+            if refusal is not None:
+                raise ValueError(f"SamplingParams.return_routed_experts: {refusal}")
         if params.stop and self.tokenizer is None:
             raise ValueError(f"stop strings need a tokenizer, but {self.config.tokenizer or self.config.model} has no "
                              "tokenizer.json; use stop_token_ids")

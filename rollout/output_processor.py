@@ -26,7 +26,8 @@ text); a finished sample's text is cut at its matched stop string (after it with
 or else all its tokens decoded (`flush`). So a sample's deltas concatenate to its final text, and no output
 holds text that the final text lacks. Token lists count the tokens that exist: the placeholders of steps in
 flight (async scheduling) are left out. Scalars (num_preemptions, spec_decode_stats, stop_reason) are the
-sample's current values in every kind.
+sample's current values in every kind. Routed experts (MoE, when asked for) are a copy of the sample's rows of
+positions 0 .. P + L - 2 in cumulative outputs (so O(P + L) per output) and only in a DELTA sample's last delta.
 
 Adding an output field: a field of `CompletionOutput` (rollout/outputs.py), filled in `_completion` (a
 per-token list is sliced `[lo:num]` like the others, so DELTA and CUMULATIVE both work), and folded in
@@ -200,6 +201,8 @@ class OutputProcessor:
             num_preemptions=r.num_preemptions,
             spec_decode_stats=None if r.spec_stats is None else spec_stats_summary(r.spec_stats),
             stop_reason=r.stop_reason if finished else None,
+            routed_experts=r.routed_experts.first(start + num - 1)
+            if r.routed_experts is not None and (finished or not delta) else None,
         )
 
     def _text(self, s: _Sample, num: int, finished: bool, delta: bool) -> str | None:

@@ -9,6 +9,10 @@ rollout/output_processor.py builds them.
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    import numpy as np
 
 
 @dataclass(kw_only=True, slots=True)
@@ -35,6 +39,16 @@ class CompletionOutput:
     spec_decode_stats: dict | None = None
     stop_reason: int | str | None = None
     """The stop token id or stop string that ended the completion; None for EOS, length or abort."""
+    routed_experts: "np.ndarray | None" = None
+    """With `SamplingParams.return_routed_experts` (MoE models): int32 [P + L - 1, num_moe_layers, top_k] for P
+    prompt tokens and L = len(token_ids) generated ones: row t holds the top-k experts (in the router's order,
+    most probable first) chosen at each MoE layer for input position t, i.e. the prompt and every generated token
+    but the last — what a trainer's forward over prompt + completion replays (its row t routes the token at
+    position t). Rows of positions served from the prefix cache are those of the computation that filled the
+    blocks (so the n samples share the rows of their prompt's full blocks). Cumulative and final outputs carry
+    it; a DELTA output carries it only in the sample's last delta (the one with finish_reason), whole (prompt
+    rows included), and None before. A sample without a token yet (still computing its prompt, or aborted
+    before its first token) has only the rows of the positions computed so far. None when not asked for."""
 
     @property
     def finished(self) -> bool:
@@ -54,6 +68,8 @@ class CompletionOutput:
             self.text = (self.text or "") + delta.text
         self.finish_reason, self.stop_reason = delta.finish_reason, delta.stop_reason
         self.num_preemptions, self.spec_decode_stats = delta.num_preemptions, delta.spec_decode_stats
+        if delta.routed_experts is not None:  # a sample's last delta carries them whole
+            self.routed_experts = delta.routed_experts
 
 
 @dataclass(kw_only=True, slots=True)

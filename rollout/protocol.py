@@ -90,6 +90,10 @@ class _SamplingFields(_Strict):
     """vLLM's: the logprob of every prompt token (after the first) under the model, and the top-N."""
     cache_salt: Nullable(CacheSalt) = None
     """vLLM's: requests with different salts never share prefix-cache blocks."""
+    return_routed_experts: bool = False
+    """This engine's (MoE routing replay): each choice's `routed_experts`, base64 of the little-endian int32
+    array [P + L - 1, num_moe_layers, top_k] of the experts chosen at every input position (the prompt and
+    every completion token but the last), with its `routed_experts_shape`; streamed, in the choice's last chunk."""
 
     @model_validator(mode="after")
     def _stream_options_need_stream(self):
@@ -236,8 +240,10 @@ class GenerateRequest(_Strict):
     stream: bool = False
     rid: Union[str, list[str], None] = Field(default=None, description="a string, or a list of one per prompt")
     cache_salt: Nullable(CacheSalt) = None
-    return_routed_experts: Literal[False] = Field(
-        default=False, description="false (routing replay is not offered over HTTP)")
+    return_routed_experts: bool = False
+    """SGLang's (MoE routing replay): `meta_info.routed_experts`, base64 of the little-endian int32 array
+    [P + L - 1, num_moe_layers, top_k] (C order) of the experts chosen at every input position; streamed, in
+    the last result."""
 
     @model_validator(mode="after")
     def _one_prompt_field(self):
@@ -419,6 +425,11 @@ class CompletionChoice(BaseModel):
     policy_versions: list[int] | None = Extension()
     """The engine's policy version when each token was sampled."""
     spec_decode_stats: dict | None = Extension()
+    routed_experts: str | None = Extension()
+    """base64 of the int32 [P + L - 1, num_moe_layers, top_k] array (little-endian, C order) of the completion's
+    routed experts (`return_routed_experts`)."""
+    routed_experts_shape: list[int] | None = Extension()
+    """The shape of `routed_experts`: [P + L - 1, num_moe_layers, top_k]."""
 
 
 class CompletionResponse(BaseModel):
@@ -477,6 +488,8 @@ class ChatChoice(BaseModel):
     token_ids: list[int] | None = Extension()
     policy_versions: list[int] | None = Extension()
     spec_decode_stats: dict | None = Extension()
+    routed_experts: str | None = Extension()
+    routed_experts_shape: list[int] | None = Extension()
 
 
 class ChatCompletionResponse(BaseModel):
@@ -505,6 +518,8 @@ class ChatStreamChoice(BaseModel):
     token_ids: list[int] | None = Extension()
     policy_versions: list[int] | None = Extension()
     spec_decode_stats: dict | None = Extension()
+    routed_experts: str | None = Extension()
+    routed_experts_shape: list[int] | None = Extension()
 
 
 class ChatCompletionChunk(BaseModel):

@@ -2,7 +2,8 @@
 
 A prompt with n samples becomes n `Request`s of one `RequestGroup`; sample j's id is
 "<request_id>-<j>". The group makes later samples wait until the prompt's full blocks are computed once,
-so all n share them through the prefix cache. Pure Python; no tensors.
+so all n share them through the prefix cache. Pure Python; no tensors (a sample that asked for its routed
+experts keeps them in a numpy array, `RoutedExperts`).
 """
 
 from __future__ import annotations
@@ -10,6 +11,8 @@ from __future__ import annotations
 import enum
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
+
+import numpy as np
 
 from rollout.sampling_params import SamplingParams
 
@@ -28,6 +31,33 @@ class RequestStatus(enum.Enum):
     @property
     def finished(self) -> bool:
         return self in (RequestStatus.FINISHED_STOPPED, RequestStatus.FINISHED_LENGTH, RequestStatus.FINISHED_ABORTED)
+
+
+class RoutedExperts:
+    """The experts a MoE model routed one sample's positions to: int32 rows [position, num_moe_layers, top_k],
+    written by position as the runner reports them (`write`), so a position computed again (after preemption)
+    overwrites its row. Grows by doubling."""
+
+    __slots__ = ("rows", "num_rows")
+
+    def __init__(self, num_moe_layers: int, top_k: int, capacity: int) -> None:
+        self.rows = np.zeros((max(1, capacity), num_moe_layers, top_k), dtype=np.int32)  # [capacity, L_moe, k]
+        self.num_rows = 0  # positions 0 .. num_rows - 1 are reported (by the latest computation)
+
+    def write(self, start: int, rows: np.ndarray) -> None:
+        """Rows of positions start .. start + len(rows) - 1; later positions are stale until reported again."""
+        assert start <= self.num_rows, (start, self.num_rows)  # reports are contiguous, or restart lower
+        end = start + rows.shape[0]
+        if end > self.rows.shape[0]:
+            grown = np.zeros((max(end, 2 * self.rows.shape[0]), *self.rows.shape[1:]), dtype=np.int32)
+            grown[:start] = self.rows[:start]
+            self.rows = grown
+        self.rows[start:end] = rows
+        self.num_rows = end
+
+    def first(self, n: int) -> np.ndarray:
+        """A copy of the rows of positions 0 .. n - 1 (fewer if fewer are reported)."""
+        return self.rows[: min(n, self.num_rows)].copy()
 
 
 @dataclass(eq=False)
@@ -79,6 +109,7 @@ class Request:
     stop_strings: "StopStrings | None" = None  # when params.stop is set: set by the engine's OutputProcessor, it
     # reads the sample's incrementally decoded text
     stop_reason: int | str | None = None  # the stop token id or string that ended it; None for EOS / length
+    routed_experts: RoutedExperts | None = None  # when params.return_routed_experts (set by the engine)
 
     def __post_init__(self) -> None:
         params = self.group.params

@@ -107,6 +107,11 @@ class SamplingParams:
     """With `skip_special_tokens=False`: set each special token in `text` apart from the text around it by one
     space (vLLM's default, transformers' slow tokenizers); False: the tokenizer's plain decode
     (rollout/tokenizer.py says exactly what each gives). No effect while special tokens are skipped."""
+    return_routed_experts: bool = False
+    """MoE models (routing replay, R3): each completion's `routed_experts` holds the top-k experts the engine's
+    router chose at every MoE layer for every position it ran as input (the prompt and every generated token
+    but the last), so a trainer's forward can use the rollout's experts. A dense model, or an engine with
+    `EngineConfig.enable_return_routed_experts` off, refuses the request."""
 
     def __post_init__(self) -> None:
         self.n = _integer("n", self.n, ">= 1")
@@ -151,7 +156,7 @@ class SamplingParams:
             raise ValueError(f"SamplingParams.stop must be a string or a list of non-empty strings, got {self.stop!r}")
         self.stop = list(self.stop)
         for name in ("include_stop_str_in_output", "ignore_eos", "logprobs", "skip_special_tokens", "speculative",
-                     "add_special_tokens", "spaces_between_special_tokens"):
+                     "add_special_tokens", "spaces_between_special_tokens", "return_routed_experts"):
             if not isinstance(getattr(self, name), bool):
                 raise ValueError(f"SamplingParams.{name} must be a bool (true or false), got {getattr(self, name)!r}")
         if self.cache_salt is not None:
@@ -175,4 +180,5 @@ class SamplingParams:
     def runner_sampling(self, seed: int) -> RequestSampling:
         """What the runner needs of these settings for one sample (whose noise seed is `seed`)."""
         return RequestSampling(temperature=self.temperature, top_k=self.top_k, top_p=self.top_p, min_p=self.min_p,
-                               seed=seed, top_logprobs=self.top_logprobs, speculative=self.speculative)
+                               seed=seed, top_logprobs=self.top_logprobs, speculative=self.speculative,
+                               return_routed_experts=self.return_routed_experts)

@@ -227,6 +227,11 @@ class Scheduler:
         requests, block_size = self.requests, self.kv.block_size
         if not advanced:
             self._advance_computed(sched)
+        if out.routed_experts:  # MoE routing replay: rows of the positions that became final, by position
+            for req_id, (start, rows) in out.routed_experts.items():
+                req = requests.get(req_id)
+                if req is not None and req.status is RequestStatus.RUNNING and req.routed_experts is not None:
+                    req.routed_experts.write(start, rows)
         changed: list[Request] = []
         finished: list[tuple[Request, RequestStatus]] = []
         version, running = self.policy_version, RequestStatus.RUNNING

@@ -14,7 +14,8 @@ RL clients call it, and SGLang's native `/generate` and RL control endpoints.
                                       tool_choice ("auto" / "none"), tool calls parsed into `tool_calls`,
                                       streaming deltas, logprobs / top_logprobs, and the same extensions
     POST /generate                    SGLang's: {"text" | "input_ids", "sampling_params", "return_logprob",
-                                      "top_logprobs_num", "rid", "stream"}; one result per sample
+                                      "top_logprobs_num", "rid", "stream", "return_routed_experts"}; one result
+                                      per sample
     GET  /get_model_info              {"model_path", "served_model_name", "policy_version", "has_tokenizer", ...}
     GET  /get_weight_version          {"weight_version": "7"}: the policy version as SGLang's string
     GET  /health_generate             200 once the engine generated a token (while paused: at once; asleep: once
@@ -55,7 +56,11 @@ pending prompts, cache-salt length, token ids in the vocabulary). Every error is
 requests, streaming or not, and costs one log line.
 
 Every choice carries the policy version of each of its tokens (`policy_versions`) and, when speculating,
-its acceptance counters (`spec_decode_stats`). `prompt_logprobs` (and `echo` with `logprobs`) score the prompt
+its acceptance counters (`spec_decode_stats`). MoE routing replay: with `return_routed_experts`, /generate's
+`meta_info.routed_experts` (SGLang's field) and the OpenAI choices' `routed_experts` (with
+`routed_experts_shape`) are base64 of the little-endian int32 array [P + L - 1, num_moe_layers, top_k] of the
+experts chosen at every input position (`CompletionOutput.routed_experts`); streamed, in the last chunk of a
+choice (the last result of /generate). A model without MoE layers refuses the field with a 400. `prompt_logprobs` (and `echo` with `logprobs`) score the prompt
 in a scoring pass between engine steps (runner/scoring.py) over KV blocks lent from the engine's pool, once per
 prompt; those are the model's raw logprobs (no temperature), as vLLM returns them.
 
@@ -66,6 +71,7 @@ Not here: chat templates (rollout/chat.py), tool-call formats (rollout/tool_pars
 from __future__ import annotations
 
 import asyncio
+import base64
 import hmac
 import json
 import logging
@@ -76,6 +82,7 @@ import uuid
 from collections.abc import AsyncIterator, Callable
 from typing import Any
 
+import numpy as np
 from pydantic import BaseModel, ValidationError
 from starlette.exceptions import HTTPException
 from starlette.requests import Request
@@ -133,6 +140,14 @@ def _usage(num_prompt_tokens: int, num_completion_tokens: int, num_cached_tokens
     return P.Usage(prompt_tokens=num_prompt_tokens, completion_tokens=num_completion_tokens,
                    total_tokens=num_prompt_tokens + num_completion_tokens,
                    prompt_tokens_details=P.PromptTokensDetails(cached_tokens=num_cached_tokens))
+
+
+def _routed(rows: np.ndarray | None) -> tuple[str, list[int]] | tuple[None, None]:
+    """(base64 of the int32 array's bytes, little-endian and C order, as SGLang sends `routed_experts`; its
+    shape), or (None, None) when there are none."""
+    if rows is None:
+        return None, None
+    return base64.b64encode(np.ascontiguousarray(rows, dtype="<i4").tobytes()).decode("ascii"), list(rows.shape)
 
 
 def _stops(stop: str | list[str] | None) -> list[str]:
@@ -295,6 +310,7 @@ class _Server:
         self.max_model_len = eng.max_model_len
         self.max_prompt_tokens = min(config.max_prompt_tokens or eng.max_model_len - 1, eng.max_model_len - 1)
         self.max_tokens = min(config.max_tokens or eng.max_model_len, eng.max_model_len)
+        self.routed_experts_refusal = eng.routed_experts_refusal()  # None: requests may ask for routed experts
         self.template = ChatTemplate.from_model_dir(eng.tokenizer_dir, override=config.chat_template)
         self.tool_parser = ToolParsers.get(config.tool_parser)
         self.created = int(time.time())
@@ -384,6 +400,10 @@ class _Server:
         if max_tokens is not None and max_tokens > self.max_tokens:
             raise APIError(400, f"{param_max_tokens} must be <= {self.max_tokens} (the server's bound), got "
                                 f"{max_tokens}", param=param_max_tokens)
+
+    def check_routed_experts(self, asked: bool) -> None:
+        if asked and self.routed_experts_refusal is not None:
+            raise APIError(400, f"return_routed_experts: {self.routed_experts_refusal}", param="return_routed_experts")
 
     def bounded_default(self, req: BaseModel, name: str) -> int:
         """`req.<name>` (a completion-token count) as given, or its default capped at the server's bound."""
@@ -523,6 +543,10 @@ class _Server:
         self.check_model(req.model)
         max_tokens = self.bounded_default(req, "max_tokens")
         self.check_common(req.n, req.cache_salt, req.stop_token_ids, max_tokens)
+        self.check_routed_experts(req.return_routed_experts)
+        if req.return_routed_experts and max_tokens == 0:
+            raise APIError(400, "return_routed_experts needs max_tokens >= 1 (max_tokens 0 runs no generation)",
+                           param="return_routed_experts")
         p = req.prompt
         items = [p] if isinstance(p, str) or isinstance(p[0], int) else list(p)
         texts, prompts = [], []
@@ -542,7 +566,8 @@ class _Server:
                 max_tokens=max_tokens, min_tokens=req.min_tokens, seed=req.seed, stop=_stops(req.stop),
                 stop_token_ids=req.stop_token_ids or [], include_stop_str_in_output=req.include_stop_str_in_output,
                 ignore_eos=req.ignore_eos, top_logprobs=req.logprobs or 0, skip_special_tokens=req.skip_special_tokens,
-                spaces_between_special_tokens=req.spaces_between_special_tokens, cache_salt=req.cache_salt)
+                spaces_between_special_tokens=req.spaces_between_special_tokens, cache_salt=req.cache_salt,
+                return_routed_experts=req.return_routed_experts)
         echo_logprobs = req.echo and req.logprobs is not None
         score_top = None
         if echo_logprobs or req.prompt_logprobs is not None:
@@ -596,6 +621,7 @@ class _Server:
         text = (prompt_text if echo else "") + (c.text or "")
         choice = P.CompletionChoice(index=index, text=text, finish_reason=c.finish_reason, stop_reason=c.stop_reason,
                                     policy_versions=c.policy_versions, spec_decode_stats=c.spec_decode_stats)
+        choice.routed_experts, choice.routed_experts_shape = _routed(c.routed_experts)
         if req.logprobs is not None:
             ids, lps, top = list(c.token_ids), list(c.logprobs or [None] * len(c.token_ids)), c.top_logprobs
             if echo:
@@ -684,6 +710,7 @@ class _Server:
         max_tokens = req.max_completion_tokens if req.max_completion_tokens is not None else req.max_tokens
         self.check_common(req.n, req.cache_salt, req.stop_token_ids, max_tokens,
                           "max_completion_tokens" if req.max_completion_tokens is not None else "max_tokens")
+        self.check_routed_experts(req.return_routed_experts)
         if self.template is None:
             raise APIError(400, "this model has no chat template (tokenizer_config.json's chat_template or "
                                 "chat_template.jinja): give the server one (ServerConfig.chat_template) or use "
@@ -705,7 +732,8 @@ class _Server:
             max_tokens=max_tokens, min_tokens=req.min_tokens, seed=req.seed, stop=_stops(req.stop),
             stop_token_ids=req.stop_token_ids or [], include_stop_str_in_output=req.include_stop_str_in_output,
             ignore_eos=req.ignore_eos, top_logprobs=num_top, skip_special_tokens=req.skip_special_tokens,
-            spaces_between_special_tokens=req.spaces_between_special_tokens, cache_salt=req.cache_salt)
+            spaces_between_special_tokens=req.spaces_between_special_tokens, cache_salt=req.cache_salt,
+            return_routed_experts=req.return_routed_experts)
         rid = f"chatcmpl-{uuid.uuid4().hex}"
         release = self.admit(1)
         if req.stream:
@@ -732,6 +760,7 @@ class _Server:
                                   logprobs=self.chat_logprobs(c, num_top, req.return_tokens_as_token_ids)
                                   if req.logprobs else None,
                                   policy_versions=c.policy_versions, spec_decode_stats=c.spec_decode_stats)
+            choice.routed_experts, choice.routed_experts_shape = _routed(c.routed_experts)
             if req.return_token_ids:
                 choice.token_ids = c.token_ids
             choices.append(choice)
@@ -800,6 +829,7 @@ class _Server:
                         if req.logprobs else None,
                         policy_versions=c.policy_versions,
                         spec_decode_stats=c.spec_decode_stats if c.finished else None)
+                    choice.routed_experts, choice.routed_experts_shape = _routed(c.routed_experts)  # the last delta's
                     if req.return_token_ids:
                         choice.token_ids = c.token_ids
                     yield chunk(choice)
@@ -815,6 +845,7 @@ class _Server:
         sp = req.sampling_params or P.SGLangSamplingParams()
         max_tokens = self.bounded_default(sp, "max_new_tokens")
         self.check_common(sp.n, req.cache_salt, sp.stop_token_ids, max_tokens, "sampling_params.max_new_tokens")
+        self.check_routed_experts(req.return_routed_experts)
         field = "text" if req.text is not None else "input_ids"
         value = req.text if req.text is not None else req.input_ids
         batched = not (isinstance(value, str) or isinstance(value[0], int))
@@ -839,7 +870,8 @@ class _Server:
             stop_token_ids=sp.stop_token_ids or [], include_stop_str_in_output=sp.no_stop_trim,
             ignore_eos=sp.ignore_eos,
             top_logprobs=req.top_logprobs_num, skip_special_tokens=sp.skip_special_tokens,
-            spaces_between_special_tokens=sp.spaces_between_special_tokens, cache_salt=req.cache_salt)
+            spaces_between_special_tokens=sp.spaces_between_special_tokens, cache_salt=req.cache_salt,
+            return_routed_experts=req.return_routed_experts)
         if req.stream and batched:
             raise APIError(400, "stream takes one prompt (send one /generate per prompt)", param="stream")
         release = self.admit(len(prompts))
@@ -869,6 +901,8 @@ class _Server:
                                           else self.engine.engine.policy_version)}
             if c.spec_decode_stats is not None:
                 meta["spec_decode_stats"] = c.spec_decode_stats
+            if c.routed_experts is not None:  # streamed: the last result only
+                meta["routed_experts"] = _routed(c.routed_experts)[0]
             if req.return_logprob:
                 text = self.token_text if req.return_text_in_logprobs else (lambda t: None)
                 meta["output_token_logprobs"] = [[_finite(lp), t, text(t)]

@@ -55,3 +55,4 @@ class RunnerConfig:
     tp_sampling: str = "sharded"
     deterministic: bool = False
     speculative: SpeculativeConfig | None = None
+    enable_return_routed_experts: bool = True

@@ -63,6 +63,9 @@ class InputBatch:
         for name, (dtype, empty) in SAMPLING_COLUMNS.items():
             setattr(self, name, np.full(S, empty, dtype=dtype))
         self.slot_epoch = np.zeros(S, dtype=np.int64)  # [S] bumped whenever a slot changes hands
+        # [S] MoE routing replay: the slot's first position whose routed experts are not reported yet; -1 for
+        # requests that did not ask (runner/model_runner.py gathers them after each step)
+        self.routed_from = np.full(S, -1, dtype=np.int64)
         self.slot_of: dict[str, int] = {}
         self.free_slots = list(range(S - 1, -1, -1))
 
@@ -86,6 +89,7 @@ class InputBatch:
             sampling = new.sampling
             for name in SAMPLING_COLUMNS:
                 getattr(self, name)[slot] = getattr(sampling, name)
+            self.routed_from[slot] = 0 if sampling.return_routed_experts else -1
         cached = sched.cached_reqs
         if cached.req_ids:
             slot_of = self.slot_of
@@ -131,6 +135,17 @@ class InputBatch:
             max_query_len=int(n_sched.max()) if len(req_ids) else 0,
             max_seq_len=int(seq_lens.max()) if len(req_ids) else 0,
         )
+
+    def kv_slots(self, slots: np.ndarray, starts: np.ndarray, ends: np.ndarray) -> np.ndarray:
+        """[sum(ends - starts)] int64: the KV-cache slot of every position in [starts[i], ends[i]) of each
+        `slots[i]`, through its block table, concatenated in order."""
+        lengths = ends - starts
+        row = np.repeat(np.arange(slots.shape[0]), lengths)
+        cu = np.zeros(slots.shape[0] + 1, dtype=np.int64)
+        np.cumsum(lengths, out=cu[1:])
+        positions = starts[row] + (np.arange(int(cu[-1])) - cu[:-1][row])
+        blocks = self.block_table[slots[row], positions // self.block_size].astype(np.int64)
+        return blocks * self.block_size + positions % self.block_size
 
     def truncation_uses(self, slots: np.ndarray, vocab_size: int) -> tuple[bool, bool, bool]:
         """Whether any of these slots samples with (top-k, top-p, min-p)."""

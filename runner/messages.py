@@ -3,7 +3,8 @@
     SchedulerOutput   new requests in full (NewRequestData, with their RequestSampling), running ones as
                       columns of diffs (CachedRequestData), tokens to compute per request, finished and
                       preempted ids whose runner slots are freed
-    RunnerOutput      per request that sampled: its new token(s), logprobs, top logprobs, drafts
+    RunnerOutput      per request that sampled: its new token(s), logprobs, top logprobs, drafts; per
+                      request that asked (MoE): the routed experts of the positions that became final
 
 A leaf: this module imports nothing else of the project, nor torch, so `rollout/` (which builds them) and
 `runner/` (which reads them) share it without either importing the other. Everything here is plain data:
@@ -15,6 +16,7 @@ from __future__ import annotations
 
 import dataclasses
 from dataclasses import dataclass, field
+from typing import Any
 
 
 @dataclass(slots=True)
@@ -32,6 +34,7 @@ class RequestSampling:
     seed: int  # uint32 seed of this sample's noise
     top_logprobs: int = 0  # top-N (token, logprob) pairs per position; 0 = none
     speculative: bool = True  # may speculate when the engine has a drafter
+    return_routed_experts: bool = False  # MoE: report the top-k experts of every position it computes
 
 
 @dataclass(slots=True)
@@ -101,10 +104,19 @@ class SchedulerOutput:
 
 @dataclass(slots=True)
 class RunnerOutput:
-    """What the runner returns: for each request that sampled, its new tokens (1, or more when speculating)."""
+    """What the runner returns: for each request that sampled, its new tokens (1, or more when speculating).
+
+    `routed_experts`, for each request that asked (`RequestSampling.return_routed_experts`) and has positions
+    whose computation became final this step, whether it sampled or not: (first position, int32 numpy array
+    [n, num_moe_layers, top_k]), the experts chosen at positions first .. first + n - 1, from the first position
+    not reported yet up to the request's new computed count. A request (re)entering the runner reports from
+    position 0 (prefix-cache hits come from the cached blocks); with speculative decoding only accepted
+    positions are final. None when no request reports.
+    """
 
     req_ids: list[str]
     sampled_token_ids: list[list[int]]
     logprobs: list[list[float]] | None = None
     top_logprobs: list[list[list[tuple[int, float]]]] | None = None
     num_draft_tokens: list[int] | None = None  # per sampled request, when speculating
+    routed_experts: dict[str, tuple[int, Any]] | None = None  # req_id -> (first position, int32 [n, L_moe, k])

@@ -9,6 +9,17 @@
       tokens, logprobs = sampler(...)   counter-based noise, no host sync
       one copy of results to the host   the step's only sync
 
+MoE routing replay: a model with a `routed_experts_shape` (num_moe_layers, top_k) gets a routing store next to
+the KV cache, int32 [num_kv_blocks * block_size + 1, num_moe_layers, top_k] (`routed_store`: one row per KV
+slot, and a last one that takes padding tokens' writes, slot -1), bound with `model.bind_routed_experts`,
+allocated, freed, slept and woken with the cache, and counted in its per-block bytes. Its MoE layers write
+the experts of every token they run at the token's KV slot. For the requests that asked
+(`RequestSampling.return_routed_experts`), each step gathers the rows of the positions that became final,
+from the first one not reported yet (`InputBatch.routed_from`) through the block table, right after the
+forward, and copies them out with the sampled tokens (`RoutedGather`, into `RunnerOutput.routed_experts`);
+steps without such requests do nothing of this. Under tensor parallelism
+only rank 0 keeps a store (the router is replicated, so rank 0's choices are every rank's).
+
 The device buffers (`[max_num_batched_tokens]`, `[max_num_seqs, ...]`) are allocated once, so a CUDA
 graph can capture a step that reads them. Under tensor parallelism (`tp` given) the runner is one rank's:
 its model shard, its KV heads, and a sampler that takes the rank's vocabulary shard of the logits
@@ -27,6 +38,7 @@ import torch
 
 from runner.attention import AttentionBackend, AttentionMetadata
 from runner.config import RunnerConfig
+from kernels.common import upload
 from runner.input_batch import InputBatch, StepInputs
 from runner.loader import CheckpointWeights, load_model
 from runner.messages import RunnerOutput, SchedulerOutput
@@ -37,6 +49,32 @@ from runner.step_buffers import StepBuffers
 from runner.weight_sync import WeightSync
 
 logger = logging.getLogger(__name__)
+
+
+@dataclass(slots=True)
+class RoutedGather:
+    """The routed experts one step reports: positions [starts[i], ends[i]) of each request that asked,
+    gathered from the routing store after the step's forward (`ModelRunner.routed_plan` / `routed_launch`)."""
+
+    req_ids: list[str]
+    rows: np.ndarray  # [Q] int64 batch rows of the reporting requests
+    slots: np.ndarray  # [Q] int64 their runner slots
+    starts: np.ndarray  # [Q] int64 first position not reported yet
+    ends: np.ndarray  # [Q] int64 the request's computed count after this step (speculative: drafts included)
+    host: torch.Tensor | None = None  # [sum(ends - starts), L_moe, k] int32 host (pinned on CUDA), copied non-blocking
+    event: "torch.cuda.Event | None" = None  # recorded after the copy
+
+    def result(self, ends: np.ndarray | None = None) -> dict[str, tuple[int, np.ndarray]]:
+        """req_id -> (first position, int32 [n, L_moe, k] rows), once the copy has landed; `ends` [Q] (speculative
+        steps: the accepted counts) cuts each request's rows short. The arrays are views of `host`."""
+        if self.event is not None:
+            self.event.synchronize()
+        rows, out, offset = self.host.numpy(), {}, 0
+        keep = self.ends if ends is None else ends
+        for req_id, start, end, kept in zip(self.req_ids, self.starts.tolist(), self.ends.tolist(), keep.tolist()):
+            out[req_id] = (start, rows[offset : offset + kept - start])
+            offset += end - start
+        return out
 
 
 @dataclass(slots=True)
@@ -51,6 +89,7 @@ class StepHandle:
     logprobs: torch.Tensor | None = None  # [R] float32 host
     top: tuple[torch.Tensor, torch.Tensor] | None = None  # device (ids [R, N], logprobs [R, N]) if asked for
     event: "torch.cuda.Event | None" = None  # recorded after the copies
+    routed: RoutedGather | None = None  # the routed experts the step reports, if any request asked
     output: RunnerOutput | None = None  # set when the step already ran to completion
 
     @classmethod
@@ -75,6 +114,12 @@ class ModelRunner:
             random_seed=config.seed if config.load_format == "dummy" else None,
         )
         self.num_kv_heads = self.model.num_kv_heads  # this rank's
+        shape = getattr(self.model, "routed_experts_shape", None) if config.enable_return_routed_experts else None
+        self.routed_experts_shape: tuple[int, int] | None = None if shape is None else tuple(shape)
+        """(num_moe_layers, top_k) when requests may ask for their routed experts; None for a dense model or with
+        `enable_return_routed_experts` off."""
+        self._keeps_routing = shape is not None and (tp is None or tp.rank == 0)
+        self.routed_store: torch.Tensor | None = None  # [num_kv_blocks * block_size + 1, L_moe, k] int32 (rank 0)
         if tp is None:
             self.weights = CheckpointWeights(self.model)
             self.sampler = Sampler(self.device, config.deterministic)
@@ -116,7 +161,11 @@ class ModelRunner:
         cfg = self.model_config
         elem = torch.finfo(self.dtype).bits // 8
         drafter = 0 if self.spec is None else self.spec.kv_bytes_per_block()
-        return 2 * cfg.num_layers * self.block_size * self.num_kv_heads * cfg.head_dim * elem + drafter
+        routing = 0
+        if self._keeps_routing:
+            num_moe_layers, top_k = self.routed_experts_shape
+            routing = self.block_size * num_moe_layers * top_k * 4  # int32 rows of the routing store
+        return 2 * cfg.num_layers * self.block_size * self.num_kv_heads * cfg.head_dim * elem + drafter + routing
 
     def determine_num_kv_blocks(self) -> int:
         if self.config.num_kv_blocks is not None:
@@ -207,6 +256,9 @@ class ModelRunner:
     def _drop_kv_cache(self) -> None:
         self.kv_caches = []
         self.model.bind_kv_cache([(None, None)] * self.model_config.num_layers)
+        if self.routed_store is not None:
+            self.routed_store = None
+            self.model.bind_routed_experts(None)
 
     def allocate_kv_cache(self, num_blocks: int, quiet: bool = False) -> None:
         cfg = self.model_config
@@ -216,6 +268,11 @@ class ModelRunner:
             for _ in range(cfg.num_layers)
         ]
         self.model.bind_kv_cache(self.kv_caches)
+        if self._keeps_routing:
+            # the last row takes the writes of padding tokens (KV slot -1), so the model writes unmasked
+            self.routed_store = torch.zeros(num_blocks * self.block_size + 1, *self.routed_experts_shape,
+                                            dtype=torch.int32, device=self.device)
+            self.model.bind_routed_experts(self.routed_store)
         if self.spec is not None:
             self.spec.allocate_kv_cache(num_blocks)
         self.num_kv_blocks = num_blocks
@@ -244,6 +301,7 @@ class ModelRunner:
         if self.spec is not None:
             return StepHandle.done(self.spec.execute(sched))
         inputs = self.input_batch.gather(sched)
+        routed = self.routed_plan(inputs)
         top_n = int(self.input_batch.top_logprobs[inputs.slots[inputs.sample_rows]].max(initial=0))
         uses = self.input_batch.truncation_uses(inputs.slots[inputs.sample_rows], self.model_config.vocab_size)
         num_reqs = inputs.slots.shape[0]
@@ -263,17 +321,24 @@ class ModelRunner:
             self.fill_padding_rows(num_reqs, size)
             self._upload(inputs, size, in_graph=True)
             tokens, logprobs = self.graphs.replay(size, any(uses))
-            return self._handle(inputs, tokens[:num_reqs], logprobs[:num_reqs], in_graph=True)
+            if routed is not None:
+                self.routed_launch(routed)
+            return self._handle(inputs, tokens[:num_reqs], logprobs[:num_reqs], in_graph=True, routed=routed)
         self._stage(inputs)
         self._upload(inputs, num_reqs)
         meta = self._metadata(inputs)
         T = inputs.input_ids.shape[0]
         hidden = self.model(b.input_ids[:T], b.positions[:T], meta)
+        if routed is not None:
+            self.routed_launch(routed)
         if R == 0:
-            return StepHandle.done(RunnerOutput(req_ids=[], sampled_token_ids=[]))
+            if routed is None:
+                return StepHandle.done(RunnerOutput(req_ids=[], sampled_token_ids=[]))
+            nothing = torch.empty(0, dtype=torch.int64, device=self.device)  # no token; the routing rows come out
+            return self._handle(inputs, nothing, nothing.float(), routed=routed)
         logits = self.model.compute_logits(hidden[b.logits_indices[:R]])
         tokens, logprobs, top = self.sampler(logits, b.sampling(R, uses, top_n))
-        return self._handle(inputs, tokens, logprobs, top)
+        return self._handle(inputs, tokens, logprobs, top, routed=routed)
 
     def _upload(self, inputs: StepInputs, num_block_rows: int, in_graph: bool = False) -> None:
         """Copy the staged inputs to the device (three copies from pinned memory, no host wait) and fill
@@ -297,7 +362,7 @@ class ModelRunner:
             self._upload_done.record()
 
     def _handle(self, inputs: StepInputs, tokens: torch.Tensor, logprobs: torch.Tensor, top=None,
-                in_graph: bool = False) -> "StepHandle":
+                in_graph: bool = False, routed: RoutedGather | None = None) -> "StepHandle":
         """Start the copy of this step's results to the host and put placeholders in the sampling slots.
 
         `top` (ids [R, N], logprobs [R, N] on the device), when asked for, is copied out at `collect`.
@@ -321,7 +386,7 @@ class ModelRunner:
         ib.num_tokens[slots] += 1
         return StepHandle(req_ids=[inputs.req_ids[r] for r in rows.tolist()], slots=slots, positions=positions,
                           epochs=ib.slot_epoch[slots].copy(), tokens=out_tokens[:R], logprobs=out_logprobs[:R],
-                          top=top, event=event)
+                          top=top, event=event, routed=routed)
 
     def collect(self, handle: "StepHandle") -> RunnerOutput:
         """Wait for a launched step; write its tokens into the slots that still hold their requests."""
@@ -343,7 +408,46 @@ class ModelRunner:
             sampled_token_ids=[[t] for t in token_list],
             logprobs=[[lp] for lp in logprob_list],
             top_logprobs=top_list,
+            routed_experts=None if handle.routed is None else handle.routed.result(),
         )
+
+    # ---- routing replay (MoE) --------------------------------------------------------------------------
+    def routed_plan(self, inputs: StepInputs) -> RoutedGather | None:
+        """What this step reports of the routed experts (host side only), or None: no store here, or no request
+        of the step asked. Each reporting request: from its first position not reported yet to its computed
+        count after the step."""
+        if self.routed_store is None:
+            return None
+        ib = self.input_batch
+        starts = ib.routed_from[inputs.slots]  # [B]
+        rows = np.flatnonzero(starts >= 0)
+        if rows.shape[0] == 0:
+            return None
+        return RoutedGather(req_ids=[inputs.req_ids[r] for r in rows.tolist()], rows=rows, slots=inputs.slots[rows],
+                            starts=starts[rows], ends=inputs.seq_lens[rows].astype(np.int64))
+
+    def routed_launch(self, gather: RoutedGather, final: bool = True) -> None:
+        """Enqueue, after the step's forward (which wrote the rows), the gather of `gather`'s rows from the store
+        through the block tables and their copy to the host; no host wait. `final`: every position the step
+        computed is final, so the requests report from `gather.ends` on (speculative steps: `routed_finish`)."""
+        ib = self.input_batch
+        index = upload(torch.from_numpy(ib.kv_slots(gather.slots, gather.starts, gather.ends)), self.device)
+        rows = self.routed_store.index_select(0, index)  # [N, L_moe, k]
+        if self.device.type == "cuda":
+            gather.host = torch.empty(rows.shape, dtype=torch.int32, pin_memory=True)
+            gather.host.copy_(rows, non_blocking=True)
+            gather.event = torch.cuda.Event()
+            gather.event.record()
+        else:
+            gather.host = rows
+        if final:
+            ib.routed_from[gather.slots] = gather.ends
+
+    def routed_finish(self, gather: RoutedGather, ends: np.ndarray) -> dict[str, tuple[int, np.ndarray]]:
+        """A speculative step's report: each request's rows up to `ends` [Q], its computed count once rejected
+        drafts are rolled back; it reports from there on next."""
+        self.input_batch.routed_from[gather.slots] = ends
+        return gather.result(ends)
 
     # ---- CUDA graphs -----------------------------------------------------------------------------------
     @torch.inference_mode()

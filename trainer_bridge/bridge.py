@@ -6,6 +6,10 @@
     m     = bridge.logprob_mismatch(batch, trainer_logprobs)
     w, s  = bridge.importance_weights(batch, trainer_logprobs, mode="tis", cap=2.0)   TIS / MIS weights
 
+MoE routing replay (R3): with `routed_experts` on (the default when the engine's model routes), every sample
+carries the experts the rollout chose at each of its input positions, and `PaddedBatch.routed_experts` lines
+them up with `input_ids` for `TrainingModel.token_logprobs(..., routed_experts=...)`.
+
 The engine behind it is a local `rollout.Engine` (same process) or a `rollout.pool.RolloutPool`; both
 offer `generate`, `weight_specs`, `apply_weight_update` and `policy_version`, which is all this module
 uses. The bridge keeps the trainer-side snapshot (the `WeightDiffer`), so each push after the first is a
@@ -20,6 +24,7 @@ import time
 from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass
 
+import numpy as np
 import torch
 
 from rollout.sampling_params import SamplingParams
@@ -44,7 +49,8 @@ class TokenSample:
         num_prompt_tokens = 4
 
     A trainer's `token_logprobs(input_ids)` is `[B, L - 1]` with entry t scoring token t + 1, so it lines
-    up with `logprobs[1:]` and `loss_mask[1:]`.
+    up with `logprobs[1:]` and `loss_mask[1:]`. `routed_experts` (MoE, when asked for) has one row per input
+    position 0 .. L - 2, the trainer's forward's `routed_experts[:, t]`.
     """
 
     prompt_index: int
@@ -60,11 +66,15 @@ class TokenSample:
     """"stop" or "length" (see rollout.outputs.CompletionOutput)."""
     completion_text: str | None = None
     """Detokenized completion when the engine has a tokenizer."""
+    routed_experts: np.ndarray | None = None
+    """MoE routing replay: int32 [L - 1, num_moe_layers, top_k], the experts the rollout routed the token at
+    each position 0 .. L - 2 to (`CompletionOutput.routed_experts`); None when not asked for."""
 
     def __post_init__(self) -> None:
         n = len(self.token_ids)
         assert len(self.loss_mask) == len(self.logprobs) == len(self.policy_versions) == n, "ragged TokenSample"
         assert 0 < self.num_prompt_tokens <= n
+        assert self.routed_experts is None or self.routed_experts.shape[0] == n - 1, "routed_experts misaligned"
 
     @property
     def completion_ids(self) -> list[int]:
@@ -80,6 +90,10 @@ class PaddedBatch:
     logprobs: torch.Tensor  # [B, T] float32 rollout logprobs, 0 on prompt and padding
     policy_versions: torch.Tensor  # [B, T] int64, -1 on prompt and padding
     lengths: torch.Tensor  # [B] int64 stream lengths
+    # [B, T - 1, num_moe_layers, top_k] int32 rollout experts of input positions 0 .. T - 2 (MoE routing replay;
+    # None unless every sample has them: a sample aborted before it ran has none); padding positions route to
+    # experts 0 .. top_k - 1 (their outputs are masked out)
+    routed_experts: torch.Tensor | None = None
 
 
 @dataclass(kw_only=True, slots=True)
@@ -120,9 +134,16 @@ class RolloutBatch:
             logprobs[i, :n] = torch.tensor(s.logprobs, dtype=torch.float32)
             versions[i, :n] = torch.tensor(s.policy_versions)
         lengths = torch.tensor([len(s.token_ids) for s in self.samples])  # [B]
+        routed = None
+        if all(s.routed_experts is not None for s in self.samples):
+            _, num_layers, top_k = self.samples[0].routed_experts.shape
+            routed = torch.arange(top_k, dtype=torch.int32).expand(b, width - 1, num_layers, top_k).clone()
+            for i, s in enumerate(self.samples):
+                routed[i, : len(s.token_ids) - 1] = torch.from_numpy(s.routed_experts)
+            routed = routed.to(device)
         return PaddedBatch(
             input_ids=input_ids.to(device), loss_mask=loss_mask.to(device), logprobs=logprobs.to(device),
-            policy_versions=versions.to(device), lengths=lengths.to(device),
+            policy_versions=versions.to(device), lengths=lengths.to(device), routed_experts=routed,
         )
 
 
@@ -234,14 +255,22 @@ class TrainerBridge:
     rank r maps it (/dev/shm on the CPU, rank r's GPU through CUDA IPC) and applied with
     `Engine.update_weights_rank_local`: no rank receives another rank's part. The counts and bytes of its
     `PushResult` are summed over ranks (a replicated tensor counts once per rank).
+
+    `routed_experts` (MoE routing replay): every rollout asks for the experts each sample was routed to
+    (`SamplingParams.return_routed_experts`), and its samples and padded batches carry them. None: on when the
+    engine says its model routes (`Engine.routed_experts_shape`; a pool does not say, so off there unless True).
     """
 
     def __init__(self, engine, *, diff_config: DiffConfig = DiffConfig(), snapshot_device: str = "cpu",
-                 rank_local: bool = False) -> None:
+                 rank_local: bool = False, routed_experts: bool | None = None) -> None:
         for attr in ("generate", "weight_specs", "apply_weight_update", "policy_version"):
             if not hasattr(engine, attr):
                 raise ValueError(f"engine must offer {attr} (an Engine or a RolloutPool), got {type(engine).__name__}")
         self.engine = engine
+        if routed_experts is None:
+            routed_experts = getattr(engine, "routed_experts_shape", None) is not None
+        self.routed_experts = routed_experts
+        """Whether rollouts ask for the samples' routed experts (MoE routing replay)."""
         self.specs: dict[str, ParamSpec] = dict(engine.weight_specs())
         self.differ = WeightDiffer(self.specs, device=snapshot_device, config=diff_config)
         self._rank_layouts: list[dict] | None = None
@@ -265,7 +294,8 @@ class TrainerBridge:
         """`sampling.n` completions of every prompt, as TokenSamples in prompt order.
 
         With `sampling.seed` set, prompt i is sampled with seed `sampling.seed + i` (so prompts do not share
-        noise) and the batch is reproducible on any engine, local or pool. `sampling.logprobs` is forced on.
+        noise) and the batch is reproducible on any engine, local or pool. `sampling.logprobs` is forced on (and
+        `sampling.return_routed_experts` with the bridge's `routed_experts`).
         `min_finished_prompts` (a local engine): stop once that many prompts are done; the other samples come
         back cut short, `finish_reason == "abort"` (over-sampling: keep the finished groups, drop or resume
         the rest). `use_tqdm` (a local engine): a progress bar.
@@ -276,7 +306,8 @@ class TrainerBridge:
         if not prompts:
             raise ValueError("rollout needs at least one prompt")
         params = [
-            dataclasses.replace(sampling, logprobs=True, seed=None if sampling.seed is None else sampling.seed + i)
+            dataclasses.replace(sampling, logprobs=True, seed=None if sampling.seed is None else sampling.seed + i,
+                                return_routed_experts=sampling.return_routed_experts or self.routed_experts)
             for i in range(len(prompts))
         ]
         start = time.perf_counter()
@@ -291,12 +322,14 @@ class TrainerBridge:
             for c in out.outputs:
                 assert c.finished and c.logprobs is not None and len(c.logprobs) == len(c.token_ids)
                 n = len(c.token_ids)
+                routed = c.routed_experts  # a sample aborted before it ran has fewer rows: it gets none
+                routed = routed if routed is not None and routed.shape[0] == p + n - 1 else None
                 samples.append(
                     TokenSample(
                         prompt_index=i, sample_index=c.index, token_ids=list(out.prompt_token_ids) + list(c.token_ids),
                         loss_mask=[0] * p + [1] * n, logprobs=[0.0] * p + list(c.logprobs),
                         policy_versions=[-1] * p + list(c.policy_versions), num_prompt_tokens=p,
-                        finish_reason=c.finish_reason, completion_text=c.text,
+                        finish_reason=c.finish_reason, completion_text=c.text, routed_experts=routed,
                     )
                 )
         return RolloutBatch(

@@ -129,6 +129,10 @@ class RLConfig:
     pre-update logprobs instead of the rollout's (the decoupled form). See trainer_bridge.bridge.importance_weights."""
     importance_cap: float = 2.0
     """C of `off_policy_correction` (> 1)."""
+    routing_replay: bool | None = None
+    """MoE models (R3): rollouts return the experts every token was routed to, and the trainer's forwards (policy
+    and reference) route those positions to them. None: on when the engine's model routes, off for dense models
+    (True with a dense model: the engine refuses the rollout)."""
 
     def __post_init__(self) -> None:
         _float(self, "rl", "temperature", "lr", "clip_low", "clip_high", "kl_coef", "max_grad_norm", "gamma", "gae_lambda",

@@ -10,7 +10,8 @@
     advantage = (r - mean_group) / (std_group + eps)   [B], broadcast over tokens  |
         |                                                                          |
         v                                                                          |
-    TrainingModel.token_logprobs(input_ids)   [B, T-1]  (same model code as the engine)
+    TrainingModel.token_logprobs(input_ids)   [B, T-1]  (same model code as the engine; MoE: the rollout's
+                                                        routed experts replayed, rl.routing_replay)
     ratio = exp(logp - rollout_logp); loss = -min(ratio*A, clip(ratio)*A) (+ kl_coef * k3 KL to ref)
     (rl.off_policy_correction tis / mis: ratio against the pre-update trainer logprobs, loss times the
      TIS / MIS weight of each token; see trainer_bridge.bridge.importance_weights)
@@ -103,14 +104,15 @@ def update(policy, ref, opt, padded: PaddedBatch, advantages: torch.Tensor, rl: 
     input_ids = padded.input_ids  # [B, T]
     mask = padded.loss_mask[:, 1:]  # [B, T-1]
     rollout_logp = padded.logprobs[:, 1:]  # [B, T-1]
+    routed = padded.routed_experts  # [B, T-1, L_moe, k] the rollout's experts (MoE routing replay), or None
     ref_logp = None
     if ref is not None:
         with torch.no_grad():
-            ref_logp = ref.token_logprobs(input_ids, rl.temperature)  # [B, T-1]
+            ref_logp = ref.token_logprobs(input_ids, rl.temperature, routed_experts=routed)  # [B, T-1]
     out: dict[str, float] = {}
     is_weights = None
     for epoch in range(rl.epochs_per_batch):
-        logp = policy.token_logprobs(input_ids, rl.temperature)  # [B, T-1]
+        logp = policy.token_logprobs(input_ids, rl.temperature, routed_experts=routed)  # [B, T-1]
         if epoch == 0 and rl.off_policy_correction == "none":
             out |= bridge.logprob_mismatch(padded, logp)
         elif epoch == 0:

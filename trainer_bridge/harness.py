@@ -244,7 +244,7 @@ def rl_session(cfg: RunConfig, algorithm: str) -> Iterator[tuple[TrainerBridge, 
     seed_everything(cfg)
     model_dir = prepare_model(cfg)
     with open_engine(cfg, model_dir) as engine:
-        yield TrainerBridge(engine), model_dir
+        yield TrainerBridge(engine, routed_experts=cfg.rl.routing_replay), model_dir
 
 
 def load_policy(cfg: RunConfig, model_dir: Path) -> TrainingModel:

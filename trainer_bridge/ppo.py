@@ -39,9 +39,11 @@ class PolicyWithValue(nn.Module):
         nn.init.zeros_(self.value_head.weight)
         nn.init.zeros_(self.value_head.bias)
 
-    def forward(self, input_ids: torch.Tensor, temperature: float) -> tuple[torch.Tensor, torch.Tensor]:
-        """input_ids [B, T] -> (logprob of each next token [B, T-1], value of each prefix [B, T-1])."""
-        hidden = self.policy.model.forward_dense(input_ids)[:, :-1]  # [B, T-1, H]
+    def forward(self, input_ids: torch.Tensor, temperature: float,
+                routed_experts: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+        """input_ids [B, T] -> (logprob of each next token [B, T-1], value of each prefix [B, T-1]);
+        `routed_experts` [B, T-1, L_moe, k] (MoE): the rollout's experts, replayed (`TrainingModel.hidden_states`)."""
+        hidden = self.policy.hidden_states(input_ids, routed_experts)[:, :-1]  # [B, T-1, H]
         logits = self.policy.model.compute_logits(hidden).float() / temperature  # [B, T-1, V]
         logp = torch.log_softmax(logits, dim=-1).gather(-1, input_ids[:, 1:, None]).squeeze(-1)  # [B, T-1]
         values = self.value_head(hidden).squeeze(-1).float()  # [B, T-1]
@@ -98,8 +100,9 @@ def update(model: PolicyWithValue, opt, padded: PaddedBatch, rewards: torch.Tens
     input_ids = padded.input_ids  # [B, T]
     mask = padded.loss_mask[:, 1:]  # [B, T-1]
     rollout_logp = padded.logprobs[:, 1:]  # [B, T-1]
+    routed = padded.routed_experts  # the rollout's experts (MoE routing replay), or None
     with torch.no_grad():
-        logp0, values0 = model(input_ids, rl.temperature)
+        logp0, values0 = model(input_ids, rl.temperature, routed)
         advantages, returns = gae(terminal_rewards(mask, rewards), values0, mask, rl.gamma, rl.gae_lambda)
         sel = mask.bool()
         mean, std = advantages[sel].mean(), advantages[sel].std().clamp(min=1e-6)
@@ -111,7 +114,7 @@ def update(model: PolicyWithValue, opt, padded: PaddedBatch, rewards: torch.Tens
         is_weights, out = bridge.importance_weights(padded, logp0, mode=rl.off_policy_correction, cap=rl.importance_cap)
         rollout_logp = logp0  # the ratio's baseline: the pre-update trainer policy
     for _ in range(rl.epochs_per_batch):
-        logp, values = model(input_ids, rl.temperature)
+        logp, values = model(input_ids, rl.temperature, routed)
         loss, stats = ppo_loss(logp, values, rollout_logp, mask, advantages, returns, rl, is_weights)
         opt.zero_grad(set_to_none=True)
         loss.backward()

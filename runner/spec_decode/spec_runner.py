@@ -99,6 +99,7 @@ class SpeculativeRunner:
         for new in sched.new_reqs:
             self.enabled[ib.slot_of[new.req_id]] = new.sampling.speculative
         inputs = ib.gather(sched)
+        routed = r.routed_plan(inputs)  # MoE routing replay: the rows to report, cut to the accepted ones in _finish
         T = inputs.input_ids.shape[0]
         cu = inputs.query_start_loc.astype(np.int64)  # [B + 1]
         rows = inputs.sample_rows  # [R] batch rows that sample
@@ -114,7 +115,9 @@ class SpeculativeRunner:
         size = self._graph_size(inputs, n_sched, num_drafts, K, top_n, uses)
         if size is not None:
             output_ids, num_accepted, logprobs = self.graphs.run(inputs, K, size)
-            return self._finish(inputs, output_ids, num_accepted, logprobs, None, num_drafts)
+            if routed is not None:
+                r.routed_launch(routed, final=False)
+            return self._finish(inputs, output_ids, num_accepted, logprobs, None, num_drafts, routed)
 
         meta = r.prepare(inputs)
         if K > 0:
@@ -124,6 +127,8 @@ class SpeculativeRunner:
             b.input_ids[flat] = drafts[_upload(d_rows, dev), _upload(d_j, dev)]
 
         hidden, aux = target.forward_with_aux(b.input_ids[:T], b.positions[:T], meta, self.drafter.aux_layers)
+        if routed is not None:
+            r.routed_launch(routed, final=False)
 
         last = cu[rows + 1] - 1  # [R] flat index of each sampling row's last token
         if R:
@@ -147,11 +152,12 @@ class SpeculativeRunner:
         ids = b.input_ids[:T]
         if R == 0:
             self.catch_up(self.next_tokens(ids, prompt_next=prompt_next), b.positions[:T], meta, hidden, aux)
-            return RunnerOutput(req_ids=[], sampled_token_ids=[])
+            return RunnerOutput(req_ids=[], sampled_token_ids=[],
+                                routed_experts=None if routed is None else r.routed_finish(routed, routed.ends))
         stop = _upload(last - num_drafts, dev) + num_accepted  # [R] flat index of each row's last accepted position
         next_ids = self.next_tokens(ids, stop, output_ids.gather(1, num_accepted[:, None])[:, 0], prompt_next)
         self.catch_up(next_ids, b.positions[:T], meta, hidden, aux, stop, _upload(slots_r, dev))
-        return self._finish(inputs, output_ids, num_accepted, logprobs, top, num_drafts)
+        return self._finish(inputs, output_ids, num_accepted, logprobs, top, num_drafts, routed)
 
     def _graph_size(self, inputs, n_sched, num_drafts, K, top_n, uses) -> int | None:
         """The padded size when this step takes the static-shape path (`graphs.py`), else None: every row
@@ -241,7 +247,7 @@ class SpeculativeRunner:
         if stop is not None:
             self.draft_hidden[state] = out[stop]
 
-    def _finish(self, inputs, output_ids, num_accepted, logprobs, top, num_drafts) -> RunnerOutput:
+    def _finish(self, inputs, output_ids, num_accepted, logprobs, top, num_drafts, routed=None) -> RunnerOutput:
         R, K1 = output_ids.shape
         # the step's one device -> host copy (token ids < 2**24 are exact in float32)
         packed = torch.cat([output_ids.float(), num_accepted[:, None].float(), logprobs.float()], dim=1).cpu()
@@ -255,10 +261,16 @@ class SpeculativeRunner:
         sampled = [ids[i][: counts[i] + 1] for i in range(R)]
         rows = inputs.sample_rows
         self.runner.input_batch.append_sampled(inputs.slots[rows], sampled)
+        routed_experts = None
+        if routed is not None:  # the positions of rejected drafts are not final: each row reports up to its accepted
+            rejected = np.zeros(inputs.slots.shape[0], dtype=np.int64)  # [B]
+            rejected[rows] = num_drafts - np.asarray(counts, dtype=np.int64)
+            routed_experts = self.runner.routed_finish(routed, routed.ends - rejected[routed.rows])
         return RunnerOutput(
             req_ids=[inputs.req_ids[i] for i in rows.tolist()],
             sampled_token_ids=sampled,
             logprobs=[lps[i][: counts[i] + 1] for i in range(R)],
             top_logprobs=top_list,
             num_draft_tokens=num_drafts.tolist(),
+            routed_experts=routed_experts,
         )
