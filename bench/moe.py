@@ -45,7 +45,7 @@ QWEN3_30B_A3B = dict(
 )
 TINY = dict(QWEN3_30B_A3B, vocab_size=512, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
             num_attention_heads=4, num_key_value_heads=2, head_dim=16, num_experts=8, num_experts_per_tok=2,
-            moe_intermediate_size=32, dtype="float32")
+            moe_intermediate_size=32, bos_token_id=0, eos_token_id=1, dtype="float32")
 
 
 def byte_counts(cfg: dict, elem: int) -> dict:
@@ -73,13 +73,21 @@ def touched_experts(outs, prompt_len: int, new_tokens: int) -> float:
     return float(np.mean(counts))
 
 
-def run_engine(path, args, batch, *, routed: bool = False, **engine_kw):
-    from rollout import Engine, EngineConfig, SamplingParams
+def make_engine(path, args, max_batch: int):
+    from rollout import Engine, EngineConfig
 
-    engine = Engine(EngineConfig(model=path, device=args.device, dtype=args.dtype, load_format="dummy",
-                                 max_num_seqs=max(batch, 1), max_model_len=args.prompt_len + args.new_tokens + 16,
-                                 **engine_kw))
-    g = torch.Generator().manual_seed(0)
+    # one engine for every batch size (graphs are captured per padded size); it leaves room for the push's
+    # copies of the pushed layers
+    return Engine(EngineConfig(model=path, device=args.device, dtype=args.dtype, load_format="dummy",
+                               max_num_seqs=max_batch, max_model_len=args.prompt_len + args.new_tokens + 16,
+                               gpu_memory_utilization=0.6))
+
+
+def timed_generate(engine, args, batch: int, routed: bool):
+    """(outputs, best seconds of two runs) of `batch` random prompts, every new token forced."""
+    from rollout import SamplingParams
+
+    g = torch.Generator().manual_seed(batch)
     prompts = torch.randint(2, engine.model_config.vocab_size, (batch, args.prompt_len), generator=g).tolist()
     params = SamplingParams(temperature=1.0, max_tokens=args.new_tokens, ignore_eos=True, seed=1,
                             return_routed_experts=routed)
@@ -91,7 +99,7 @@ def run_engine(path, args, batch, *, routed: bool = False, **engine_kw):
         outs = engine.generate(prompts, params)
         sync(args.device)
         best = min(best, time.perf_counter() - t)
-    return engine, outs, best
+    return outs, best
 
 
 def bench_hf(path, args, batch, new_tokens):
@@ -199,8 +207,12 @@ def main() -> None:
     with tempfile.TemporaryDirectory() as d:
         with open(os.path.join(d, "config.json"), "w") as f:
             json.dump(cfg, f)
+        t = time.perf_counter()
+        engine = make_engine(d, args, max(batches))
+        emit(kind="startup", seconds=round(time.perf_counter() - t, 2), num_kv_blocks=engine.num_kv_blocks,
+             note="random weights drawn on the device, KV sizing, graph capture", **common)
         for batch in batches:
-            engine, outs, secs = run_engine(d, args, batch, routed=True)
+            outs, secs = timed_generate(engine, args, batch, routed=True)
             tokens = sum(len(c.token_ids) for o in outs for c in o.outputs)
             tps[batch] = tokens / secs
             touched = touched_experts(outs, args.prompt_len, args.new_tokens)
@@ -210,13 +222,9 @@ def main() -> None:
                  new_tokens=args.new_tokens, tokens_per_s=round(tps[batch], 1), seconds=round(secs, 3),
                  experts_touched_per_layer=round(touched, 2), step_bytes_gb=round(step_bytes / 1e9, 3),
                  roofline_fraction=round((step_bytes / bw) / (batch / tps[batch]), 3), **common)
-            engine.close()
-            del engine, outs
-            release_memory()
-        # routing replay's cost: the same batch without returning the experts (this engine leaves room for
-        # the push's copies of the pushed layers)
+        # routing replay's cost: the same batch without returning the experts
         replay_batch = 64 if 64 in tps else batches[-1]
-        engine, outs, secs = run_engine(d, args, replay_batch, routed=False, gpu_memory_utilization=0.6)
+        outs, secs = timed_generate(engine, args, replay_batch, routed=False)
         plain = sum(len(c.token_ids) for o in outs for c in o.outputs) / secs
         emit(kind="routing_replay_overhead", batch=replay_batch, tokens_per_s_with=round(tps[replay_batch], 1),
              tokens_per_s_without=round(plain, 1), overhead=round(1 - tps[replay_batch] / plain, 4), **common)
