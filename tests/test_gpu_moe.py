@@ -89,3 +89,51 @@ def test_moe_deterministic_mode_is_batch_invariant(moe_model):
     assert alone.token_ids == batch.token_ids
     assert alone.logprobs == batch.logprobs
     engine.close()
+
+
+def _trainer_routing(trainer, input_ids):
+    """The experts the trainer's own forward picks: [B, T - 1, L_moe, k]."""
+    own = []
+    hooks = [b.register_forward_hook(lambda m, a, o: own.append(m.route(a[0].reshape(-1, a[0].shape[-1]),
+                                                                          tuple(a[0].shape[:-1]))[1]))
+             for b in trainer.model.sparse_blocks]
+    with torch.no_grad():
+        trainer.token_logprobs(input_ids)
+    for h in hooks:
+        h.remove()
+    b, t = input_ids.shape
+    return torch.stack([ids.view(b, t, -1) for ids in own], dim=2)[:, :-1]
+
+
+@pytest.mark.parametrize("deterministic", [True, False])
+def test_moe_bf16_replay_and_routing_drift_against_the_trainer(moe_model, deterministic, record_property):
+    """bf16 on the GPU, a batched engine run against the trainer's padded forward. Deterministic mode with the
+    rollout's experts replayed: logprobs equal bitwise. Either mode: how many (position, layer) pairs the
+    trainer would route differently without replay is reported (`routed_differently`)."""
+    from trainer_bridge import TrainerBridge, TrainingModel
+
+    engine = Engine(EngineConfig(model=str(moe_model), device="cuda", dtype="bfloat16", deterministic=deterministic,
+                                 max_num_seqs=16, max_model_len=512, num_kv_blocks=256))
+    bridge = TrainerBridge(engine)
+    batch = bridge.rollout(_prompts(6, seed=4), SamplingParams(n=2, max_tokens=32, seed=7, ignore_eos=True))
+    padded = batch.padded()
+    trainer = TrainingModel.from_pretrained(moe_model, dtype="bfloat16", device="cuda", deterministic=deterministic)
+    ids, routed = padded.input_ids.cuda(), padded.routed_experts.cuda()
+    mask = padded.loss_mask[:, 1:].bool().cuda()
+    with torch.no_grad():
+        replayed = trainer.token_logprobs(ids, routed_experts=routed)
+    engine_lp = padded.logprobs[:, 1:].cuda()
+    if deterministic:
+        assert torch.equal(replayed[mask], engine_lp[mask])
+    else:  # bf16 kernels of another reduction order: close, not equal
+        assert (replayed[mask] - engine_lp[mask]).abs().float().mean() < 0.05
+    valid = torch.zeros(ids.shape[0], ids.shape[1] - 1, dtype=torch.bool, device="cuda")
+    for i, s in enumerate(batch.samples):
+        valid[i, : len(s.token_ids) - 1] = True
+    differ = (_trainer_routing(trainer, ids).to(torch.int32) != routed.to(torch.int32)).any(-1)[valid]
+    record_property("routed_differently", f"{int(differ.sum())} of {differ.numel()}")
+    print(f"deterministic={deterministic}: without replay {int(differ.sum())} of {differ.numel()} "
+          "(position, layer) pairs route differently")
+    if deterministic:
+        assert int(differ.sum()) == 0  # batch-invariant routing on both sides
+    engine.close()
