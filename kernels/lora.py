@@ -13,20 +13,22 @@ adapters is one launch per matmul. Two kernels per fused layer:
     block, slice); the slices of a fused output (q|k|v, gate|up; at most three) each read their own rows of
     y and of B.
 
-Tiles of tokens without an adapter (-1) and tiles past the batch's last one exit at once (the expand writes
-zeros for -1 rows when it replaces rather than accumulates). The grid depends on T and S only, nothing is
-read back to the host and `lora_batch` is torch ops on the device: all of it can be captured in a CUDA graph
-and replayed with new slot assignments.
+Tiles past the batch's last one exit at once, and so do tiles of tokens without an adapter (-1), reading no
+weights: the shrink writes their rows of y as zeros, the expand leaves their output rows alone (or zeroes
+them when it replaces rather than accumulates). The grid depends on T and S only, nothing is read back to
+the host and `lora_batch` is torch ops on the device: all of it can be captured in a CUDA graph and
+replayed with new slot assignments.
 
-Batch invariance: a token's arithmetic is fixed by the shapes alone. The tile height (BLOCK_M = 16, so the
-GPU's dot is the same MMA instruction at every batch size), the K chunks and the number of splits of the
-shrink, the rank chunks of the expand and the order of the partials never depend on T; a row of a tile's
-GEMM depends on that row alone. What depends on T (`_expand_block_n`: wider column blocks for prefill)
-only partitions the output columns. So a token gets the same bits alone, in a decode batch of 256, or in a
-prefill chunk, whichever other adapters share the batch.
+Batch invariance: a token's arithmetic is fixed by the shapes alone. The tile height (BLOCK_M = 16, under
+the 64 rows Hopper's wgmma needs, so the dot is the same mma.sync on sm_90 as on sm_80 at every batch
+size), the K chunks and the number of splits of the shrink, the rank chunks of the expand and the order of
+the partials never depend on T; a row of a tile's GEMM depends on that row alone. What depends on T
+(`_expand_block_n`: wider column blocks for prefill) only partitions the output columns. So a token gets
+the same bits alone, in a decode batch of 256 or in a prefill chunk, whichever adapters share the batch.
 
-Not here: the base GEMM, LoRA on embeddings or the LM head, DoRA and other variants, tensor-parallel
-shards (the caller passes its shard's stacks), autograd.
+Not here: the base GEMM, LoRA on embeddings or the LM head, DoRA and other variants, autograd, tensor
+parallelism (the caller passes its shard's stacks: B's rows of a column-parallel layer; A's columns of a
+row-parallel one, whose partial delta added before the all-reduce sums to the full one).
 """
 
 from __future__ import annotations
@@ -133,6 +135,8 @@ def _lora_expand_kernel(y_ptr, b_ptr, out_ptr, scaling_ptr, order_ptr, tile_star
         return
     sl = tl.program_id(2)
     width = tl.where(sl == 0, width0, tl.where(sl == 1, width1, width2))
+    if tl.program_id(1) * BLOCK_N >= width:  # a column block past a narrower slice's end
+        return
     n = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
     nmask = n < width
     cols = tl.where(sl >= 1, width0, 0) + tl.where(sl >= 2, width1, 0) + n  # columns of the fused output
