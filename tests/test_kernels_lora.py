@@ -158,11 +158,14 @@ def test_lora_batch_tiles_cover_each_adapter_token_once():
 
 
 def test_empty_batch_and_bad_arguments():
-    A, B, scaling = torch.zeros(S, 8, 16, device=DEVICE), torch.zeros(S, 12, 8, device=DEVICE), torch.ones(S, device=DEVICE)
-    empty = torch.zeros(0, dtype=torch.int32, device=DEVICE)
-    assert lora_shrink(torch.zeros(0, 16, device=DEVICE), A, empty).shape == (0, 8)
-    assert add_lora(torch.zeros(0, 12, device=DEVICE), torch.zeros(0, 16, device=DEVICE), A, B, empty, scaling).shape == (0, 12)
-    x, out, idx = torch.zeros(3, 16, device=DEVICE), torch.zeros(3, 12, device=DEVICE), torch.zeros(3, dtype=torch.int32, device=DEVICE)
+    def zeros(*shape, dtype=torch.float32):
+        return torch.zeros(*shape, dtype=dtype, device=DEVICE)
+
+    A, B, scaling = zeros(S, 8, 16), zeros(S, 12, 8), torch.ones(S, device=DEVICE)
+    empty = zeros(0, dtype=torch.int32)
+    assert lora_shrink(zeros(0, 16), A, empty).shape == (0, 8)
+    assert add_lora(zeros(0, 12), zeros(0, 16), A, B, empty, scaling).shape == (0, 12)
+    x, out, idx = zeros(3, 16), zeros(3, 12), zeros(3, dtype=torch.int32)
     with pytest.raises(ValueError, match="slices must be"):
         add_lora(out, x, A, B, idx, scaling, slices=(8, 3))
     with pytest.raises(ValueError, match="slices must be"):
