@@ -125,6 +125,22 @@ def _launch_every_kernel() -> None:
     store = torch.zeros(8, 2, 8, dtype=torch.int32)
     route_topk(logits, 8, True, store=store, slots=torch.tensor([0, 1, -1, 3, 4]), layer=1)
     route_topk(logits, 8, False, ids=torch.randint(0, 128, (5, 8), generator=g, dtype=torch.int32))
+    _launch_lora_kernels(g, h)
+
+
+def _launch_lora_kernels(g: torch.Generator, h: torch.dtype) -> None:
+    """Decode: shrink with split-K partials read by the expand (fused q|k|v slices); prefill (wider column
+    blocks): a plain shrink, and an expand that replaces."""
+    from kernels.lora import add_lora, lora_expand, lora_shrink
+
+    S, r, width = 3, 8, 600  # width > one shrink split
+    idx = torch.tensor([1, -1, 0, 1], dtype=torch.int32)
+    x, scaling = torch.randn(4, width, generator=g).to(h), torch.rand(S, generator=g)
+    A, B = torch.randn(S, 3 * r, width, generator=g).to(h), torch.randn(S, 32, r, generator=g).to(h)
+    add_lora(torch.zeros(4, 32, dtype=h), x, A, B, idx, scaling, slices=(16, 8, 8))
+    idx = torch.arange(70, dtype=torch.int32) % (S + 1) - 1
+    y = lora_shrink(torch.randn(70, 16, generator=g).to(h), A[:, :r, :16].contiguous(), idx)
+    lora_expand(y, B[:, :16], idx, scaling, torch.zeros(70, 16, dtype=h), False)
 
 
 def test_every_kernel_compiles_for_sm90_and_sm80(monkeypatch):

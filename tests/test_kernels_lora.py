@@ -1,0 +1,186 @@
+"""The Triton LoRA kernels (kernels/lora.py) against the torch reference (kernels/lora_ref.py) and a naive
+per-token loop in float64, under the interpreter on the CPU (float32, tiny shapes): many slots in one batch with
+tokens without an adapter, ranks below the slots' r_max, one token, the slices of a fused output, a shrink
+with several splits; the fused entry equals the two launches bitwise, zero padding changes no bit, and a
+token's result does not depend on the batch around it. Real shapes in bfloat16, and CUDA graphs:
+tests/test_gpu_lora_kernels.py."""
+
+from __future__ import annotations
+
+import os
+
+import pytest
+import torch
+
+if not torch.cuda.is_available():
+    os.environ.setdefault("TRITON_INTERPRET", "1")
+
+from kernels.lora import BLOCK_M, add_lora, lora_batch, lora_expand, lora_shrink  # noqa: E402
+from kernels.lora_ref import add_lora_ref, lora_expand_ref, lora_shrink_ref  # noqa: E402
+
+DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
+S = 4  # slots
+
+
+def _stacks(g, in_features, slices, r_max, ranks, dtype=torch.float32):
+    """Slot stacks with slot s holding a random adapter of rank ranks[s] (zero-padded to r_max) in every slice."""
+    A = torch.zeros(S, len(slices) * r_max, in_features)
+    B = torch.zeros(S, sum(slices), r_max)
+    for s, r in enumerate(ranks):
+        start = 0
+        for j, width in enumerate(slices):
+            A[s, j * r_max:j * r_max + r] = torch.randn(r, in_features, generator=g) / in_features**0.5
+            B[s, start:start + width, :r] = torch.randn(width, r, generator=g)
+            start += width
+    scaling = torch.rand(S, generator=g) + 0.5
+    return A.to(DEVICE, dtype), B.to(DEVICE, dtype), scaling.to(DEVICE)
+
+
+def _per_token(out, x, A, B, idx, scaling, slices):
+    """The definition, one token and one slice at a time, in float64."""
+    r_max = B.shape[2]
+    out = out.double().clone()
+    for t, s in enumerate(idx.tolist()):
+        if s < 0:
+            continue
+        start = 0
+        for j, width in enumerate(slices):
+            y = A[s, j * r_max:(j + 1) * r_max].double() @ x[t].double()
+            out[t, start:start + width] += scaling[s].double() * (B[s, start:start + width].double() @ y)
+            start += width
+    return out
+
+
+def _idx(g, n):
+    return torch.randint(-1, S, (n,), generator=g, dtype=torch.int32).to(DEVICE)
+
+
+@pytest.mark.parametrize("num_tokens", [1, 5, 37])
+@pytest.mark.parametrize("slices", [(24,), (16, 8, 8), (12, 20)])
+@pytest.mark.parametrize("in_features", [40, 1100])  # one shrink split; three
+def test_add_lora_matches_reference_and_per_token_loop(num_tokens, slices, in_features):
+    g = torch.Generator().manual_seed(num_tokens * 1000 + in_features + len(slices))
+    A, B, scaling = _stacks(g, in_features, slices, 8, ranks=(8, 3, 5, 1))
+    x = torch.randn(num_tokens, in_features, generator=g).to(DEVICE)
+    idx = _idx(g, num_tokens)
+    if num_tokens > 1:
+        idx[0], idx[1] = -1, 2  # both kinds, whatever the draw
+    base = torch.randn(num_tokens, sum(slices), generator=g).to(DEVICE)
+    ours = add_lora(base.clone(), x, A, B, idx, scaling, slices=slices)
+    ref = add_lora_ref(base.clone(), x, A, B, idx, scaling, slices=slices)
+    torch.testing.assert_close(ours, ref, rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(ours.double(), _per_token(base, x, A, B, idx, scaling, slices), rtol=1e-5, atol=1e-5)
+    none = (idx < 0).nonzero().squeeze(1)
+    assert torch.equal(ours[none], base[none])  # rows without an adapter are not touched
+
+
+@pytest.mark.parametrize("in_features", [24, 1100])
+def test_shrink_matches_reference_with_zero_rows_for_no_adapter(in_features):
+    g = torch.Generator().manual_seed(in_features)
+    A, _, _ = _stacks(g, in_features, (16, 16), 8, ranks=(8, 8, 2, 4))
+    x = torch.randn(21, in_features, generator=g).to(DEVICE)
+    idx = _idx(g, 21)
+    idx[3] = -1
+    y = lora_shrink(x, A, idx)
+    assert y.dtype == torch.float32 and y.shape == (21, 16)
+    torch.testing.assert_close(y, lora_shrink_ref(x, A, idx), rtol=1e-5, atol=1e-5)
+    assert not y[idx < 0].any()
+
+
+@pytest.mark.parametrize("accumulate", [True, False])
+def test_expand_adds_or_replaces(accumulate):
+    g = torch.Generator().manual_seed(7)
+    _, B, scaling = _stacks(g, 8, (16, 8, 8), 8, ranks=(8, 6, 8, 3))
+    idx = _idx(g, 19)
+    idx[0] = -1
+    y = lora_shrink_ref(torch.randn(19, 8, generator=g), torch.randn(S, 24, 8, generator=g), idx.cpu()).to(DEVICE)
+    base = torch.randn(19, 32, generator=g).to(DEVICE)
+    ours = lora_expand(y, B, idx, scaling, base.clone(), accumulate, slices=(16, 8, 8))
+    ref = lora_expand_ref(y, B, idx, scaling, base.clone(), accumulate, slices=(16, 8, 8))
+    torch.testing.assert_close(ours, ref, rtol=1e-5, atol=1e-5)
+    none = idx < 0
+    assert torch.equal(ours[none], base[none] if accumulate else torch.zeros_like(base[none]))
+
+
+def test_fused_entry_equals_shrink_then_expand_bitwise():
+    g = torch.Generator().manual_seed(3)
+    A, B, scaling = _stacks(g, 1100, (16, 8, 8), 8, ranks=(8, 2, 7, 8))
+    x, idx = torch.randn(30, 1100, generator=g).to(DEVICE), _idx(g, 30)
+    base = torch.randn(30, 32, generator=g).to(DEVICE)
+    fused = add_lora(base.clone(), x, A, B, idx, scaling, slices=(16, 8, 8))
+    two = lora_expand(lora_shrink(x, A, idx), B, idx, scaling, base.clone(), slices=(16, 8, 8))
+    assert torch.equal(fused, two)
+
+
+def test_zero_padding_to_r_max_changes_no_bit():
+    g = torch.Generator().manual_seed(11)
+    slices, in_features = (16, 8, 8), 40
+    A4, B4, scaling = _stacks(g, in_features, slices, 4, ranks=(4, 3, 4, 2))
+    A32 = torch.zeros(S, 3 * 32, in_features, device=DEVICE)  # the same adapters in slots of r_max 32
+    B32 = torch.zeros(S, 32, 32, device=DEVICE)
+    for j in range(3):
+        A32[:, j * 32:j * 32 + 4] = A4[:, j * 4:(j + 1) * 4]
+    B32[:, :, :4] = B4
+    x, idx = torch.randn(23, in_features, generator=g).to(DEVICE), _idx(g, 23)
+    base = torch.randn(23, 32, generator=g).to(DEVICE)
+    assert torch.equal(add_lora(base.clone(), x, A4, B4, idx, scaling, slices=slices),
+                       add_lora(base.clone(), x, A32, B32, idx, scaling, slices=slices))
+
+
+@pytest.mark.parametrize("num_tokens", [37, 70])  # decode's column blocks; prefill's
+def test_each_token_gets_the_bits_it_gets_alone(num_tokens):
+    g = torch.Generator().manual_seed(num_tokens)
+    A, B, scaling = _stacks(g, 1100, (16, 8, 8), 8, ranks=(8, 5, 8, 1))
+    x, idx = torch.randn(num_tokens, 1100, generator=g).to(DEVICE), _idx(g, num_tokens)
+    base = torch.randn(num_tokens, 32, generator=g).to(DEVICE)
+    batch = add_lora(base.clone(), x, A, B, idx, scaling, slices=(16, 8, 8))
+    for t in (0, 1, num_tokens // 2, num_tokens - 1):
+        alone = add_lora(base[t:t + 1].clone(), x[t:t + 1], A, B, idx[t:t + 1], scaling, slices=(16, 8, 8))
+        assert torch.equal(batch[t:t + 1], alone), t
+
+
+def test_lora_batch_tiles_cover_each_adapter_token_once():
+    g = torch.Generator().manual_seed(5)
+    n = 53
+    idx = torch.randint(-1, S, (n,), generator=g, dtype=torch.int32)
+    idx[:20] = 2  # a slot with more than one tile
+    idx[20] = S + 3  # out of range: no adapter
+    batch = lora_batch(idx.to(DEVICE), S)
+    assert batch.tile_len.shape[0] == -(-n // BLOCK_M) + min(S + 1, n)
+    seen = []
+    for start, length, slot in zip(batch.tile_start.tolist(), batch.tile_len.tolist(), batch.tile_slot.tolist()):
+        assert 0 <= length <= BLOCK_M
+        tokens = batch.order[start:start + length].tolist()
+        expect = -1 if slot < 0 else slot
+        assert all((idx[t].item() if 0 <= idx[t].item() < S else -1) == expect for t in tokens)
+        seen += tokens
+    assert sorted(seen) == list(range(n))  # every token in exactly one tile (no-adapter tokens in the -1 tiles)
+
+
+def test_empty_batch_and_bad_arguments():
+    def zeros(*shape, dtype=torch.float32):
+        return torch.zeros(*shape, dtype=dtype, device=DEVICE)
+
+    A, B, scaling = zeros(S, 8, 16), zeros(S, 12, 8), torch.ones(S, device=DEVICE)
+    empty = zeros(0, dtype=torch.int32)
+    assert lora_shrink(zeros(0, 16), A, empty).shape == (0, 8)
+    assert add_lora(zeros(0, 12), zeros(0, 16), A, B, empty, scaling).shape == (0, 12)
+    x, out, idx = zeros(3, 16), zeros(3, 12), zeros(3, dtype=torch.int32)
+    with pytest.raises(ValueError, match="slices must be"):
+        add_lora(out, x, A, B, idx, scaling, slices=(8, 3))
+    with pytest.raises(ValueError, match="slices must be"):
+        add_lora(out, x, A, B, idx, scaling, slices=(3, 3, 3, 3))
+    with pytest.raises(ValueError, match="must agree in S, r_max"):
+        add_lora(out, x, A, B, idx, scaling, slices=(6, 6))  # A has one slice's rows
+    with pytest.raises(ValueError, match=r"A must be \[S, R, 16\]"):
+        lora_shrink(x, torch.zeros(S, 8, 15, device=DEVICE), idx)
+    with pytest.raises(ValueError, match="scaling must be"):
+        add_lora(out, x, A, B, idx, torch.ones(S, dtype=torch.float64, device=DEVICE))
+    with pytest.raises(ValueError, match="out must be"):
+        add_lora(out.t(), x, A, B, idx, scaling)
+    with pytest.raises(ValueError, match="the slot assignment is for 3 tokens and 5 slots"):
+        lora_shrink(x, A, lora_batch(idx, S + 1))
+    with pytest.raises(ValueError, match="idx must be"):
+        lora_batch(idx.float(), S)
+    with pytest.raises(ValueError, match="y must be"):
+        lora_expand(torch.zeros(3, 8, dtype=torch.float16, device=DEVICE), B, idx, scaling, out)
