@@ -3,6 +3,7 @@ device time of one captured decode graph, on a random model of a real shape. Pri
 
     python bench/profile_decode.py --device cuda --batch 1 --batch 64
     python bench/profile_decode.py --batch 256 --blas cublaslt   # the GEMMs through another BLAS backend
+    python bench/profile_decode.py --shape qwen3-30b-a3b --batch 1  # MoE (random weights drawn on the device)
 """
 
 from __future__ import annotations
@@ -25,10 +26,10 @@ from runner.testing import write_random_checkpoint  # noqa: E402
 
 
 def profile(path: str, device: str, dtype: str, batch: int, prompt_len: int, steps: int, eager: bool,
-            deterministic: bool = False) -> dict:
+            deterministic: bool = False, load_format: str = "safetensors") -> dict:
     engine = Engine(EngineConfig(model=path, device=device, dtype=dtype, max_num_seqs=batch,
                                  max_model_len=prompt_len + steps + 64, enforce_eager=eager,
-                                 deterministic=deterministic, async_scheduling=False))
+                                 deterministic=deterministic, async_scheduling=False, load_format=load_format))
     g = torch.Generator().manual_seed(0)
     prompts = torch.randint(2, engine.model_config.vocab_size, (batch, prompt_len), generator=g).tolist()
     for p in prompts:
@@ -68,8 +69,10 @@ def profile(path: str, device: str, dtype: str, batch: int, prompt_len: int, ste
             for _ in range(5):
                 runner.graphs.graphs[(size, False)].replay()
             sync()
-        kernels = sorted(((e.key, e.device_time_total / 5) for e in prof.key_averages()), key=lambda x: -x[1])[:8]
-        row["top_kernels_us"] = [(k[:60], round(t, 1)) for k, t in kernels]
+        events = prof.key_averages()
+        kernels = sorted(((e.key, e.device_time_total / 5, e.count // 5) for e in events), key=lambda x: -x[1])[:14]
+        row["top_kernels_us_and_launches"] = [(k[:60], round(t, 1), n) for k, t, n in kernels]
+        row["launches_per_step"] = sum(e.count for e in events) // 5
     engine.close()
     return row
 
@@ -77,7 +80,7 @@ def profile(path: str, device: str, dtype: str, batch: int, prompt_len: int, ste
 def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
-    ap.add_argument("--shape", default="qwen2.5-0.5b", choices=sorted(SHAPES))
+    ap.add_argument("--shape", default="qwen2.5-0.5b", choices=sorted(SHAPES) + ["qwen3-30b-a3b"])
     ap.add_argument("--dtype", default="bfloat16")
     ap.add_argument("--batch", type=int, action="append")
     ap.add_argument("--prompt-len", type=int, default=128)
@@ -89,12 +92,21 @@ def main() -> None:
     args = ap.parse_args()
     if args.blas:
         torch.backends.cuda.preferred_blas_library(args.blas)
-    spec = dict(SHAPES[args.shape])
-    family = spec.pop("family")
     with tempfile.TemporaryDirectory() as d:
-        write_random_checkpoint(d, family=family, dtype=args.dtype, std=0.02, **spec)
+        load_format = "safetensors"
+        if args.shape == "qwen3-30b-a3b":
+            from bench.moe import QWEN3_30B_A3B
+
+            with open(os.path.join(d, "config.json"), "w") as f:
+                json.dump(dict(QWEN3_30B_A3B, dtype=args.dtype), f)
+            load_format = "dummy"
+        else:
+            spec = dict(SHAPES[args.shape])
+            family = spec.pop("family")
+            write_random_checkpoint(d, family=family, dtype=args.dtype, std=0.02, **spec)
         for b in args.batch or [1, 64]:
-            row = profile(d, args.device, args.dtype, b, args.prompt_len, args.steps, args.eager, args.deterministic)
+            row = profile(d, args.device, args.dtype, b, args.prompt_len, args.steps, args.eager, args.deterministic,
+                          load_format)
             print(json.dumps({**row, "blas": args.blas or "default"}), flush=True)
 
 

@@ -49,19 +49,34 @@ def test_moe_graph_replay_is_bitwise_equal_to_eager_step(moe_model):
     engine.close()
 
 
-def test_moe_greedy_bf16_matches_transformers(moe_model):
+def test_moe_bf16_follows_transformers_greedy(moe_model):
+    """bf16: transformers' greedy continuations, teacher-forced through the engine. The engine picks the same
+    next token at >= 95% of the positions, and where it does not, transformers' own top-2 logit margin is
+    small: a near-tie, which bf16 rounding (the experts summed in another order, a routing near-tie resolved
+    the other way) can flip. Also the engine's own greedy run starts as transformers' does."""
     hf = load_hf(moe_model, dtype=torch.bfloat16).cuda()
     engine = Engine(EngineConfig(model=str(moe_model), device="cuda", dtype="bfloat16", max_num_seqs=8,
                                  max_model_len=512, num_kv_blocks=128))
     prompts = _prompts(6, seed=2)
     outs = engine.generate(prompts, SamplingParams(temperature=0, max_tokens=16, ignore_eos=True))
-    agree = 0
+    total = agree = first_equal = 0
     for p, o in zip(prompts, outs):
         ref = hf.generate(torch.tensor([p], device="cuda"), max_new_tokens=16, do_sample=False, eos_token_id=None,
                           pad_token_id=0)[0, len(p):].tolist()
-        agree += sum(a == b for a, b in zip(o.outputs[0].token_ids, ref)) == len(ref)
-    # bf16: experts summed in another order than transformers' (bf16, expert order) can flip a near-tie
-    assert agree >= 5, f"only {agree}/6 greedy continuations equal transformers'"
+        first_equal += o.outputs[0].token_ids[0] == ref[0]
+        seq = p + ref
+        ours = engine.collective_rpc("full_sequence_logits", seq)[0].float()
+        with torch.no_grad():
+            theirs = hf(torch.tensor([seq], device="cuda")).logits[0].float()
+        for t in range(len(p) - 1, len(seq) - 1):
+            total += 1
+            if int(ours[t].argmax()) == int(theirs[t].argmax()):
+                agree += 1
+                continue
+            top2 = theirs[t].topk(2).values
+            assert float(top2[0] - top2[1]) < 1.0, f"position {t}: a clear choice of transformers' differs"
+    assert agree >= 0.95 * total, f"{agree}/{total} next tokens agree"
+    assert first_equal >= 5, f"only {first_equal}/6 first greedy tokens equal transformers'"
     engine.close()
 
 
