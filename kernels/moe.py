@@ -3,7 +3,8 @@
 One `fused_moe` call is four launches of static grids (at most five), with no host sync, so it can be
 captured in a CUDA graph at any token count:
 
-1. `moe_align_block_size`: the T * k (token, j) rows sorted by expert — stable, so each expert's rows
+1. `moe_align_block_size` (skipped for at most `ROW_BLOCK_ROWS` rows: each row is then a block of its
+   own): the T * k (token, j) rows sorted by expert — stable, so each expert's rows
    keep their order — and each expert's run padded to a multiple of BLOCK_M with the sentinel T * k; also
    the expert of every block and the padded count. One launch for small T * k, two (per-chunk counts,
    then placement) for more. Sizes are static: T * k + min(E, T * k) * (BLOCK_M - 1) slots, rounded up to
@@ -41,6 +42,10 @@ _TILE_ELEMENTS = 8192  # elements of the [rows, experts] tiles of the alignment 
 _MAX_CHUNKS = 128  # programs of the counting pass; each placement program reads every chunk's counts
 _SMEM_BUDGET = 144 * 1024  # bytes of pipelined operand tiles; fits the A100's 164 KiB with room to spare
 _COMBINE_BLOCK = 512
+ROW_BLOCK_ROWS = 16
+"""At most this many (token, j) rows skip the alignment: each row is its own block (the k experts of one token
+are distinct, so at batch 1 no expert's weights are read twice; beyond about two tokens, repeats among the
+rows would cost more weight reads than the alignment launch saves)."""
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
@@ -211,12 +216,13 @@ def moe_align_block_size(topk_ids: torch.Tensor, num_experts: int, block_m: int
 def _moe_gemm_kernel(
     a_ptr, b_ptr, c_ptr, weights_ptr, sorted_ptr, block_experts_ptr, num_padded_ptr,
     n, k, num_rows, a_row_div, num_m_blocks, stride_am, stride_be, stride_bn, stride_cm,
-    SILU_MUL: tl.constexpr, MUL_WEIGHT: tl.constexpr, IEEE: tl.constexpr,
+    SILU_MUL: tl.constexpr, MUL_WEIGHT: tl.constexpr, IEEE: tl.constexpr, ROW_BLOCKS: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr,
 ):
     """c[r, cols] for the sorted rows r of one block (one expert e) and one column tile:
     a[r // a_row_div] @ b[e, cols]^T, then silu(gate) * up (gate columns cols, up columns n + cols) or a
-    multiply by weights[r]. a, b are contiguous in k."""
+    multiply by weights[r]. a, b are contiguous in k. With ROW_BLOCKS (few rows: no alignment) block b holds
+    the one row b, of expert block_experts[b] (the flat topk_ids), and the sorted arrays are not read."""
     pid = tl.program_id(0)
     num_n_blocks = tl.cdiv(n, BLOCK_N)
     in_group = GROUP_M * num_n_blocks
@@ -224,9 +230,12 @@ def _moe_gemm_kernel(
     group_rows = min(num_m_blocks - first_m, GROUP_M)
     pid_m = first_m + (pid % in_group) % group_rows
     pid_n = (pid % in_group) // group_rows
-    if pid_m * BLOCK_M >= tl.load(num_padded_ptr):
-        return
-    rows = tl.load(sorted_ptr + pid_m * BLOCK_M + tl.arange(0, BLOCK_M))  # [BLOCK_M] flat (token, j) rows
+    if ROW_BLOCKS:
+        rows = tl.where(tl.arange(0, BLOCK_M) == 0, pid_m, num_rows)  # [BLOCK_M]: row pid_m, then padding
+    else:
+        if pid_m * BLOCK_M >= tl.load(num_padded_ptr):
+            return
+        rows = tl.load(sorted_ptr + pid_m * BLOCK_M + tl.arange(0, BLOCK_M))  # [BLOCK_M] flat (token, j) rows
     row_ok = rows < num_rows
     expert = tl.load(block_experts_ptr + pid_m).to(tl.int64)
     offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
@@ -279,12 +288,15 @@ def _moe_combine_kernel(z_ptr, out_ptr, hidden, top_k, stride_z, stride_o, BLOCK
 
 
 def _grouped_gemm(a, b, c, weights, sorted_ids, block_experts, num_padded, *, n, a_row_div, silu_mul, cfg):
-    num_m_blocks = sorted_ids.numel() // cfg.block_m
+    """sorted_ids None: one block per row (`block_experts` = the flat expert ids)."""
+    row_blocks = sorted_ids is None
+    num_m_blocks = block_experts.numel() if row_blocks else sorted_ids.numel() // cfg.block_m
     grid = (num_m_blocks * triton.cdiv(n, cfg.block_n),)
     _moe_gemm_kernel[grid](
-        a, b, c, weights, sorted_ids, block_experts, num_padded,
+        a, b, c, weights, block_experts if row_blocks else sorted_ids, block_experts,
+        block_experts if row_blocks else num_padded,
         n, a.shape[1], c.shape[0], a_row_div, num_m_blocks, a.stride(0), b.stride(0), b.stride(1), c.stride(0),
-        SILU_MUL=silu_mul, MUL_WEIGHT=weights is not None, IEEE=a.dtype == torch.float32,
+        SILU_MUL=silu_mul, MUL_WEIGHT=weights is not None, IEEE=a.dtype == torch.float32, ROW_BLOCKS=row_blocks,
         BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k, GROUP_M=cfg.group_m,
         num_warps=cfg.num_warps, num_stages=cfg.num_stages,
     )
@@ -316,7 +328,10 @@ def fused_moe(
                         deterministic=deterministic)
     cfg_down = moe_config(experts, hidden, inter, rows, itemsize=x.element_size(), deterministic=deterministic)
     assert cfg_up.block_m == cfg_down.block_m
-    sorted_ids, block_experts, num_padded = moe_align_block_size(topk_ids, experts, cfg_up.block_m)
+    if rows <= ROW_BLOCK_ROWS:  # decode at batch 1-2: a block per row, no alignment launch
+        sorted_ids, block_experts, num_padded = None, topk_ids.reshape(-1), None
+    else:
+        sorted_ids, block_experts, num_padded = moe_align_block_size(topk_ids, experts, cfg_up.block_m)
     act = torch.empty(rows, inter, dtype=x.dtype, device=x.device)  # [T * k, I]
     _grouped_gemm(x, w13, act, None, sorted_ids, block_experts, num_padded, n=inter, a_row_div=top_k,
                   silu_mul=True, cfg=cfg_up)

@@ -58,14 +58,16 @@ def test_moe_bf16_follows_transformers_greedy(moe_model):
     engine = Engine(EngineConfig(model=str(moe_model), device="cuda", dtype="bfloat16", max_num_seqs=8,
                                  max_model_len=512, num_kv_blocks=128))
     prompts = _prompts(6, seed=2)
+    refs = [hf.generate(torch.tensor([p], device="cuda"), max_new_tokens=16, do_sample=False, eos_token_id=None,
+                        pad_token_id=0)[0, len(p):].tolist() for p in prompts]
+    # teacher-forced first: full_sequence_logits needs an idle runner (under async scheduling the last step's
+    # requests leave the runner only at the next step)
+    forced = [engine.collective_rpc("full_sequence_logits", p + ref)[0].float() for p, ref in zip(prompts, refs)]
     outs = engine.generate(prompts, SamplingParams(temperature=0, max_tokens=16, ignore_eos=True))
     total = agree = first_equal = 0
-    for p, o in zip(prompts, outs):
-        ref = hf.generate(torch.tensor([p], device="cuda"), max_new_tokens=16, do_sample=False, eos_token_id=None,
-                          pad_token_id=0)[0, len(p):].tolist()
+    for p, o, ref, ours in zip(prompts, outs, refs, forced):
         first_equal += o.outputs[0].token_ids[0] == ref[0]
         seq = p + ref
-        ours = engine.collective_rpc("full_sequence_logits", seq)[0].float()
         with torch.no_grad():
             theirs = hf(torch.tensor([seq], device="cuda")).logits[0].float()
         for t in range(len(p) - 1, len(seq) - 1):
