@@ -3,7 +3,8 @@ PEFT adapters (random, non-zero B): logits with an adapter, greedy against peft'
 and two adapters equal to each alone, swaps under one name, the prefix cache kept apart per adapter, outputs
 recording the adapter and its version per token, adapter pushes through TrainerBridge (dense, then a patch) equal to
 peft's updated adapter merged, refused pushes changing nothing, chunked prefill with preemption, and an engine
-without LoRA carrying none of it. The server's LoRA endpoints are in tests/test_lora_server.py."""
+without LoRA carrying none of it; and the server's side through httpx and the official `openai` package (vLLM's
+load / unload endpoints, the `model` field, /v1/models with parents, SGLang's lora_path, the admin and key gates)."""
 
 from __future__ import annotations
 
@@ -363,3 +364,126 @@ def test_target_modules_limit_the_slots(base, adapters):
         engine.load_lora("a", str(adapters["a"]))  # it adapts o_proj and the MLP too
     with pytest.raises(ValueError, match="lora_target_modules"):
         Engine(config(base, lora_target_modules=["lm_head"]))
+
+
+# ---- the server: vLLM's adapter endpoints, the OpenAI `model` field, /v1/models, SGLang's lora_path -------------
+KEY, NAME, VOCAB = "sk-lora-31", "tiny-base", 320
+
+
+@pytest.fixture(scope="module")
+def chat_dir(tmp_path_factory):
+    from server_harness import chat_model_dir
+
+    src = make_checkpoint(tmp_path_factory.mktemp("lora_server_src"), "qwen2", vocab_size=VOCAB, seed=11)
+    return chat_model_dir(src, tmp_path_factory.mktemp("lora_server_chat"), VOCAB)
+
+
+@pytest.fixture(scope="module")
+def chat_adapters(chat_dir, tmp_path_factory):
+    root = tmp_path_factory.mktemp("lora_server_adapters")
+    return {"sql": write_adapter(chat_dir, root / "sql", seed=1, r=4, lora_alpha=8),
+            "math": write_adapter(chat_dir, root / "math", seed=2, r=2, lora_alpha=4, target_modules=["q_proj"])}
+
+
+@pytest.fixture(scope="module")
+def server(chat_dir):
+    pytest.importorskip("fastapi")
+    from server_harness import LiveServer
+
+    from rollout import AsyncEngine
+    from rollout.server_config import ServerConfig
+
+    with LiveServer(AsyncEngine(config(chat_dir, max_loras=2)), ServerConfig(api_key=KEY, served_model_name=NAME)) as srv:
+        yield srv
+    srv.engine.close()
+
+
+@pytest.fixture(scope="module")
+def http(server):
+    httpx = pytest.importorskip("httpx")
+    with httpx.Client(base_url=server.url, headers={"Authorization": f"Bearer {KEY}"}, timeout=60) as c:
+        yield c
+
+
+@pytest.fixture(scope="module")
+def local(chat_dir, chat_adapters):
+    e = Engine(config(chat_dir, max_loras=2))
+    for name, path in chat_adapters.items():
+        e.load_lora(name, str(path))
+    return e
+
+
+def test_server_loads_selects_lists_and_unloads_adapters(server, http, local, chat_dir, chat_adapters):
+    openai = pytest.importorskip("openai")
+    client = openai.OpenAI(base_url=server.url + "/v1", api_key=KEY, max_retries=0, timeout=60)
+    r = http.post("/v1/load_lora_adapter", json={"lora_name": "sql", "lora_path": str(chat_adapters["sql"])})
+    assert r.status_code == 200 and r.text == "Success: LoRA adapter 'sql' added successfully."
+    cards = http.get("/v1/models").json()["data"]
+    assert [(c["id"], c["parent"]) for c in cards] == [(NAME, None), ("sql", NAME)]
+    assert cards[1]["root"] == str(chat_adapters["sql"])
+    assert [m.id for m in client.models.list().data] == [NAME, "sql"] and client.models.retrieve("sql").id == "sql"
+    ids = local.tokenizer.encode("what is the weather in Paris today?")
+    want = {lora: local.generate([ids], SamplingParams(temperature=0, max_tokens=6, ignore_eos=True, lora=lora))[0]
+            .outputs[0].token_ids for lora in (None, "sql")}
+    assert want[None] != want["sql"]
+    for model, lora in ((NAME, None), ("sql", "sql")):
+        body = http.post("/v1/completions", json={"model": model, "prompt": ids, "max_tokens": 6, "temperature": 0,
+                                                  "ignore_eos": True, "return_token_ids": True}).json()
+        assert body["model"] == model and body["choices"][0]["token_ids"] == want[lora]
+        assert body["choices"][0].get("lora_versions") == (None if lora is None else [0] * 6)
+    c = client.completions.create(model="sql", prompt=ids, max_tokens=6, temperature=0, extra_body={"ignore_eos": True})
+    assert c.model == "sql" and c.choices[0].text == local.tokenizer.decode(want["sql"], True)
+    # chat with the adapter: the template's ids, sampled with it
+    messages = [{"role": "user", "content": "hello world"}]
+    chat = client.chat.completions.create(model="sql", messages=messages, max_tokens=5, temperature=0,
+                                          extra_body={"ignore_eos": True, "return_token_ids": True})
+    prompt = http.post("/v1/chat/completions", json={"messages": messages, "max_tokens": 1,
+                                                     "return_token_ids": True}).json()["prompt_token_ids"]
+    assert chat.model == "sql" and chat.choices[0].model_extra["token_ids"] == local.generate(
+        [prompt], SamplingParams(temperature=0, max_tokens=5, ignore_eos=True, lora="sql"))[0].outputs[0].token_ids
+    # prompt logprobs are the adapter's (peft's forward)
+    with torch.no_grad():
+        logp = torch.log_softmax(peft_model(chat_dir, chat_adapters["sql"])(torch.tensor([ids])).logits[0], -1)
+    scored = http.post("/v1/completions", json={"model": "sql", "prompt": ids, "max_tokens": 1,
+                                                "prompt_logprobs": 0}).json()["choices"][0]["prompt_logprobs"]
+    assert [scored[i][str(ids[i])]["logprob"] for i in range(1, len(ids))] == pytest.approx(
+        [logp[i - 1, ids[i]].item() for i in range(1, len(ids))], abs=1e-4)
+    # SGLang's /generate: lora_path by name, one per prompt in a batch
+    out = http.post("/generate", json={"input_ids": [ids, ids], "lora_path": [None, "sql"], "sampling_params": {
+        "max_new_tokens": 6, "temperature": 0, "ignore_eos": True}}).json()
+    assert [o["output_ids"] for o in out] == [want[None], want["sql"]]
+    assert "lora_versions" not in out[0]["meta_info"] and out[1]["meta_info"]["lora_versions"] == [0] * 6
+    bad = http.post("/generate", json={"input_ids": ids, "lora_path": "nope"})
+    assert bad.status_code == 400 and bad.json()["error"]["param"] == "lora_path"
+    # unknown models are OpenAI's 404; refused loads are 400s and change nothing
+    with pytest.raises(openai.NotFoundError) as e:
+        client.completions.create(model="nope", prompt=ids, max_tokens=1)
+    assert e.value.code == "model_not_found"
+    for body in ({"lora_name": "sql", "lora_path": str(chat_adapters["math"])},  # the name is taken
+                 {"lora_name": "other", "lora_path": str(chat_dir / "missing")},
+                 {"lora_name": NAME, "lora_path": str(chat_adapters["math"])}):
+        r = http.post("/v1/load_lora_adapter", json=body)
+        assert r.status_code == 400, body
+    assert [c["id"] for c in http.get("/v1/models").json()["data"]] == [NAME, "sql"]
+    r = http.post("/v1/unload_lora_adapter", json={"lora_name": "sql"})
+    assert r.status_code == 200 and r.text == "Success: LoRA adapter 'sql' removed successfully."
+    assert [m.id for m in client.models.list().data] == [NAME]
+    with pytest.raises(openai.NotFoundError):
+        client.completions.create(model="sql", prompt=ids, max_tokens=1)
+    r = http.post("/v1/unload_lora_adapter", json={"lora_name": "sql"})
+    assert r.status_code == 404 and r.json()["error"]["type"] == "not_found_error"
+
+
+def test_adapter_endpoints_need_the_key_and_admin(server, chat_dir, chat_adapters):
+    httpx = pytest.importorskip("httpx")
+    from server_harness import LiveServer
+
+    from rollout import AsyncEngine
+    from rollout.server_config import ServerConfig
+
+    body = {"lora_name": "math", "lora_path": str(chat_adapters["math"])}
+    assert httpx.post(server.url + "/v1/load_lora_adapter", json=body, timeout=60).status_code == 401
+    with LiveServer(AsyncEngine(config(chat_dir, max_loras=1)), ServerConfig(enable_admin=False)) as srv:
+        for path in ("/v1/load_lora_adapter", "/v1/unload_lora_adapter"):
+            assert httpx.post(srv.url + path, json=body, timeout=60).status_code == 404
+    srv.engine.close()
