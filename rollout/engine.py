@@ -10,8 +10,8 @@
 
 This module is that loop. What surrounds it lives next to it: outputs (rollout/output_processor.py),
 weight updates (rollout/engine_weights.py: every path drains the step in flight and bumps
-`policy_version` once), LoRA adapters (rollout/loras.py), sleep and wake (rollout/sleep.py), speculative-decoding statistics
-(rollout/spec_stats.py), and every call that must run on every rank is `collective_rpc`
+`policy_version` once), LoRA adapters (rollout/loras.py), sleep and wake (rollout/sleep.py), speculative-decoding
+statistics (rollout/spec_stats.py), and every call that must run on every rank is `collective_rpc`
 (runner/executor.py). A bad request is refused at `add_request` with a ValueError and never reaches the
 scheduler, so it cannot disturb the requests already running.
 
@@ -517,7 +517,8 @@ class Engine:
             raise ValueError("prompt is empty")
         if params.lora is not None:
             if self._loras is None:
-                raise ValueError("SamplingParams.lora: this engine serves no LoRA adapters (EngineConfig.max_loras is 0)")
+                raise ValueError("SamplingParams.lora: this engine serves no LoRA adapters "
+                                 "(EngineConfig.max_loras is 0)")
             self._loras.get(params.lora, "SamplingParams.lora")
         if params.return_routed_experts:
             refusal = self.routed_experts_refusal()

@@ -393,7 +393,8 @@ def server(chat_dir):
     from rollout import AsyncEngine
     from rollout.server_config import ServerConfig
 
-    with LiveServer(AsyncEngine(config(chat_dir, max_loras=2)), ServerConfig(api_key=KEY, served_model_name=NAME)) as srv:
+    engine = AsyncEngine(config(chat_dir, max_loras=2))
+    with LiveServer(engine, ServerConfig(api_key=KEY, served_model_name=NAME)) as srv:
         yield srv
     srv.engine.close()
 

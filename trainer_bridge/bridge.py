@@ -287,7 +287,8 @@ class TrainerBridge:
         """The engine's LoRA adapter this bridge rolls out with and pushes to; None: the base weights."""
         if lora is not None:
             if not hasattr(engine, "apply_lora_update"):
-                raise ValueError(f"lora needs a local Engine (pushes go into its adapter slot), got {type(engine).__name__}")
+                raise ValueError(f"lora needs a local Engine (pushes go into its adapter slot), got "
+                                 f"{type(engine).__name__}")
             if rank_local:
                 raise ValueError("lora and rank_local cannot be combined: an adapter push goes to the engine's slot")
         self.specs: dict[str, ParamSpec] = dict(engine.weight_specs() if lora is None else engine.lora_specs(lora))
