@@ -366,6 +366,21 @@ def test_target_modules_limit_the_slots(base, adapters):
         Engine(config(base, lora_target_modules=["lm_head"]))
 
 
+def test_a_moe_model_adapts_its_attention(tmp_path):
+    base = make_checkpoint(tmp_path / "moe", "qwen3_moe", seed=3)
+    attention = write_adapter(base, tmp_path / "attn", seed=1, r=4, lora_alpha=8,
+                              target_modules=["q_proj", "k_proj", "v_proj", "o_proj"])
+    engine = Engine(config(base))
+    assert {fused for _, fused in engine.runner.lora.slots.stacks} == {"qkv_proj", "o_proj"}
+    engine.load_lora("attn", str(attention))
+    model, tokens = peft_model(base, attention), list(range(3, 30))
+    with torch.no_grad():
+        ref = model(torch.tensor([tokens])).logits[0]
+    torch.testing.assert_close(_logits(engine, tokens, "attn"), ref, atol=1e-4, rtol=1e-4)
+    out = engine.generate([tokens], SamplingParams(temperature=0, max_tokens=8, ignore_eos=True, lora="attn"))
+    assert out[0].outputs[0].token_ids == hf_greedy(model, tokens, 8)
+
+
 # ---- the server: vLLM's adapter endpoints, the OpenAI `model` field, /v1/models, SGLang's lora_path -------------
 KEY, NAME, VOCAB = "sk-lora-31", "tiny-base", 320
 

@@ -24,7 +24,7 @@ from contextlib import contextmanager
 import torch
 
 from runner.layers import Linear
-from runner.lora.adapters import LoraAdapter, read_adapter
+from runner.lora.adapters import LORA_MODULES, LoraAdapter, lora_module_shapes, read_adapter
 from runner.lora.slots import LoraSlots, LoraStack
 from runner.model_config import ModelConfig
 from weight_updates.target import ParamSpec
@@ -59,9 +59,11 @@ class LoraRuntime:
 
     def __init__(self, model: torch.nn.Module, model_config: ModelConfig, *, max_loras: int, max_rank: int,
                  target_modules: tuple[str, ...] | None, device: torch.device, dtype: torch.dtype) -> None:
+        if target_modules is None:  # every module the model supports (a MoE model: the attention projections)
+            target_modules = tuple(m for m in LORA_MODULES if m in lora_module_shapes(model_config))
         try:
             self.slots = LoraSlots(model_config, max_loras=max_loras, max_rank=max_rank, device=device, dtype=dtype,
-                                   **({} if target_modules is None else {"target_modules": tuple(target_modules)}))
+                                   target_modules=tuple(target_modules))
         except ValueError as e:
             raise ValueError(f"EngineConfig.lora_target_modules / max_loras / max_lora_rank: {e}") from None
         self.model_config = model_config
