@@ -20,6 +20,11 @@ forward, and copies them out with the sampled tokens (`RoutedGather`, into `Runn
 steps without such requests do nothing of this. Under tensor parallelism
 only rank 0 keeps a store (the router is replicated, so rank 0's choices are every rank's).
 
+LoRA (`config.max_loras > 0`): `self.lora` is a `runner.lora.runtime.LoraRuntime` (adapter slots, hooked into the
+model's linears); each request's slot (`InputBatch.lora_slot`) is staged per token into `StepBuffers.lora_idx`, and
+every forward runs inside `self.lora.tokens(...)` (an eager step without adapter tokens with none; a decode graph
+always with the buffer, so it builds the step's tiles itself). Without LoRA none of it exists.
+
 The device buffers (`[max_num_batched_tokens]`, `[max_num_seqs, ...]`) are allocated once, so a CUDA
 graph can capture a step that reads them. Under tensor parallelism (`tp` given) the runner is one rank's:
 its model shard, its KV heads, and a sampler that takes the rank's vocabulary shard of the logits
@@ -133,7 +138,7 @@ class ModelRunner:
         self.input_batch = InputBatch(
             max_num_seqs=config.max_num_seqs, max_model_len=max_model_len, block_size=config.block_size
         )
-        self.lora = None  # runner.lora.runtime.LoraRuntime when config.max_loras > 0 (its slots, hooked into the model)
+        self.lora = None  # runner.lora.runtime.LoraRuntime when config.max_loras > 0 (slots hooked into the model)
         if config.max_loras:
             from runner.lora.runtime import LoraRuntime
 
