@@ -81,6 +81,17 @@ class EngineConfig:
     """MoE models: keep a routing store next to the KV cache (int32 [KV slots, MoE layers, top_k], counted in
     the cache's sizing), so that requests may ask for `SamplingParams.return_routed_experts`; False leaves it
     out (such requests are then refused). Dense models have no store either way."""
+    max_loras: int = 0
+    """LoRA adapters the engine can hold at once (`Engine.load_lora`): one preallocated device slot each, for
+    every decoder layer's adapted linears, so adapters are loaded, swapped and pushed in place and CUDA graphs stay
+    valid. 0 turns LoRA off at no cost (no slots, no per-token index, the graphs of a plain engine). Not yet with
+    tensor_parallel_size > 1 or speculative decoding."""
+    max_lora_rank: int = 16
+    """Largest adapter rank r the slots hold (a smaller rank is zero-padded, which adds exact zeros)."""
+    lora_target_modules: tuple[str, ...] | None = None
+    """Which checkpoint modules get adapter slots (q_proj, k_proj, v_proj, o_proj, gate_proj, up_proj,
+    down_proj; a fused layer gets slots for all of its modules); None: every one the model supports (MoE models:
+    the attention projections). An adapter of another module is refused at load."""
     async_scheduling: bool | None = None
     """Schedule and stage step t+1 while step t runs on the device (tokens of t reach t+1 on the device);
     hides the host's per-step work behind the GPU's. Not with speculative decoding. None (the default)
@@ -119,6 +130,20 @@ class EngineConfig:
             raise ValueError(f"EngineConfig.tp_sampling must be 'sharded' or 'allgather', got {self.tp_sampling!r}")
         if self.tensor_parallel_size > 1 and self.speculative is not None:
             raise ValueError("speculative decoding does not support tensor_parallel_size > 1 yet")
+        for name, low in (("max_loras", 0), ("max_lora_rank", 1)):
+            value = getattr(self, name)
+            if isinstance(value, bool) or not isinstance(value, int) or value < low:
+                raise ValueError(f"EngineConfig.{name} must be an integer >= {low}, got {value!r}")
+        if self.lora_target_modules is not None:
+            modules = self.lora_target_modules
+            if isinstance(modules, str) or not modules or not all(isinstance(m, str) and m for m in modules):
+                raise ValueError(f"EngineConfig.lora_target_modules must be a non-empty list of module names or None, "
+                                 f"got {modules!r}")
+            self.lora_target_modules = tuple(modules)
+        if self.max_loras and self.tensor_parallel_size > 1:
+            raise ValueError("EngineConfig.max_loras > 0 does not support tensor_parallel_size > 1 yet")
+        if self.max_loras and self.speculative is not None:
+            raise ValueError("EngineConfig.max_loras > 0 does not support speculative decoding yet")
         if self.async_scheduling and self.speculative is not None:
             raise ValueError("async_scheduling does not support speculative decoding yet")
         if self.async_scheduling is None:

@@ -10,8 +10,8 @@
 
 This module is that loop. What surrounds it lives next to it: outputs (rollout/output_processor.py),
 weight updates (rollout/engine_weights.py: every path drains the step in flight and bumps
-`policy_version` once), sleep and wake (rollout/sleep.py), speculative-decoding statistics
-(rollout/spec_stats.py), and every call that must run on every rank is `collective_rpc`
+`policy_version` once), LoRA adapters (rollout/loras.py), sleep and wake (rollout/sleep.py), speculative-decoding
+statistics (rollout/spec_stats.py), and every call that must run on every rank is `collective_rpc`
 (runner/executor.py). A bad request is refused at `add_request` with a ValueError and never reaches the
 scheduler, so it cannot disturb the requests already running.
 
@@ -45,6 +45,7 @@ from rollout.spec_stats import SpecDecodeTotals, new_spec_stats
 from rollout.tokenizer import Tokenizer
 
 if TYPE_CHECKING:
+    from rollout.loras import LoraInfo
     from rollout.weight_sink import EngineSink
     from weight_updates import UpdateResult
 
@@ -100,6 +101,11 @@ class Engine:
         self._ids = itertools.count()
         self._sleep = SleepState(self.collective_rpc, self.kv_manager.reset_prefix_cache)
         self._weights = EngineWeights(self)
+        self._loras = None  # EngineLoras when config.max_loras > 0
+        if config.max_loras:
+            from rollout.loras import EngineLoras
+
+            self._loras = EngineLoras(self, config.max_loras)
         self._inflight = None  # async scheduling: (SchedulerOutput, StepHandle) launched, not yet collected
         self._drained: list[Request] = []  # requests that got tokens in a drain, reported by the next step
         self.spec_controller = None  # SpecController (auto-off) when speculating
@@ -160,6 +166,10 @@ class Engine:
         group = RequestGroup(request_id, text, list(token_ids), params)
         routing = self.routed_experts_shape if params.return_routed_experts else None  # (L_moe, k)
         routing_rows = len(token_ids) + min(max_tokens, 512)  # a first capacity of the rows (they grow as needed)
+        lora = None if params.lora is None else self._loras.get(params.lora, "SamplingParams.lora")
+        cache_keys = () if params.cache_salt is None else (("cache_salt", params.cache_salt),)
+        if lora is not None:  # blocks computed under an adapter are shared only with requests of the same load
+            cache_keys += (lora.cache_key,)
         for j in range(params.n):
             req = Request(
                 req_id=f"{request_id}-{j}",
@@ -171,8 +181,9 @@ class Engine:
                 token_ids=list(token_ids),
                 num_prompt_tokens=len(token_ids),
                 spec_stats=new_spec_stats(self.config.speculative.num_speculative_tokens) if self.config.speculative else None,
-                cache_keys=() if params.cache_salt is None else (("cache_salt", params.cache_salt),),
+                cache_keys=cache_keys,
                 routed_experts=None if routing is None else RoutedExperts(*routing, routing_rows),
+                lora=lora,
             )
             group.members.append(req)
         self.output_processor.add(group, kind)
@@ -410,6 +421,43 @@ class Engine:
         and their errors, and every rank's weights and the version are as they were. Returns rank 0's result."""
         return self._weights.update_rank_local(version, handles)
 
+    # ---- LoRA adapters (rollout/loras.py) -------------------------------------------------------------
+    def load_lora(self, name: str, path: str) -> "LoraInfo":
+        """Load the PEFT adapter directory `path` (adapter_config.json + adapter_model.safetensors) into a free
+        adapter slot under `name`, for requests with `SamplingParams(lora=name)`. Checked in full (against the
+        model, `max_lora_rank` and `lora_target_modules`) before the slot is written; a ValueError otherwise, and
+        when the name is taken or every slot is in use. Between steps; running requests go on."""
+        return self._lora_manager().load(name, path)
+
+    def unload_lora(self, name: str) -> None:
+        """Free `name`'s slot (zeroed). Refused (ValueError) while any unfinished request uses the adapter: finish
+        or abort them first. A later `load_lora` under the same name is a new adapter (no prefix-cache blocks of the
+        old one are reused)."""
+        self._lora_manager().unload(name)
+
+    def list_loras(self) -> list["LoraInfo"]:
+        """The loaded adapters, in load order (none when LoRA is off)."""
+        return [] if self._loras is None else [lora.info() for lora in self._loras.loaded.values()]
+
+    def lora_specs(self, name: str) -> dict:
+        """PEFT tensor name (`base_model.model.model.layers.{i}.self_attn.q_proj.lora_A.weight`) -> (shape, dtype)
+        of every tensor of adapter `name` a push may carry (A [r, in], B [out, r])."""
+        return self._lora_manager().specs(name)
+
+    def apply_lora_update(self, name: str, updates, version: int | None = None) -> "UpdateResult":
+        """Write Dense/Patch records of adapter `name`'s A / B tensors (names of `lora_specs`) in place, between
+        steps; `version`, the adapter's new version, defaults to its current one + 1. Nothing is written unless
+        every record validates (a wrong name, rank or shape raises a ValueError and changes nothing). On success
+        `policy_version` moves by one (no new request reuses prefix-cache blocks of the old weights) and later
+        tokens of the adapter's requests record the new adapter version (`CompletionOutput.lora_versions`).
+        Returns the session's result (its `version` is the adapter's)."""
+        return self._lora_manager().apply(name, updates, version)
+
+    def _lora_manager(self):
+        if self._loras is None:
+            raise ValueError("this engine serves no LoRA adapters (EngineConfig.max_loras is 0)")
+        return self._loras
+
     # ---- sleep / wake (rollout/sleep.py) ---------------------------------------------------------------
     def sleep(self, level: int = 1) -> None:
         """Give device memory to a trainer that shares the device between rollout batches.
@@ -467,6 +515,11 @@ class Engine:
     def _validate_prompt(self, token_ids: list[int], params: SamplingParams) -> None:
         if len(token_ids) == 0:
             raise ValueError("prompt is empty")
+        if params.lora is not None:
+            if self._loras is None:
+                raise ValueError("SamplingParams.lora: this engine serves no LoRA adapters "
+                                 "(EngineConfig.max_loras is 0)")
+            self._loras.get(params.lora, "SamplingParams.lora")
         if params.return_routed_experts:
             refusal = self.routed_experts_refusal()
             if refusal is not None:

@@ -2,7 +2,7 @@
 
 Blocks hold `block_size` tokens. A full block computed under the current weights is registered under
 the key (hash of the previous block's key, its token ids); in the first block's key the request's extra
-keys (`Request.cache_keys`: its cache salt, later an adapter id) stand in for the parent, so they are
+keys (`Request.cache_keys`: its cache salt, its LoRA adapter's load) stand in for the parent, so they are
 part of every block's chain. Two requests with the same prefix and the same extra keys map to the same
 blocks, so the n samples of one prompt hold the prompt's full blocks once; requests with different extra
 keys share no block. Freed blocks keep their key and go to the back of an LRU free queue; allocation takes

@@ -25,8 +25,9 @@ Text: mid-stream, the committed text (never a partial character) less what could
 text); a finished sample's text is cut at its matched stop string (after it with include_stop_str_in_output),
 or else all its tokens decoded (`flush`). So a sample's deltas concatenate to its final text, and no output
 holds text that the final text lacks. Token lists count the tokens that exist: the placeholders of steps in
-flight (async scheduling) are left out. Scalars (num_preemptions, spec_decode_stats, stop_reason) are the
-sample's current values in every kind. Routed experts (MoE, when asked for) are a copy of the sample's rows of
+flight (async scheduling) are left out. Scalars (num_preemptions, spec_decode_stats, stop_reason, lora) are the
+sample's current values in every kind; a LoRA sample's `lora_versions` follow from its policy versions
+(`LoadedLora.versions_at`). Routed experts (MoE, when asked for) are a copy of the sample's rows of
 positions 0 .. P + L - 2 in cumulative outputs (so O(P + L) per output) and only in a DELTA sample's last delta.
 
 Adding an output field: a field of `CompletionOutput` (rollout/outputs.py), filled in `_completion` (a
@@ -203,6 +204,8 @@ class OutputProcessor:
             stop_reason=r.stop_reason if finished else None,
             routed_experts=r.routed_experts.first(start + num - 1)
             if r.routed_experts is not None and (finished or not delta) else None,
+            lora=None if r.lora is None else r.lora.name,
+            lora_versions=None if r.lora is None else r.lora.versions_at(r.policy_versions[lo:num]),
         )
 
     def _text(self, s: _Sample, num: int, finished: bool, delta: bool) -> str | None:

@@ -49,6 +49,11 @@ class CompletionOutput:
     it; a DELTA output carries it only in the sample's last delta (the one with finish_reason), whole (prompt
     rows included), and None before. A sample without a token yet (still computing its prompt, or aborted
     before its first token) has only the rows of the positions computed so far. None when not asked for."""
+    lora: str | None = None
+    """The LoRA adapter that sampled this completion (`SamplingParams.lora`); None: the base model."""
+    lora_versions: list[int] | None = None
+    """With an adapter: its version (0 at load, + 1 per push) when each token was sampled, next to
+    `policy_versions` (the engine's version, which every push, base or adapter, moves); None without one."""
 
     @property
     def finished(self) -> bool:
@@ -58,6 +63,10 @@ class CompletionOutput:
         """Append the next delta of this sample (its per-token lists and text; its latest scalars)."""
         self.token_ids.extend(delta.token_ids)
         self.policy_versions.extend(delta.policy_versions)
+        if delta.lora_versions is not None:
+            self.lora_versions = self.lora_versions or []
+            self.lora_versions.extend(delta.lora_versions)
+        self.lora = delta.lora
         if delta.logprobs is not None:
             self.logprobs = self.logprobs or []
             self.logprobs.extend(delta.logprobs)

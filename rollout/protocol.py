@@ -64,7 +64,8 @@ class StreamOptions(_Strict):
 class _SamplingFields(_Strict):
     """The sampling fields /v1/completions and /v1/chat/completions share (OpenAI's and vLLM's names)."""
 
-    model: str | None = Field(default=None, description="the served model's id (see /v1/models)")
+    model: str | None = Field(default=None, description="the served model's id or a loaded LoRA adapter's name "
+                                                        "(see /v1/models)")
     n: NumSamples = 1
     temperature: Temperature = 1.0
     top_p: TopP = 1.0
@@ -244,6 +245,9 @@ class GenerateRequest(_Strict):
     """SGLang's (MoE routing replay): `meta_info.routed_experts`, base64 of the little-endian int32 array
     [P + L - 1, num_moe_layers, top_k] (C order) of the experts chosen at every input position; streamed, in
     the last result."""
+    lora_path: Union[str, Annotated[list[Union[str, None]], Field(min_length=1)], None] = Field(
+        default=None, description="a loaded LoRA adapter's name, or a list of one (or null) per prompt")
+    """SGLang's: the LoRA adapter (by the name it was loaded under) each prompt samples with; null: the base."""
 
     @model_validator(mode="after")
     def _one_prompt_field(self):
@@ -369,6 +373,22 @@ def Extension(**kw):  # noqa: N802 (a Field)
     return Field(default=None, exclude_if=_none, **kw)
 
 
+class LoadLoraAdapterRequest(_Strict):
+    """POST /v1/load_lora_adapter (vLLM's): a PEFT adapter directory on the server's machine, under a name."""
+
+    lora_name: str = Field(min_length=1, description="a non-empty string")
+    lora_path: str = Field(min_length=1, description="a directory with adapter_config.json and "
+                                                     "adapter_model.safetensors")
+
+
+class UnloadLoraAdapterRequest(_Strict):
+    """POST /v1/unload_lora_adapter (vLLM's)."""
+
+    lora_name: str = Field(min_length=1, description="a non-empty string")
+    lora_int_id: int | None = None
+    """vLLM's numeric id of an adapter; taken and ignored (adapters are known by name here)."""
+
+
 class ErrorInfo(BaseModel):
     message: str
     type: str
@@ -398,6 +418,8 @@ class ModelCard(BaseModel):
     created: int = Field(default_factory=lambda: int(time.time()))
     owned_by: str = "rollout"
     root: str | None = None
+    parent: str | None = None
+    """A LoRA adapter's base model (vLLM's field); None for the base model itself."""
     max_model_len: int | None = None
 
 
@@ -430,6 +452,8 @@ class CompletionChoice(BaseModel):
     routed experts (`return_routed_experts`)."""
     routed_experts_shape: list[int] | None = Extension()
     """The shape of `routed_experts`: [P + L - 1, num_moe_layers, top_k]."""
+    lora_versions: list[int] | None = Extension()
+    """With a LoRA adapter (`model`): its version when each token was sampled."""
 
 
 class CompletionResponse(BaseModel):
@@ -490,6 +514,7 @@ class ChatChoice(BaseModel):
     spec_decode_stats: dict | None = Extension()
     routed_experts: str | None = Extension()
     routed_experts_shape: list[int] | None = Extension()
+    lora_versions: list[int] | None = Extension()
 
 
 class ChatCompletionResponse(BaseModel):
@@ -520,6 +545,7 @@ class ChatStreamChoice(BaseModel):
     spec_decode_stats: dict | None = Extension()
     routed_experts: str | None = Extension()
     routed_experts_shape: list[int] | None = Extension()
+    lora_versions: list[int] | None = Extension()
 
 
 class ChatCompletionChunk(BaseModel):

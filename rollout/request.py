@@ -18,6 +18,7 @@ from rollout.sampling_params import SamplingParams
 
 if TYPE_CHECKING:
     from rollout.detokenizer import StopStrings
+    from rollout.loras import LoadedLora
 
 
 class RequestStatus(enum.Enum):
@@ -97,7 +98,8 @@ class Request:
     num_cached_blocks: int = 0  # leading blocks registered in the prefix cache
     block_keys: list = field(default_factory=list)  # prefix-cache chain keys of full blocks (memo)
     # extra prefix-cache keys, part of the first block's key (so of every block's chain): only requests with
-    # equal cache_keys share KV blocks. (("cache_salt", salt),) for a salted request; a future adapter id here
+    # equal cache_keys share KV blocks: ("cache_salt", salt) for a salted request, ("lora", name, load id) for one
+    # of a LoRA adapter
     cache_keys: tuple = ()
     kv_epoch: int = 0  # weight epoch its KV was computed under (blocks of older epochs are not cached)
     logprobs: list[float] = field(default_factory=list)
@@ -110,6 +112,12 @@ class Request:
     # reads the sample's incrementally decoded text
     stop_reason: int | str | None = None  # the stop token id or string that ended it; None for EOS / length
     routed_experts: RoutedExperts | None = None  # when params.return_routed_experts (set by the engine)
+    lora: "LoadedLora | None" = None  # the adapter of params.lora, as loaded when the request was added
+
+    @property
+    def lora_slot(self) -> int:
+        """The device slot of its adapter; -1 for the base model."""
+        return -1 if self.lora is None else self.lora.slot
 
     def __post_init__(self) -> None:
         params = self.group.params

@@ -112,6 +112,11 @@ class SamplingParams:
     router chose at every MoE layer for every position it ran as input (the prompt and every generated token
     but the last), so a trainer's forward can use the rollout's experts. A dense model, or an engine with
     `EngineConfig.enable_return_routed_experts` off, refuses the request."""
+    lora: str | None = None
+    """The name of a LoRA adapter the engine has loaded (`Engine.load_lora`) to sample with; None: the base
+    model. An unknown name is refused when the request is added. Requests of different adapters (and the base)
+    share a batch, never prefix-cache blocks; each output records its adapter and the adapter's version per
+    token (`CompletionOutput.lora`, `lora_versions`)."""
 
     def __post_init__(self) -> None:
         self.n = _integer("n", self.n, ">= 1")
@@ -165,6 +170,8 @@ class SamplingParams:
             if len(self.cache_salt) > MAX_CACHE_SALT_CHARS:
                 raise ValueError(f"SamplingParams.cache_salt must be at most MAX_CACHE_SALT_CHARS={MAX_CACHE_SALT_CHARS} "
                                  f"characters, got {len(self.cache_salt)}")
+        if self.lora is not None and (not isinstance(self.lora, str) or not self.lora):
+            raise ValueError(f"SamplingParams.lora must be a non-empty adapter name or None, got {self.lora!r}")
         if isinstance(self.output_kind, bool) or not isinstance(self.output_kind, (RequestOutputKind, int)):
             raise ValueError(f"SamplingParams.output_kind must be a RequestOutputKind, got {self.output_kind!r}")
         try:
@@ -177,8 +184,9 @@ class SamplingParams:
     def greedy(self) -> bool:
         return self.temperature == 0.0
 
-    def runner_sampling(self, seed: int) -> RequestSampling:
-        """What the runner needs of these settings for one sample (whose noise seed is `seed`)."""
+    def runner_sampling(self, seed: int, lora_slot: int = -1) -> RequestSampling:
+        """What the runner needs of these settings for one sample (whose noise seed is `seed`; `lora_slot`: the
+        device slot of its adapter, -1 for none)."""
         return RequestSampling(temperature=self.temperature, top_k=self.top_k, top_p=self.top_p, min_p=self.min_p,
                                seed=seed, top_logprobs=self.top_logprobs, speculative=self.speculative,
-                               return_routed_experts=self.return_routed_experts)
+                               return_routed_experts=self.return_routed_experts, lora_slot=lora_slot)

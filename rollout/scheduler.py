@@ -323,7 +323,7 @@ class Scheduler:
             num_prompt_tokens=req.num_prompt_tokens,
             block_ids=list(req.block_ids),
             num_computed_tokens=req.num_computed_tokens,
-            sampling=req.params.runner_sampling(req.seed),
+            sampling=req.params.runner_sampling(req.seed, req.lora_slot),
         )
 
     def _drop_placeholders(self, req: Request) -> None:

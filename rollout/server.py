@@ -4,7 +4,8 @@ RL clients call it, and SGLang's native `/generate` and RL control endpoints.
     python -m rollout serve --model DIR [--host 127.0.0.1] [--port 30000] [--api-key KEY]
 
     GET  /health                      {"status": "ok"}; never needs the API key (for probes)
-    GET  /v1/models, /v1/models/{id}  the served model (`ServerConfig.served_model_name`)
+    GET  /v1/models, /v1/models/{id}  the served model (`ServerConfig.served_model_name`) and the loaded LoRA
+                                      adapters (their `parent`: the served model)
     POST /v1/completions              OpenAI's: prompt (text, texts, token ids, lists of token ids), n, stream
                                       (server-sent events of text deltas; a usage chunk with
                                       stream_options.include_usage), echo, logprobs (top-N, text_offset), stop,
@@ -14,8 +15,8 @@ RL clients call it, and SGLang's native `/generate` and RL control endpoints.
                                       tool_choice ("auto" / "none"), tool calls parsed into `tool_calls`,
                                       streaming deltas, logprobs / top_logprobs, and the same extensions
     POST /generate                    SGLang's: {"text" | "input_ids", "sampling_params", "return_logprob",
-                                      "top_logprobs_num", "rid", "stream", "return_routed_experts"}; one result
-                                      per sample
+                                      "top_logprobs_num", "rid", "stream", "return_routed_experts", "lora_path"};
+                                      one result per sample
     GET  /get_model_info              {"model_path", "served_model_name", "policy_version", "has_tokenizer", ...}
     GET  /get_weight_version          {"weight_version": "7"}: the policy version as SGLang's string
     GET  /health_generate             200 once the engine generated a token (while paused: at once; asleep: once
@@ -33,6 +34,10 @@ RL clients call it, and SGLang's native `/generate` and RL control endpoints.
     POST /resume_memory_occupation    {"tags"?}: Engine.wake_up(tags)
     POST /update_weights_from_disk    {"model_path", "version"? | "weight_version"?}: Engine.load_weights,
                                       validated before writing
+    POST /v1/load_lora_adapter        vLLM's {"lora_name", "lora_path"}: Engine.load_lora (a PEFT adapter directory
+                                      on this machine); 400 for a name in use, no free slot or a bad adapter
+    POST /v1/unload_lora_adapter      vLLM's {"lora_name"}: Engine.unload_lora; 404 for an unknown name, 400 while
+                                      requests of the adapter run
     POST /init_weights_update_group   {"master_address", "master_port", "rank_offset", "world_size",
                                       "group_name", "backend"}: join the trainer's process group
     POST /update_weights_from_distributed  {"names", "dtypes", "shapes", "group_name", "weight_version",
@@ -54,6 +59,12 @@ pending prompts, cache-salt length, token ids in the vocabulary). Every error is
 404 not_found_error, 413 (body too large), 429 rate_limit_error with Retry-After (too many pending prompts),
 503 (no free KV blocks to score a prompt now; the engine stopped). A client that disconnects aborts its
 requests, streaming or not, and costs one log line.
+
+LoRA (an engine with `EngineConfig.max_loras > 0`): the OpenAI `model` field names the served model (the base) or a
+loaded adapter, which the request then samples with (and its prompt logprobs are scored with); another name is a
+404 `model_not_found`, as vLLM answers. Responses carry the name asked for, and adapter choices (and /generate's
+`meta_info`) the adapter's version per token (`lora_versions`). /generate takes SGLang's `lora_path`: an adapter's
+name (or a list, one per prompt); an unknown one is a 400.
 
 Every choice carries the policy version of each of its tokens (`policy_versions`) and, when speculating,
 its acceptance counters (`spec_decode_stats`). MoE routing replay: with `return_routed_experts`, /generate's
@@ -277,11 +288,19 @@ class _Streams:
         await asyncio.gather(*self._tasks, return_exceptions=True)
 
 
-def _score_prompt(engine, token_ids: list[int], num_top: int) -> dict:
-    """On the engine's thread, between steps: runner/scoring.py's prompt logprobs over KV blocks lent from the
-    pool for the call (so running requests keep theirs). Raises APIError 503 when the pool lacks the blocks."""
+def _score_prompt(engine, token_ids: list[int], num_top: int, lora: str | None = None) -> dict:
+    """On the engine's thread, between steps: runner/scoring.py's prompt logprobs (with LoRA adapter `lora`) over
+    KV blocks lent from the pool for the call (so running requests keep theirs). Raises APIError 503 when the pool
+    lacks the blocks."""
     if engine.is_sleeping:
         raise ValueError("prompt logprobs while the engine sleeps: resume it first")
+    slot = -1
+    if lora is not None:
+        slots = {info.name: info.slot for info in engine.list_loras()}
+        if lora not in slots:
+            raise APIError(404, f"the model {lora!r} does not exist (its LoRA adapter was unloaded)", param="model",
+                           code="model_not_found")
+        slot = slots[lora]
     pool = engine.kv_manager.pool
     need = -(-len(token_ids) // engine.config.block_size)
     if need > pool.num_free_blocks:
@@ -289,7 +308,7 @@ def _score_prompt(engine, token_ids: list[int], num_top: int) -> dict:
                             "now; retry later", code="kv_cache_full")
     blocks = pool.allocate(need)
     try:
-        return engine.collective_rpc("runner.scoring:prompt_logprobs", list(token_ids), blocks, num_top)[0]
+        return engine.collective_rpc("runner.scoring:prompt_logprobs", list(token_ids), blocks, num_top, slot)[0]
     finally:
         pool.free(blocks)
 
@@ -312,6 +331,8 @@ class _Server:
         self.max_tokens = min(config.max_tokens or eng.max_model_len, eng.max_model_len)
         self.routed_experts_refusal = eng.routed_experts_refusal()  # None: requests may ask for routed experts
         self.template = ChatTemplate.from_model_dir(eng.tokenizer_dir, override=config.chat_template)
+        # loaded LoRA adapters by name (their LoraInfo): the engine's at start and after each load / unload here
+        self.loras = {info.name: info for info in eng.list_loras()}
         self.tool_parser = ToolParsers.get(config.tool_parser)
         self.created = int(time.time())
         self.pending = 0  # prompts admitted and not yet answered (the event loop's thread only)
@@ -381,10 +402,33 @@ class _Server:
             raise _Disconnected
         return task.result()
 
-    def check_model(self, model: str | None) -> None:
-        if model is not None and model != self.served_model_name:
-            raise APIError(404, f"the model {model!r} does not exist; this server serves {self.served_model_name!r}",
-                           param="model", code="model_not_found")
+    def check_model(self, model: str | None) -> str | None:
+        """The LoRA adapter a request's `model` names: None for the served (base) model or no name; a 404 in
+        OpenAI's shape for a model that is neither."""
+        if model is None or model == self.served_model_name:
+            return None
+        if model in self.loras:
+            return model
+        adapters = f" and the LoRA adapters {sorted(self.loras)}" if self.loras else ""
+        raise APIError(404, f"the model {model!r} does not exist; this server serves {self.served_model_name!r}"
+                            f"{adapters}", param="model", code="model_not_found")
+
+    def model_name(self, req: BaseModel) -> str:
+        """The model a response names: the one the request asked for (an adapter's name), else the served one."""
+        return req.model if req.model is not None else self.served_model_name
+
+    def check_lora_path(self, lora_path, num_prompts: int) -> list[str | None]:
+        """/generate's `lora_path` as one adapter name (or None) per prompt; a 400 naming the field otherwise."""
+        names = lora_path if isinstance(lora_path, list) else [lora_path] * num_prompts
+        if len(names) != num_prompts:
+            raise APIError(400, f"lora_path must be a name or a list of one per prompt ({num_prompts}), got "
+                                f"{len(names)}", param="lora_path")
+        for name in names:
+            if name is not None and name not in self.loras:
+                loaded = sorted(self.loras) or "none"
+                raise APIError(400, f"lora_path: no LoRA adapter named {name!r} is loaded (loaded: {loaded})",
+                               param="lora_path")
+        return names
 
     def check_common(self, n: int, cache_salt: str | None, stop_token_ids: list[int] | None,
                      max_tokens: int | None, param_max_tokens: str = "max_tokens") -> None:
@@ -442,17 +486,19 @@ class _Server:
     def token_name(self, token_id: int, as_ids: bool) -> str:
         return f"token_id:{token_id}" if as_ids else self.token_text(token_id)
 
-    async def generate_all(self, prompts: list[list[int]], params: SamplingParams | None, rids: list[str],
-                           score_top: int | None = None) -> tuple[list[RequestOutput | None], list[dict | None]]:
-        """Every prompt's final output (engine request ids `rids`; None each when `params` is None: nothing to
-        generate) and, with `score_top`, its prompt scores; one failure cancels (aborts) the rest and raises
-        as an APIError."""
+    async def generate_all(self, prompts: list[list[int]], params: SamplingParams | list[SamplingParams] | None,
+                           rids: list[str], score_top: int | None = None, lora: str | None = None
+                           ) -> tuple[list[RequestOutput | None], list[dict | None]]:
+        """Every prompt's final output (engine request ids `rids`; `params` for all, or one per prompt; None each
+        when `params` is None: nothing to generate) and, with `score_top`, its prompt scores (with adapter `lora`);
+        one failure cancels (aborts) the rest and raises as an APIError."""
         tasks = []
         if params is not None:
-            tasks += [asyncio.ensure_future(self.engine.generate(ids, params, request_id=r))
-                      for ids, r in zip(prompts, rids)]
+            each = params if isinstance(params, list) else [params] * len(prompts)
+            tasks += [asyncio.ensure_future(self.engine.generate(ids, p, request_id=r))
+                      for ids, p, r in zip(prompts, each, rids)]
         if score_top is not None:
-            tasks += [asyncio.ensure_future(self.score(ids, score_top)) for ids in prompts]
+            tasks += [asyncio.ensure_future(self.score(ids, score_top, lora)) for ids in prompts]
         try:
             results = await asyncio.gather(*tasks)
         except BaseException as e:
@@ -464,10 +510,10 @@ class _Server:
         scores = results[-len(prompts):] if score_top is not None else [None] * len(prompts)
         return outs, scores
 
-    async def score(self, ids: list[int], num_top: int) -> dict:
+    async def score(self, ids: list[int], num_top: int, lora: str | None = None) -> dict:
         if len(ids) < 2:
             return {"logprobs": [], "ranks": [], "top_ids": [], "top_logprobs": []}
-        return await self.engine.call(lambda e: _score_prompt(e, ids, num_top))
+        return await self.engine.call(lambda e: _score_prompt(e, ids, num_top, lora))
 
     # ---- response pieces -----------------------------------------------------------------------------------
     def prompt_logprobs(self, ids: list[int], score: dict, num_top: int) -> list[dict | None]:
@@ -521,14 +567,17 @@ class _Server:
         return Response(b'{"status":"ok"}', media_type="application/json")
 
     async def models(self, request: Request) -> Response:
-        return _json(P.ModelList(data=[self._card()]))
+        return _json(P.ModelList(data=[self._card(None)] + [self._card(name) for name in self.loras]))
 
     async def model(self, request: Request) -> Response:
-        self.check_model(request.path_params["model"])
-        return _json(self._card())
+        return _json(self._card(self.check_model(request.path_params["model"])))
 
-    def _card(self) -> P.ModelCard:
-        return P.ModelCard(id=self.served_model_name, created=self.created, root=self.model_path,
+    def _card(self, lora: str | None) -> P.ModelCard:
+        """The base model's card (`lora` None), or a loaded adapter's, whose parent is the base (vLLM's)."""
+        if lora is None:
+            return P.ModelCard(id=self.served_model_name, created=self.created, root=self.model_path,
+                               max_model_len=self.max_model_len)
+        return P.ModelCard(id=lora, created=self.created, root=self.loras[lora].path, parent=self.served_model_name,
                            max_model_len=self.max_model_len)
 
     async def model_info(self, request: Request) -> Response:
@@ -540,7 +589,7 @@ class _Server:
 
     async def completions(self, request: Request) -> Response:
         req: P.CompletionRequest = await self.parse(request, P.CompletionRequest)
-        self.check_model(req.model)
+        lora = self.check_model(req.model)
         max_tokens = self.bounded_default(req, "max_tokens")
         self.check_common(req.n, req.cache_salt, req.stop_token_ids, max_tokens)
         self.check_routed_experts(req.return_routed_experts)
@@ -567,7 +616,7 @@ class _Server:
                 stop_token_ids=req.stop_token_ids or [], include_stop_str_in_output=req.include_stop_str_in_output,
                 ignore_eos=req.ignore_eos, top_logprobs=req.logprobs or 0, skip_special_tokens=req.skip_special_tokens,
                 spaces_between_special_tokens=req.spaces_between_special_tokens, cache_salt=req.cache_salt,
-                return_routed_experts=req.return_routed_experts)
+                return_routed_experts=req.return_routed_experts, lora=lora)
         echo_logprobs = req.echo and req.logprobs is not None
         score_top = None
         if echo_logprobs or req.prompt_logprobs is not None:
@@ -578,11 +627,11 @@ class _Server:
         rid = f"cmpl-{uuid.uuid4().hex}"
         release = self.admit(len(prompts))
         if req.stream and params is not None:
-            return await self._stream_completions(request, req, rid, texts, prompts, params, score_top, release)
+            return await self._stream_completions(request, req, rid, texts, prompts, params, score_top, release, lora)
         # otherwise one answer (a stream of max_tokens 0 has one chunk per choice)
         try:
             outs, scores = await self.until_disconnect(request, rid, self.generate_all(
-                prompts, params, [f"{rid}-{i}" for i in range(len(prompts))], score_top))
+                prompts, params, [f"{rid}-{i}" for i in range(len(prompts))], score_top, lora))
         finally:
             release()
         choices, completion_tokens = [], 0
@@ -597,15 +646,15 @@ class _Server:
                        sum(out.num_cached_prompt_tokens for out in outs if out is not None))
         created = int(time.time())
         if not req.stream:
-            return _json(P.CompletionResponse(id=rid, created=created, model=self.served_model_name, choices=choices,
+            return _json(P.CompletionResponse(id=rid, created=created, model=self.model_name(req), choices=choices,
                                               usage=usage))
 
         async def events():
             for choice in choices:
-                yield _event(P.CompletionResponse(id=rid, created=created, model=self.served_model_name,
+                yield _event(P.CompletionResponse(id=rid, created=created, model=self.model_name(req),
                                                   choices=[choice]))
             if req.stream_options is not None and req.stream_options.include_usage:
-                yield _event(P.CompletionResponse(id=rid, created=created, model=self.served_model_name, choices=[],
+                yield _event(P.CompletionResponse(id=rid, created=created, model=self.model_name(req), choices=[],
                                                   usage=usage))
             yield _DONE
 
@@ -620,7 +669,8 @@ class _Server:
         echo = req.echo and first
         text = (prompt_text if echo else "") + (c.text or "")
         choice = P.CompletionChoice(index=index, text=text, finish_reason=c.finish_reason, stop_reason=c.stop_reason,
-                                    policy_versions=c.policy_versions, spec_decode_stats=c.spec_decode_stats)
+                                    policy_versions=c.policy_versions, spec_decode_stats=c.spec_decode_stats,
+                                    lora_versions=c.lora_versions)
         choice.routed_experts, choice.routed_experts_shape = _routed(c.routed_experts)
         if req.logprobs is not None:
             ids, lps, top = list(c.token_ids), list(c.logprobs or [None] * len(c.token_ids)), c.top_logprobs
@@ -668,13 +718,14 @@ class _Server:
 
         return _EventStream(events(), rid, cleanup)
 
-    async def _stream_completions(self, request, req, rid, texts, prompts, params, score_top, release) -> Response:
+    async def _stream_completions(self, request, req, rid, texts, prompts, params, score_top, release,
+                                  lora) -> Response:
         streams = _Streams(self.engine, [(ids, params, f"{rid}-{i}") for i, ids in enumerate(prompts)])
 
         async def start():
             scores = [None] * len(prompts)
             if score_top is not None:
-                scores = await asyncio.gather(*(self.score(ids, score_top) for ids in prompts))
+                scores = await asyncio.gather(*(self.score(ids, score_top, lora) for ids in prompts))
             await streams.first()
             return scores
 
@@ -695,10 +746,10 @@ class _Server:
                     completion_tokens += len(c.token_ids)
                     choice, offsets[index] = self._completion_choice(
                         req, index, c, texts[i], prompts[i], scores[i], first, offsets.get(index, 0))
-                    yield _event(P.CompletionResponse(id=rid, created=created, model=self.served_model_name,
+                    yield _event(P.CompletionResponse(id=rid, created=created, model=self.model_name(req),
                                                       choices=[choice]))
             if req.stream_options is not None and req.stream_options.include_usage:
-                yield _event(P.CompletionResponse(id=rid, created=created, model=self.served_model_name,
+                yield _event(P.CompletionResponse(id=rid, created=created, model=self.model_name(req),
                                                   choices=[], usage=_usage(sum(map(len, prompts)),
                                                                            completion_tokens, sum(cached))))
 
@@ -706,7 +757,7 @@ class _Server:
 
     async def chat_completions(self, request: Request) -> Response:
         req: P.ChatCompletionRequest = await self.parse(request, P.ChatCompletionRequest)
-        self.check_model(req.model)
+        lora = self.check_model(req.model)
         max_tokens = req.max_completion_tokens if req.max_completion_tokens is not None else req.max_tokens
         self.check_common(req.n, req.cache_salt, req.stop_token_ids, max_tokens,
                           "max_completion_tokens" if req.max_completion_tokens is not None else "max_tokens")
@@ -733,14 +784,14 @@ class _Server:
             stop_token_ids=req.stop_token_ids or [], include_stop_str_in_output=req.include_stop_str_in_output,
             ignore_eos=req.ignore_eos, top_logprobs=num_top, skip_special_tokens=req.skip_special_tokens,
             spaces_between_special_tokens=req.spaces_between_special_tokens, cache_salt=req.cache_salt,
-            return_routed_experts=req.return_routed_experts)
+            return_routed_experts=req.return_routed_experts, lora=lora)
         rid = f"chatcmpl-{uuid.uuid4().hex}"
         release = self.admit(1)
         if req.stream:
-            return await self._stream_chat(request, req, rid, ids, params, parse_tools, num_top, release)
+            return await self._stream_chat(request, req, rid, ids, params, parse_tools, num_top, release, lora)
         try:
             (out,), (score,) = await self.until_disconnect(request, rid, self.generate_all(
-                [ids], params, [rid], req.prompt_logprobs))
+                [ids], params, [rid], req.prompt_logprobs, lora))
         finally:
             release()
         choices, completion_tokens = [], 0
@@ -759,13 +810,14 @@ class _Server:
             choice = P.ChatChoice(index=c.index, message=message, finish_reason=finish, stop_reason=c.stop_reason,
                                   logprobs=self.chat_logprobs(c, num_top, req.return_tokens_as_token_ids)
                                   if req.logprobs else None,
-                                  policy_versions=c.policy_versions, spec_decode_stats=c.spec_decode_stats)
+                                  policy_versions=c.policy_versions, spec_decode_stats=c.spec_decode_stats,
+                                  lora_versions=c.lora_versions)
             choice.routed_experts, choice.routed_experts_shape = _routed(c.routed_experts)
             if req.return_token_ids:
                 choice.token_ids = c.token_ids
             choices.append(choice)
         response = P.ChatCompletionResponse(
-            id=rid, created=int(time.time()), model=self.served_model_name, choices=choices,
+            id=rid, created=int(time.time()), model=self.model_name(req), choices=choices,
             usage=_usage(len(ids), completion_tokens, out.num_cached_prompt_tokens))
         if req.return_token_ids:
             response.prompt_token_ids = ids
@@ -773,11 +825,11 @@ class _Server:
             response.prompt_logprobs = self.prompt_logprobs(ids, score, req.prompt_logprobs)
         return _json(response)
 
-    async def _stream_chat(self, request, req, rid, ids, params, parse_tools, num_top, release) -> Response:
+    async def _stream_chat(self, request, req, rid, ids, params, parse_tools, num_top, release, lora) -> Response:
         streams = _Streams(self.engine, [(ids, params, rid)])
 
         async def start():
-            score = None if req.prompt_logprobs is None else await self.score(ids, req.prompt_logprobs)
+            score = None if req.prompt_logprobs is None else await self.score(ids, req.prompt_logprobs, lora)
             await streams.first()
             return score
 
@@ -790,7 +842,7 @@ class _Server:
             created = int(time.time())
 
             def chunk(choice: P.ChatStreamChoice, **extra) -> bytes:
-                return _event(P.ChatCompletionChunk(id=rid, created=created, model=self.served_model_name,
+                return _event(P.ChatCompletionChunk(id=rid, created=created, model=self.model_name(req),
                                                     choices=[choice], **extra))
 
             streamers = {}
@@ -827,7 +879,7 @@ class _Server:
                         finish_reason=finish, stop_reason=c.stop_reason if c.finished else None,
                         logprobs=self.chat_logprobs(c, num_top, req.return_tokens_as_token_ids)
                         if req.logprobs else None,
-                        policy_versions=c.policy_versions,
+                        policy_versions=c.policy_versions, lora_versions=c.lora_versions,
                         spec_decode_stats=c.spec_decode_stats if c.finished else None)
                     choice.routed_experts, choice.routed_experts_shape = _routed(c.routed_experts)  # the last delta's
                     if req.return_token_ids:
@@ -835,7 +887,7 @@ class _Server:
                     yield chunk(choice)
             if req.stream_options is not None and req.stream_options.include_usage:
                 yield _event(P.ChatCompletionChunk(
-                    id=rid, created=created, model=self.served_model_name, choices=[],
+                    id=rid, created=created, model=self.model_name(req), choices=[],
                     usage=_usage(len(ids), completion_tokens, cached)))
 
         return self._event_stream(events(), rid, streams, release)
@@ -863,7 +915,8 @@ class _Server:
             rids = [req.rid] if isinstance(req.rid, str) and not batched else req.rid
             if not isinstance(rids, list) or len(rids) != len(prompts):
                 raise APIError(400, f"rid must be a string per prompt ({len(prompts)}), got {req.rid!r}", param="rid")
-        params = self.sampling(
+        loras = self.check_lora_path(req.lora_path, len(prompts))
+        params = [self.sampling(
             n=sp.n, temperature=sp.temperature, top_p=sp.top_p, top_k=sp.top_k, min_p=sp.min_p,
             max_tokens=max_tokens, min_tokens=sp.min_new_tokens,
             seed=sp.sampling_seed if sp.sampling_seed is not None else sp.seed, stop=_stops(sp.stop),
@@ -871,12 +924,12 @@ class _Server:
             ignore_eos=sp.ignore_eos,
             top_logprobs=req.top_logprobs_num, skip_special_tokens=sp.skip_special_tokens,
             spaces_between_special_tokens=sp.spaces_between_special_tokens, cache_salt=req.cache_salt,
-            return_routed_experts=req.return_routed_experts)
+            return_routed_experts=req.return_routed_experts, lora=lora) for lora in loras]
         if req.stream and batched:
             raise APIError(400, "stream takes one prompt (send one /generate per prompt)", param="stream")
         release = self.admit(len(prompts))
         if req.stream:
-            return await self._stream_generate(request, req, rids[0], prompts[0], params, release)
+            return await self._stream_generate(request, req, rids[0], prompts[0], params[0], release)
         try:
             outs, _ = await self.until_disconnect(request, rids[0], self.generate_all(prompts, params, rids))
         finally:
@@ -903,6 +956,8 @@ class _Server:
                 meta["spec_decode_stats"] = c.spec_decode_stats
             if c.routed_experts is not None:  # streamed: the last result only
                 meta["routed_experts"] = _routed(c.routed_experts)[0]
+            if c.lora_versions is not None:
+                meta["lora_versions"] = c.lora_versions
             if req.return_logprob:
                 text = self.token_text if req.return_text_in_logprobs else (lambda t: None)
                 meta["output_token_logprobs"] = [[_finite(lp), t, text(t)]
@@ -1032,6 +1087,39 @@ class _Server:
 
         result = await self._call(load)
         return _updated(result)
+
+    async def load_lora_adapter(self, request: Request) -> Response:
+        """vLLM's: a 200 with its plain-text success line, or an error in OpenAI's shape (400: the engine refused)."""
+        req: P.LoadLoraAdapterRequest = await self.parse(request, P.LoadLoraAdapterRequest)
+        if req.lora_name == self.served_model_name:
+            raise APIError(400, f"lora_name {req.lora_name!r} is the served model's name; choose another",
+                           param="lora_name")
+        def load(e):
+            e.load_lora(req.lora_name, req.lora_path)
+            return e.list_loras()
+
+        self._set_loras(await self._call(load))
+        return Response(f"Success: LoRA adapter '{req.lora_name}' added successfully.", media_type="text/plain")
+
+    async def unload_lora_adapter(self, request: Request) -> Response:
+        """vLLM's: a 200 with its plain-text success line; 404 for a name not loaded, 400 while it is in use."""
+        req: P.UnloadLoraAdapterRequest = await self.parse(request, P.UnloadLoraAdapterRequest)
+
+        def unload(e):
+            if all(info.name != req.lora_name for info in e.list_loras()):
+                return None
+            e.unload_lora(req.lora_name)
+            return e.list_loras()
+
+        loaded = await self._call(unload)
+        if loaded is None:
+            raise APIError(404, f"The lora adapter '{req.lora_name}' cannot be found.", param="lora_name",
+                           code="lora_not_found")
+        self._set_loras(loaded)
+        return Response(f"Success: LoRA adapter '{req.lora_name}' removed successfully.", media_type="text/plain")
+
+    def _set_loras(self, loaded) -> None:
+        self.loras = {info.name: info for info in loaded}
 
     async def init_weights_update_group(self, request: Request) -> Response:
         from weight_updates.transports.sglang_dist import init_custom_process_group
@@ -1271,6 +1359,8 @@ def build_app(engine: AsyncEngine, config: ServerConfig):
                    ("/release_memory_occupation", server.release_memory, ["POST"]),
                    ("/resume_memory_occupation", server.resume_memory, ["POST"]),
                    ("/update_weights_from_disk", server.update_weights_from_disk, ["POST"]),
+                   ("/v1/load_lora_adapter", server.load_lora_adapter, ["POST"]),
+                   ("/v1/unload_lora_adapter", server.unload_lora_adapter, ["POST"]),
                    ("/pause_generation", server.pause_generation, ["POST"]),
                    ("/continue_generation", server.continue_generation, ["POST"]),
                    ("/init_weights_update_group", server.init_weights_update_group, ["POST"]),

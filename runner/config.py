@@ -56,3 +56,6 @@ class RunnerConfig:
     deterministic: bool = False
     speculative: SpeculativeConfig | None = None
     enable_return_routed_experts: bool = True
+    max_loras: int = 0
+    max_lora_rank: int = 16
+    lora_target_modules: tuple[str, ...] | None = None

@@ -26,6 +26,7 @@ SAMPLING_COLUMNS: dict[str, tuple[type, float]] = {
     "min_p": (np.float32, 0.0),
     "seed": (np.int64, 0),  # uint32 values
     "top_logprobs": (np.int64, 0),
+    "lora_slot": (np.int64, -1),  # the adapter slot (-1: none); ModelRunner._stage makes it per-token
 }
 
 

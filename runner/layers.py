@@ -3,7 +3,8 @@
 `Linear` holds `weight [out, in]` and an optional `bias [out]` under the same names as `nn.Linear`, so
 checkpoint layouts are unchanged. In deterministic mode its forward uses a batch-invariant matmul (each
 row's reduction order fixed: `kernels/matmul.py` on CUDA, `kernels/matmul_ref.py` on the CPU); otherwise
-`F.linear`. Not here: tensor-parallel sharding.
+`F.linear`. A layer that LoRA adapters target gets a `lora` hook (runner/lora/runtime.py), which adds each
+token's adapter delta to the output in place. Not here: tensor-parallel sharding.
 """
 
 from __future__ import annotations
@@ -36,12 +37,14 @@ class Linear(nn.Module):
         self.weight = nn.Parameter(torch.empty(out_features, in_features))
         self.bias = nn.Parameter(torch.empty(out_features)) if bias else None
         self.deterministic = False
+        self.lora = None  # runner.lora.runtime.LoraHook when adapters target this layer: lora(out, x) adds them
 
     def set_deterministic(self, deterministic: bool) -> None:
         self.deterministic = deterministic
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return linear(x, self.weight, self.bias, self.deterministic)
+        out = linear(x, self.weight, self.bias, self.deterministic)
+        return out if self.lora is None else self.lora(out, x)
 
     def extra_repr(self) -> str:
         return f"in_features={self.in_features}, out_features={self.out_features}, bias={self.bias is not None}"

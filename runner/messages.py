@@ -35,6 +35,7 @@ class RequestSampling:
     top_logprobs: int = 0  # top-N (token, logprob) pairs per position; 0 = none
     speculative: bool = True  # may speculate when the engine has a drafter
     return_routed_experts: bool = False  # MoE: report the top-k experts of every position it computes
+    lora_slot: int = -1  # the LoRA adapter slot it samples with (runner.lora); -1: the base model
 
 
 @dataclass(slots=True)

@@ -20,6 +20,11 @@ forward, and copies them out with the sampled tokens (`RoutedGather`, into `Runn
 steps without such requests do nothing of this. Under tensor parallelism
 only rank 0 keeps a store (the router is replicated, so rank 0's choices are every rank's).
 
+LoRA (`config.max_loras > 0`): `self.lora` is a `runner.lora.runtime.LoraRuntime` (adapter slots, hooked into the
+model's linears); each request's slot (`InputBatch.lora_slot`) is staged per token into `StepBuffers.lora_idx`, and
+every forward runs inside `self.lora.tokens(...)` (an eager step without adapter tokens with none; a decode graph
+always with the buffer, so it builds the step's tiles itself). Without LoRA none of it exists.
+
 The device buffers (`[max_num_batched_tokens]`, `[max_num_seqs, ...]`) are allocated once, so a CUDA
 graph can capture a step that reads them. Under tensor parallelism (`tp` given) the runner is one rank's:
 its model shard, its KV heads, and a sampler that takes the rank's vocabulary shard of the logits
@@ -28,6 +33,7 @@ its model shard, its KV heads, and a sampler that takes the rank's vocabulary sh
 
 from __future__ import annotations
 
+import contextlib
 import gc
 import logging
 import math
@@ -132,8 +138,16 @@ class ModelRunner:
         self.input_batch = InputBatch(
             max_num_seqs=config.max_num_seqs, max_model_len=max_model_len, block_size=config.block_size
         )
+        self.lora = None  # runner.lora.runtime.LoraRuntime when config.max_loras > 0 (slots hooked into the model)
+        if config.max_loras:
+            from runner.lora.runtime import LoraRuntime
+
+            self.lora = LoraRuntime(self.model, model_config, max_loras=config.max_loras,
+                                    max_rank=config.max_lora_rank, target_modules=config.lora_target_modules,
+                                    device=self.device, dtype=self.dtype)
         self.buffers = StepBuffers(
-            config.max_num_batched_tokens, config.max_num_seqs, self.input_batch.max_blocks_per_seq, self.device
+            config.max_num_batched_tokens, config.max_num_seqs, self.input_batch.max_blocks_per_seq, self.device,
+            lora=self.lora is not None,
         )
         self.num_kv_blocks = 0
         self.kv_caches: list[tuple[torch.Tensor, torch.Tensor]] = []
@@ -218,12 +232,15 @@ class ModelRunner:
         b.block_tables[:num_seqs, :blocks_per_seq] = torch.arange(
             num_seqs * blocks_per_seq, device=dev, dtype=torch.int32
         ).view(num_seqs, blocks_per_seq)
+        if self.lora is not None:
+            b.lora_idx[:T] = 0  # every token through slot 0's adapter: the LoRA kernels' memory is counted too
         meta = AttentionMetadata(
             query_start_loc=b.query_start_loc[: num_seqs + 1], seq_lens=b.seq_lens[:num_seqs],
             block_tables=b.block_tables[:num_seqs, :blocks_per_seq], slot_mapping=b.slot_mapping[:T],
             max_query_len=seq_len, max_seq_len=seq_len, deterministic=cfg.deterministic,
         )
-        hidden = self.model(b.input_ids[:T], b.positions[:T], meta)
+        with self._adapters(T):
+            hidden = self.model(b.input_ids[:T], b.positions[:T], meta)
         rows = cfg.max_num_seqs
         idx = torch.arange(rows, device=dev) % T
         logits = self.model.compute_logits(hidden[idx])
@@ -328,7 +345,9 @@ class ModelRunner:
         self._upload(inputs, num_reqs)
         meta = self._metadata(inputs)
         T = inputs.input_ids.shape[0]
-        hidden = self.model(b.input_ids[:T], b.positions[:T], meta)
+        uses_lora = self.lora is not None and bool((self.input_batch.lora_slot[inputs.slots] >= 0).any())
+        with self._adapters(T, uses_lora):
+            hidden = self.model(b.input_ids[:T], b.positions[:T], meta)
         if routed is not None:
             self.routed_launch(routed)
         if R == 0:
@@ -466,7 +485,8 @@ class ModelRunner:
             max_seq_len=self.max_model_len,
             deterministic=self.config.deterministic,
         )
-        hidden = self.model(self._decode_input_ids(size), b.positions[:size], meta)
+        with self._adapters(size):  # with LoRA the tiles of the step's slots are built inside the graph
+            hidden = self.model(self._decode_input_ids(size), b.positions[:size], meta)
         logits = self.model.compute_logits(hidden)
         tokens, logprobs, _ = self.sampler(logits, b.sampling(size, None if truncation else NO_TRUNCATION))
         # every row samples; padding rows' sample slots are scratch rows of last_sampled
@@ -496,6 +516,8 @@ class ModelRunner:
         h.input_ids[start:end] = 0
         h.positions[start:end] = 0
         h.sample_slots[start:end] = np.arange(start, end) + self.config.max_num_seqs  # scratch rows
+        if self.lora is not None:
+            h.lora_idx[start:end] = -1
         self.buffers.pad_sampling(start, end)
 
     # ---- sleep / wake: device memory for a trainer sharing the device between rollout batches ------------
@@ -573,6 +595,7 @@ class ModelRunner:
         self.free_kv_cache()  # the target's and the drafter's caches and graphs
         self.spec = None
         self.weight_sync = None
+        self.lora = None
         self.model = None
         self.weights = None
         gc.collect()
@@ -605,6 +628,15 @@ class ModelRunner:
         put(hs.min_p, ib.min_p[rows])
         put(hs.seeds, ib.seed[rows])
         put(hs.positions, ib.num_tokens[rows] - ib.num_prompt_tokens[rows])
+        if self.lora is not None:  # each token's adapter slot: its request's
+            put(h.lora_idx, np.repeat(ib.lora_slot[inputs.slots], np.diff(inputs.query_start_loc)))
+
+    def _adapters(self, num_tokens: int, used: bool = True):
+        """The LoRA context of a forward over the first `num_tokens` tokens of the step buffers: their adapter
+        slots (`used`), or none; nothing without LoRA."""
+        if self.lora is None:
+            return contextlib.nullcontext()
+        return self.lora.tokens(self.buffers.lora_idx[:num_tokens] if used else None)
 
     def prepare(self, inputs: StepInputs) -> AttentionMetadata:
         """Stage and upload one step's inputs into the step buffers; returns its attention metadata."""
@@ -626,10 +658,19 @@ class ModelRunner:
             deterministic=self.config.deterministic,
         )
 
-    def full_sequence_logits(self, token_ids: list[int]) -> torch.Tensor:
+    def lora_tokens(self, num_tokens: int, lora_slot: int):
+        """The LoRA context of a forward of one sequence of `num_tokens` tokens, all with the adapter in
+        `lora_slot` (-1: the base model; any other value needs LoRA on)."""
+        if lora_slot < 0:
+            return contextlib.nullcontext()
+        if self.lora is None or lora_slot >= self.lora.max_loras:
+            raise ValueError(f"lora_slot {lora_slot} is not a LoRA slot of this runner")
+        return self.lora.tokens(torch.full((num_tokens,), lora_slot, dtype=torch.int64, device=self.device))
+
+    def full_sequence_logits(self, token_ids: list[int], lora_slot: int = -1) -> torch.Tensor:
         """Logits [len(token_ids), vocab] of one sequence in a single prefill over the first cache blocks
         (under tensor parallelism a collective: every rank calls it, through `collective_rpc`, and gets the full
-        vocabulary).
+        vocabulary), with the LoRA adapter in `lora_slot` (-1: the base model).
 
         For tests and scoring on an idle engine only: it overwrites KV blocks 0..n, so no request may be running.
         """
@@ -643,7 +684,8 @@ class ModelRunner:
                                               self.config.deterministic)
         with torch.inference_mode():
             ids = torch.tensor(token_ids, dtype=torch.int64, device=dev)
-            hidden = self.model(ids, torch.arange(n, device=dev), meta)
+            with self.lora_tokens(n, lora_slot):
+                hidden = self.model(ids, torch.arange(n, device=dev), meta)
             logits = self.model.compute_logits(hidden)
             if self.tp is None:
                 return logits

@@ -18,10 +18,12 @@ import torch
 from runner.attention import AttentionMetadata
 
 
-def prompt_logprobs(runner, token_ids: list[int], block_ids: list[int], num_top: int) -> dict | None:
+def prompt_logprobs(runner, token_ids: list[int], block_ids: list[int], num_top: int,
+                    lora_slot: int = -1) -> dict | None:
     """For each position i in 1..n-1: the logprob of token_ids[i] after token_ids[:i] under the model's own
-    distribution (log-softmax of the raw logits: no temperature, no truncation), its rank (1 = the most likely
-    token) and the `num_top` most likely tokens. `block_ids` (enough for n tokens) are overwritten.
+    distribution (log-softmax of the raw logits: no temperature, no truncation), with the LoRA adapter in
+    `lora_slot` (-1: the base model), its rank (1 = the most likely token) and the `num_top` most likely tokens.
+    `block_ids` (enough for n tokens) are overwritten.
 
     Returns on rank 0 {"logprobs": [n-1] floats, "ranks": [n-1] ints, "top_ids": [n-1][num_top] ints,
     "top_logprobs": [n-1][num_top] floats}; None on the other ranks."""
@@ -40,7 +42,8 @@ def prompt_logprobs(runner, token_ids: list[int], block_ids: list[int], num_top:
             end = min(start + token_chunk, n - 1)
             q = end - start
             meta = AttentionMetadata.one_sequence(q, end, table, slots[start:end], runner.config.deterministic)
-            hidden = runner.model(ids[start:end], pos[start:end], meta)  # [q, H]
+            with runner.lora_tokens(q, lora_slot):
+                hidden = runner.model(ids[start:end], pos[start:end], meta)  # [q, H]
             for lo in range(0, q, logit_chunk):
                 hi = min(lo + logit_chunk, q)
                 logits = runner.model.compute_logits(hidden[lo:hi])  # [r, V] (a vocab shard under TP)

@@ -37,16 +37,20 @@ class StepBuffers:
     block_tables: [max_num_seqs, max_blocks] int32
     sampling parameters: [max_num_seqs] each, one per `SamplingTensors` per-row field; on the device through
     `sampling(R)`, on the host as `host.sampling.<field>`
+    lora_idx: [max_tokens] int64, each token's LoRA adapter slot (-1: none); only with `lora=True`
     """
 
-    def __init__(self, max_tokens: int, max_num_seqs: int, max_blocks: int, device: torch.device) -> None:
+    def __init__(self, max_tokens: int, max_num_seqs: int, max_blocks: int, device: torch.device,
+                 lora: bool = False) -> None:
         self.device = device
         sizes = {"input_ids": max_tokens, "positions": max_tokens, "slot_mapping": max_tokens,
-                 "query_start_loc": max_num_seqs + 1, "pending_index": max_tokens, "pending_slots": max_tokens}
+                 "query_start_loc": max_num_seqs + 1, "pending_index": max_tokens, "pending_slots": max_tokens,
+                 "lora_idx": max_tokens}
         for name, dtype, _ in _SAMPLING_FIELDS:
             assert dtype in _PACK_DTYPES, f"sampling field {name}: StepBuffers packs only {_PACK_DTYPES}, not {dtype}"
+        int_fields = _INT_FIELDS + (("lora_idx",) if lora else ())
         # (name, numel, is a sampling field) per pack: the int64 pack, then the float32 pack
-        layout = {torch.int64: [(f, sizes.get(f, max_num_seqs), False) for f in _INT_FIELDS], torch.float32: []}
+        layout = {torch.int64: [(f, sizes.get(f, max_num_seqs), False) for f in int_fields], torch.float32: []}
         for name, dtype, _ in _SAMPLING_FIELDS:
             layout[dtype].append((name, max_num_seqs, True))
         pin = device.type == "cuda"

@@ -6,6 +6,11 @@
     m     = bridge.logprob_mismatch(batch, trainer_logprobs)
     w, s  = bridge.importance_weights(batch, trainer_logprobs, mode="tis", cap=2.0)   TIS / MIS weights
 
+LoRA: `TrainerBridge(engine, lora=name)` rolls out with the engine's adapter `name` (unless a rollout's sampling names
+another) and pushes only the adapter: `push_weights(peft_model)` (or its adapter state dict, PEFT's names with or
+without the adapter segment) sends its lora_A / lora_B tensors, dense the first time and then as patches, into the
+adapter's slot (`Engine.apply_lora_update`), which validates them all before writing.
+
 MoE routing replay (R3): with `routed_experts` on (the default when the engine's model routes), every sample
 carries the experts the rollout chose at each of its input positions, and `PaddedBatch.routed_experts` lines
 them up with `input_ids` for `TrainingModel.token_logprobs(..., routed_experts=...)`.
@@ -20,6 +25,7 @@ optimizer: see `trainer_bridge.grpo` / `trainer_bridge.ppo`.
 from __future__ import annotations
 
 import dataclasses
+import re
 import time
 from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass
@@ -164,6 +170,9 @@ class PushResult:
     encode_s: float
     apply_s: float
     """Transport + validate + write + verify on the engine side, as seen by the trainer."""
+    lora_version: int | None = None
+    """With `TrainerBridge(lora=...)`: the adapter's version after the push (the engine's `policy_version` moved
+    by one too)."""
 
     @property
     def seconds(self) -> float:
@@ -259,10 +268,13 @@ class TrainerBridge:
     `routed_experts` (MoE routing replay): every rollout asks for the experts each sample was routed to
     (`SamplingParams.return_routed_experts`), and its samples and padded batches carry them. None: on when the
     engine says its model routes (`Engine.routed_experts_shape`; a pool does not say, so off there unless True).
+
+    `lora` (a local `Engine` with the adapter loaded): the bridge trains that LoRA adapter. Rollouts sample with it
+    (a `sampling.lora` of its own wins) and pushes carry only its A / B tensors (see `push_weights`).
     """
 
     def __init__(self, engine, *, diff_config: DiffConfig = DiffConfig(), snapshot_device: str = "cpu",
-                 rank_local: bool = False, routed_experts: bool | None = None) -> None:
+                 rank_local: bool = False, routed_experts: bool | None = None, lora: str | None = None) -> None:
         for attr in ("generate", "weight_specs", "apply_weight_update", "policy_version"):
             if not hasattr(engine, attr):
                 raise ValueError(f"engine must offer {attr} (an Engine or a RolloutPool), got {type(engine).__name__}")
@@ -271,7 +283,15 @@ class TrainerBridge:
             routed_experts = getattr(engine, "routed_experts_shape", None) is not None
         self.routed_experts = routed_experts
         """Whether rollouts ask for the samples' routed experts (MoE routing replay)."""
-        self.specs: dict[str, ParamSpec] = dict(engine.weight_specs())
+        self.lora = lora
+        """The engine's LoRA adapter this bridge rolls out with and pushes to; None: the base weights."""
+        if lora is not None:
+            if not hasattr(engine, "apply_lora_update"):
+                raise ValueError(f"lora needs a local Engine (pushes go into its adapter slot), got "
+                                 f"{type(engine).__name__}")
+            if rank_local:
+                raise ValueError("lora and rank_local cannot be combined: an adapter push goes to the engine's slot")
+        self.specs: dict[str, ParamSpec] = dict(engine.weight_specs() if lora is None else engine.lora_specs(lora))
         self.differ = WeightDiffer(self.specs, device=snapshot_device, config=diff_config)
         self._rank_layouts: list[dict] | None = None
         self._rank_differs: list[WeightDiffer] = []
@@ -305,9 +325,10 @@ class TrainerBridge:
         prompts = list(prompts)
         if not prompts:
             raise ValueError("rollout needs at least one prompt")
+        lora = sampling.lora if sampling.lora is not None else self.lora
         params = [
             dataclasses.replace(sampling, logprobs=True, seed=None if sampling.seed is None else sampling.seed + i,
-                                return_routed_experts=sampling.return_routed_experts or self.routed_experts)
+                                return_routed_experts=sampling.return_routed_experts or self.routed_experts, lora=lora)
             for i in range(len(prompts))
         ]
         start = time.perf_counter()
@@ -346,22 +367,33 @@ class TrainerBridge:
         (fp32 master weights -> bf16, say). An unknown name, a wrong shape or a non-float dtype raises
         ValueError, as does a rejected update; either way the engine's weights, its version and the
         bridge's snapshot are unchanged.
+
+        With `TrainerBridge(lora=name)`: `weights` is a PEFT model (peft's `PeftModel`: the lora_A / lora_B
+        weights of its active adapter are sent, nothing else), or its adapter state dict (a mapping or pairs)
+        in PEFT's names, `base_model.model.model.layers.{i}.self_attn.q_proj.lora_A.weight`, with or without the
+        adapter segment peft inserts (`.lora_A.default.weight`); any subset of the adapter's tensors. A rank,
+        module or shape the loaded adapter does not have is refused (ValueError) and nothing changes; on
+        success the adapter's version moves by one (`PushResult.lora_version`) and so does `policy_version`.
         """
-        weights = _named_weights(weights)
+        weights = _named_weights(weights) if self.lora is None else _adapter_weights(weights)
         if self._rank_layouts is not None:
             return self._push_rank_local(weights)
         t0 = time.perf_counter()
         with torch.no_grad():
             push = self.differ.encode(weights)
         t1 = time.perf_counter()
-        version = self.policy_version + 1
-        self.engine.apply_weight_update(version, push.updates)
+        lora_version = None
+        if self.lora is None:
+            self.engine.apply_weight_update(self.policy_version + 1, push.updates)
+        else:
+            lora_version = self.engine.apply_lora_update(self.lora, push.updates).version
         t2 = time.perf_counter()
         self.differ.commit(push)
         s = push.stats
         return PushResult(
             version=self.policy_version, num_dense=s.num_dense, num_patch=s.num_patch, nbytes=s.nbytes,
             dense_nbytes=s.dense_nbytes, changed_fraction=s.changed_fraction, encode_s=t1 - t0, apply_s=t2 - t1,
+            lora_version=lora_version,
         )
 
     def _push_rank_local(self, weights) -> PushResult:
@@ -409,6 +441,8 @@ class TrainerBridge:
         ValueError naming the tensors and records nothing. Needs a local engine (a pool's workers are not
         read). Returns the number of tensors adopted.
         """
+        if self.lora is not None:
+            raise ValueError("adopt_engine_weights is for the base weights; an adapter's first push is small, send it")
         if self._rank_layouts is not None:
             return self._adopt_rank_local(_named_weights(weights))
         if not hasattr(self.engine, "rank_local_checksums"):
@@ -452,6 +486,40 @@ class TrainerBridge:
         rollout, mask = padded.logprobs[:, 1:], padded.loss_mask[:, 1:]
         weights, stats = importance_weights(rollout, trainer_logprobs, mask, mode=mode, cap=cap)
         return weights, logprob_mismatch(rollout, trainer_logprobs, mask) | stats
+
+
+_PEFT_TENSOR = re.compile(r"(?P<stem>.+\.lora_[AB])\.(?:(?P<adapter>[^.]+)\.)?weight")
+
+
+def _adapter_weights(weights) -> dict[str, torch.Tensor]:
+    """A PEFT adapter's lora_A / lora_B tensors under PEFT's saved names (no adapter segment): from a PEFT model
+    (the tensors of its active adapter; every other parameter is left out) or from a mapping / (name, tensor) pairs
+    (every name must be such a tensor's, of one adapter)."""
+    if isinstance(weights, torch.nn.Module):
+        active = getattr(weights, "active_adapter", None)
+        if not isinstance(active, str):
+            raise ValueError(f"a PEFT model with one active adapter is needed, got {type(weights).__name__} "
+                             f"(active adapter {active!r})")
+        items = [(n, t) for n, t in weights.named_parameters() if (m := _PEFT_TENSOR.fullmatch(n)) is not None
+                 and m["adapter"] == active]
+    elif isinstance(weights, Mapping):
+        items = list(weights.items())
+    elif isinstance(weights, Iterable):
+        items = list(weights)
+    else:
+        raise ValueError(f"cannot push an adapter of type {type(weights).__name__}")
+    out, adapters = {}, set()
+    for name, tensor in items:
+        match = _PEFT_TENSOR.fullmatch(name)
+        if match is None:
+            raise ValueError(f"{name!r} is not a PEFT lora_A / lora_B weight (base_model.model....lora_A.weight)")
+        adapters.add(match["adapter"])
+        out[match["stem"] + ".weight"] = tensor
+    if len(adapters - {None}) > 1:
+        raise ValueError(f"the tensors belong to several adapters {sorted(adapters - {None})}: push one")
+    if not out:
+        raise ValueError("push_weights got no lora_A / lora_B tensors")
+    return out
 
 
 def _named_weights(weights) -> Mapping[str, torch.Tensor] | list:

@@ -1,0 +1,178 @@
+"""LoRA serving cost: decode at batch 64 with `--loras` adapters of rank 16 loaded, 1 / 4 / 16 distinct adapters in
+the batch, against the base model (an engine without LoRA) in the same run; and an adapter push's bytes and
+milliseconds against a dense push of the base model. Prints one JSON line per measurement.
+
+    python bench/lora.py --device cuda          # Llama-3.1-8B shape, bf16, one GPU
+    python bench/lora.py --quick                # CPU, a tiny Llama: a smoke test of the script
+
+The base weights are random (`EngineConfig(load_format="dummy")`; the model directory holds only config.json). One
+random adapter of every module (q/k/v/o/gate/up/down) is written once as a PEFT directory and loaded under
+`--loras` names (the kernels' cost does not depend on the values). The batch's requests take the distinct adapters
+round-robin. `overhead` = base tokens/s / LoRA tokens/s - 1 (the issue's target: <= 0.15 at rank 16); the LoRA
+engine with an all-base batch is reported too (its graphs run the LoRA kernels over tokens without an adapter).
+
+Pushes: the adapter through `TrainerBridge(engine, lora=...)`, dense (its first push) and as a patch after about 1%
+of its elements changed; the base as one dense push of every weight (`export_weights` -> `apply_weight_update`).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+import tempfile
+import time
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+import torch  # noqa: E402
+
+from bench.generate import emit, release_memory, sync  # noqa: E402
+
+LLAMA_8B = dict(
+    architectures=["LlamaForCausalLM"], model_type="llama", vocab_size=128256, hidden_size=4096,
+    intermediate_size=14336, num_hidden_layers=32, num_attention_heads=32, num_key_value_heads=8, head_dim=128,
+    rms_norm_eps=1e-5, rope_theta=500000.0, max_position_embeddings=8192, tie_word_embeddings=False,
+    hidden_act="silu", bos_token_id=128000, eos_token_id=128001, dtype="bfloat16",
+)
+TINY = dict(LLAMA_8B, vocab_size=256, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+            num_attention_heads=4, num_key_value_heads=2, head_dim=16, bos_token_id=0, eos_token_id=1, dtype="float32")
+MODULES = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
+
+
+def write_adapter(path: str, cfg: dict, rank: int) -> None:
+    """A PEFT LoRA directory of rank `rank` on every module of every layer, random A and B (std 0.01)."""
+    from safetensors.torch import save_file
+
+    from runner.lora import peft_tensor_name
+
+    h, inter = cfg["hidden_size"], cfg["intermediate_size"]
+    q, kv = cfg["num_attention_heads"] * cfg["head_dim"], cfg["num_key_value_heads"] * cfg["head_dim"]
+    shapes = {"q_proj": (q, h), "k_proj": (kv, h), "v_proj": (kv, h), "o_proj": (h, q), "gate_proj": (inter, h),
+              "up_proj": (inter, h), "down_proj": (h, inter)}
+    g = torch.Generator().manual_seed(0)
+    dtype = getattr(torch, cfg["dtype"])
+    tensors = {}
+    for layer in range(cfg["num_hidden_layers"]):
+        for module, (out, inp) in shapes.items():
+            tensors[peft_tensor_name(layer, module, "A")] = (0.01 * torch.randn(rank, inp, generator=g)).to(dtype)
+            tensors[peft_tensor_name(layer, module, "B")] = (0.01 * torch.randn(out, rank, generator=g)).to(dtype)
+    os.makedirs(path, exist_ok=True)
+    save_file(tensors, os.path.join(path, "adapter_model.safetensors"))
+    with open(os.path.join(path, "adapter_config.json"), "w") as f:
+        json.dump({"peft_type": "LORA", "r": rank, "lora_alpha": 2 * rank, "target_modules": MODULES}, f)
+
+
+def make_engine(path: str, args, max_loras: int):
+    from rollout import Engine, EngineConfig
+
+    return Engine(EngineConfig(model=path, device=args.device, dtype=args.dtype, load_format="dummy",
+                               max_num_seqs=args.batch, max_model_len=args.prompt_len + args.new_tokens + 16,
+                               gpu_memory_utilization=0.6, max_loras=max_loras, max_lora_rank=args.rank))
+
+
+def timed_decode(engine, args, loras: list[str | None]) -> float:
+    """Best tokens/s of two runs of `args.batch` random prompts (request i with adapter loras[i % len])."""
+    from rollout import SamplingParams
+
+    g = torch.Generator().manual_seed(0)
+    prompts = torch.randint(2, engine.model_config.vocab_size, (args.batch, args.prompt_len), generator=g).tolist()
+    params = [SamplingParams(temperature=1.0, max_tokens=args.new_tokens, ignore_eos=True, seed=i,
+                             lora=loras[i % len(loras)]) for i in range(args.batch)]
+    engine.generate(prompts, [SamplingParams(max_tokens=4, ignore_eos=True, lora=p.lora) for p in params])
+    best = float("inf")
+    for _ in range(2):
+        sync(args.device)
+        t = time.perf_counter()
+        outs = engine.generate(prompts, params)
+        sync(args.device)
+        best = min(best, time.perf_counter() - t)
+    return sum(len(c.token_ids) for o in outs for c in o.outputs) / best
+
+
+def bench_adapter_push(engine, args, name: str, common: dict) -> None:
+    """The adapter's first push (dense) and a patch after about 1% of its elements changed, via TrainerBridge."""
+    from trainer_bridge import TrainerBridge
+
+    bridge = TrainerBridge(engine, lora=name, snapshot_device=args.device)
+    slot = next(info.slot for info in engine.list_loras() if info.name == name)
+    weights = {n: v.clone() for n, v in engine.runner.lora.target(slot).views.items()}
+    g = torch.Generator(device=args.device).manual_seed(1)
+    for mode in ("dense", "patch"):
+        for t in weights.values():
+            flat = t.view(-1)
+            idx = torch.randint(0, flat.numel(), (max(1, flat.numel() // 100),), generator=g, device=args.device)
+            flat[idx] += 0.001
+        result = bridge.push_weights(weights)
+        emit(kind="lora_push", mode=mode, tensors=len(weights), payload_bytes=result.nbytes,
+             tensor_bytes=result.dense_nbytes, num_patch=result.num_patch, encode_ms=round(1e3 * result.encode_s, 2),
+             apply_ms=round(1e3 * result.apply_s, 2), lora_version=result.lora_version, **common)
+
+
+def bench_base_push(engine, args, common: dict) -> None:
+    """Every base weight as one dense push (the live tensors written onto themselves: same bytes, same work)."""
+    records = engine.export_weights()
+    nbytes = sum(r.tensor.numel() * r.tensor.element_size() for r in records)
+    sync(args.device)
+    t = time.perf_counter()
+    engine.apply_weight_update(engine.policy_version + 1, records)
+    sync(args.device)
+    emit(kind="base_push", mode="dense", tensors=len(records), payload_bytes=nbytes,
+         apply_ms=round(1e3 * (time.perf_counter() - t), 2), **common)
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
+    ap.add_argument("--dtype", default=None)
+    ap.add_argument("--batch", type=int, default=None)
+    ap.add_argument("--rank", type=int, default=16)
+    ap.add_argument("--loras", type=int, default=None, help="adapters loaded (default 64)")
+    ap.add_argument("--distinct", default=None, help="comma-separated distinct adapters per batch (default 1,4,16)")
+    ap.add_argument("--prompt-len", type=int, default=None)
+    ap.add_argument("--new-tokens", type=int, default=None)
+    ap.add_argument("--quick", action="store_true", help="a tiny Llama on the CPU")
+    args = ap.parse_args()
+    cuda = args.device.startswith("cuda")
+    args.dtype = args.dtype or ("bfloat16" if cuda and not args.quick else "float32")
+    args.batch = args.batch or (8 if args.quick else 64)
+    args.prompt_len = args.prompt_len or (16 if args.quick else 128)
+    args.new_tokens = args.new_tokens or (8 if args.quick else 128)
+    num_loras = args.loras or (4 if args.quick else 64)
+    distinct = [int(d) for d in (args.distinct or ("1,4" if args.quick else "1,4,16")).split(",")]
+    cfg = dict(TINY if args.quick else LLAMA_8B, dtype=args.dtype)
+    common = dict(device=args.device, shape="tiny-llama" if args.quick else "llama-3.1-8b", dtype=args.dtype,
+                  batch=args.batch, rank=args.rank, prompt_len=args.prompt_len, new_tokens=args.new_tokens)
+    with tempfile.TemporaryDirectory() as d:
+        model_dir, adapter_dir = os.path.join(d, "model"), os.path.join(d, "adapter")
+        os.makedirs(model_dir)
+        with open(os.path.join(model_dir, "config.json"), "w") as f:
+            json.dump(cfg, f)
+        write_adapter(adapter_dir, cfg, args.rank)
+
+        engine = make_engine(model_dir, args, max_loras=0)
+        base_tps = timed_decode(engine, args, [None])
+        emit(kind="decode", system="base", loras_loaded=0, distinct=0, tokens_per_s=round(base_tps, 1), **common)
+        bench_base_push(engine, args, common)
+        engine.close()
+        del engine
+        release_memory()
+
+        engine = make_engine(model_dir, args, max_loras=num_loras)
+        t = time.perf_counter()
+        names = [f"lora{i}" for i in range(num_loras)]
+        for name in names:
+            engine.load_lora(name, adapter_dir)
+        emit(kind="lora_load", adapters=num_loras, ms_each=round(1e3 * (time.perf_counter() - t) / num_loras, 2),
+             **common)
+        for k in [0] + distinct:
+            tps = timed_decode(engine, args, names[:k] if k else [None])
+            emit(kind="decode", system="lora", loras_loaded=num_loras, distinct=k, tokens_per_s=round(tps, 1),
+                 overhead=round(base_tps / tps - 1, 4), **common)
+        bench_adapter_push(engine, args, names[0], common)
+        engine.close()
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,161 @@
+"""LoRA in a running model: the runner's adapter slots, the hooks on the linears they target, each forward's
+per-token slot assignment, and the weight-update target of one slot.
+
+`LoraRuntime` (one per `ModelRunner`, only when `RunnerConfig.max_loras > 0`) owns a `LoraSlots` and puts a
+`LoraHook` on every fused linear of every decoder layer that has slots (`qkv_proj`, `o_proj`, `gate_up_proj`,
+`down_proj`; `runner.layers.Linear.lora`). A forward that serves adapters runs inside `runtime.tokens(idx)`:
+idx [T] holds each token's slot (-1: the base model), turned once per forward into the `kernels.lora.LoraBatch`
+every hook of the forward shares (on CUDA; inside a captured decode graph that is part of the graph, so a
+replay re-sorts the tokens of each step's idx), and each hook adds `add_lora` (CUDA) / `add_lora_ref` (CPU) of
+its layer's stack to the base output. Outside `tokens` (or with idx None) the hooks add nothing, so scoring and
+the profile run see the base model unless they ask. A row-parallel layer (o_proj, down_proj) adds its delta
+to its own output, which without tensor parallelism is the whole sum; the engine refuses LoRA under tensor
+parallelism, whose shards of A and B the slots do not hold.
+
+Slots are written only in place (`load`, `clear`, `LoraSlotTarget` writes), so captured graphs stay valid across
+swaps and pushes. Which name lives in which slot is the engine's business (rollout/loras.py).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from contextlib import contextmanager
+
+import torch
+
+from runner.layers import Linear
+from runner.lora.adapters import LORA_MODULES, LoraAdapter, lora_module_shapes, read_adapter
+from runner.lora.slots import LoraSlots, LoraStack
+from runner.model_config import ModelConfig
+from weight_updates.target import ParamSpec
+
+_PARENTS = {"qkv_proj": "self_attn", "o_proj": "self_attn", "gate_up_proj": "mlp", "down_proj": "mlp"}
+
+
+class LoraHook:
+    """What a targeted `Linear` calls on its output: out += the delta of each token's adapter (in place)."""
+
+    __slots__ = ("runtime", "stack")
+
+    def __init__(self, runtime: "LoraRuntime", stack: LoraStack) -> None:
+        self.runtime, self.stack = runtime, stack
+
+    def __call__(self, out: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
+        tokens = self.runtime.current
+        if tokens is None:
+            return out
+        stack, scaling = self.stack, self.runtime.slots.scaling
+        if out.is_cuda:
+            from kernels.lora import add_lora
+
+            return add_lora(out, x, stack.A, stack.B, tokens, scaling, slices=stack.slices)
+        from kernels.lora_ref import add_lora_ref
+
+        return add_lora_ref(out, x, stack.A, stack.B, tokens, scaling, slices=stack.slices)
+
+
+class LoraRuntime:
+    """`max_loras` adapter slots of up to rank `max_rank` on the model's device, hooked into `model`."""
+
+    def __init__(self, model: torch.nn.Module, model_config: ModelConfig, *, max_loras: int, max_rank: int,
+                 target_modules: tuple[str, ...] | None, device: torch.device, dtype: torch.dtype) -> None:
+        if target_modules is None:  # every module the model supports (a MoE model: the attention projections)
+            target_modules = tuple(m for m in LORA_MODULES if m in lora_module_shapes(model_config))
+        try:
+            self.slots = LoraSlots(model_config, max_loras=max_loras, max_rank=max_rank, device=device, dtype=dtype,
+                                   target_modules=tuple(target_modules))
+        except ValueError as e:
+            raise ValueError(f"EngineConfig.lora_target_modules / max_loras / max_lora_rank: {e}") from None
+        self.model_config = model_config
+        self.current = None  # the running forward's LoraBatch (CUDA) or idx [T] (CPU); None: no adapter
+        for (layer, fused), stack in self.slots.stacks.items():
+            module = getattr(getattr(model.model.layers[layer], _PARENTS[fused], None), fused, None)
+            assert isinstance(module, Linear), f"layer {layer}: no {fused} Linear to hook LoRA into"
+            assert (module.out_features, module.in_features) == (stack.B.shape[1], stack.A.shape[2]), (
+                layer, fused, module, tuple(stack.A.shape), tuple(stack.B.shape))
+            module.lora = LoraHook(self, stack)
+
+    @property
+    def max_loras(self) -> int:
+        return self.slots.max_loras
+
+    @contextmanager
+    def tokens(self, idx: torch.Tensor | None) -> Iterator[None]:
+        """Forwards inside use the per-token slots idx [T] (int64 on the model's device, -1: none; None: no
+        adapter for any token). On CUDA the tiles are built here, once for every layer of the forward."""
+        if idx is not None and idx.is_cuda:
+            from kernels.lora import lora_batch
+
+            self.current = lora_batch(idx, self.slots.max_loras)
+        else:
+            self.current = idx
+        try:
+            yield
+        finally:
+            self.current = None
+
+    # ---- adapters in and out -----------------------------------------------------------------------------
+    def load(self, slot: int, name: str, path: str) -> tuple[int, tuple[str, ...]]:
+        """Read the PEFT adapter directory `path`, validate it against the model and the slots, and put it into
+        `slot` (whatever the slot held is zeroed first). Returns its (rank, modules). A refused adapter leaves
+        the slot as it was."""
+        return self.load_adapter(slot, read_adapter(path, self.model_config, name=name))
+
+    def load_adapter(self, slot: int, adapter: LoraAdapter) -> tuple[int, tuple[str, ...]]:
+        """`load` of an adapter already read (and validated against the model)."""
+        slots = self.slots
+        if adapter.rank > slots.max_rank:
+            raise ValueError(f"adapter {adapter.name!r} has rank {adapter.rank}, above EngineConfig.max_lora_rank="
+                             f"{slots.max_rank}")
+        missing = [m for m in adapter.modules if m not in slots.modules]
+        if missing:
+            raise ValueError(f"adapter {adapter.name!r} adapts {missing}, which have no slots here "
+                             f"(EngineConfig.lora_target_modules gives {list(slots.modules)})")
+        slots.load(slot, adapter)
+        return adapter.rank, adapter.modules
+
+    def clear(self, slot: int) -> None:
+        """Empty `slot` (zeros: a token still pointing at it gets nothing added)."""
+        self.slots.clear(slot)
+
+    def target(self, slot: int) -> "LoraSlotTarget":
+        """The weight-update target of the adapter in `slot` (its A / B in PEFT names)."""
+        return LoraSlotTarget(self.slots.named_views(slot), self.slots.device)
+
+
+class LoraSlotTarget:
+    """A `weight_updates.WeightTarget` over one slot's adapter: PEFT tensor names
+    (`base_model.model.model.layers.{i}.self_attn.q_proj.lora_A.weight` [r, in], `...lora_B.weight` [out, r]),
+    each a view of the slot's stacks, written in place. The B views are strided (their rows are max_rank long)
+    unless r = max_rank, so only contiguous views are lent for batched scatters."""
+
+    def __init__(self, views: dict[str, torch.Tensor], device: torch.device) -> None:
+        self.views = views
+        self._device = device
+        self._specs = {name: ParamSpec(tuple(v.shape), v.dtype) for name, v in views.items()}
+
+    def checkpoint_specs(self) -> dict[str, ParamSpec]:
+        return self._specs
+
+    def read_checkpoint_tensor(self, name: str) -> torch.Tensor:
+        return self.views[name]
+
+    def write_dense(self, name: str, tensor: torch.Tensor) -> None:
+        self.views[name].copy_(tensor)
+
+    def write_patch(self, name: str, flat_indices: torch.Tensor, values: torch.Tensor) -> None:
+        from runner.loader import scatter_flat
+
+        view = self.views[name]
+        scatter_flat(view, flat_indices.to(view.device, torch.int64), values.to(view.device, view.dtype))
+
+    def writable_views(self, names: list[str]) -> list[torch.Tensor] | None:
+        views = [self.views[name] for name in names]
+        return views if all(v.is_contiguous() for v in views) else None
+
+    @property
+    def device(self) -> torch.device:
+        return self._device
+
+
+__all__ = ["LoraHook", "LoraRuntime", "LoraSlotTarget"]
