@@ -115,6 +115,9 @@ class _EngineWorker:
     def weight_specs(self) -> dict[str, tuple[list[int], str]]:
         return {n: (list(s.shape), str(s.dtype).removeprefix("torch.")) for n, s in self.engine.weight_specs().items()}
 
+    def routed_experts_shape(self) -> tuple[int, int] | None:
+        return self.engine.routed_experts_shape
+
     def generate(self, prompts: list, params: list[SamplingParams]) -> list[RequestOutput]:
         return self.engine.generate(prompts, params)
 
@@ -220,6 +223,7 @@ class RolloutPool:
         self._version = 0
         self.num_restarts = [0] * config.num_workers
         self._specs = None
+        self._routed_asked, self._routed_shape = False, None  # worker 0's routed_experts_shape, once asked
 
     def _spawn(self):
         return self._actor_cls.remote(self._engine_dict, max(1, int(self.config.resources.num_cpus)))
@@ -228,6 +232,16 @@ class RolloutPool:
     @property
     def policy_version(self) -> int:
         return self._version
+
+    @property
+    def routed_experts_shape(self) -> tuple[int, int] | None:
+        """(num_moe_layers, top_k) of the workers' MoE model (routing replay), None for a dense model."""
+        import ray
+
+        if not self._routed_asked:
+            shape = ray.get(self.workers[0].routed_experts_shape.remote())
+            self._routed_shape, self._routed_asked = None if shape is None else tuple(shape), True
+        return self._routed_shape
 
     def weight_specs(self) -> dict:
         import ray

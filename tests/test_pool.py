@@ -41,6 +41,7 @@ def test_pool_matches_local_engine_and_loses_no_sample_when_a_worker_dies(tmp_pa
         pool = RolloutPool(cfg)
         local = Engine(EngineConfig(model=str(model_dir), dtype="float32", max_num_seqs=64, num_kv_blocks=128))
         local_bridge, pool_bridge = TrainerBridge(local), TrainerBridge(pool)
+        assert pool.routed_experts_shape is None and not pool_bridge.routed_experts  # a dense model: no replay
         assert pool_bridge.specs == local_bridge.specs
         params = SamplingParams(n=3, max_tokens=8, seed=7)
 

@@ -267,7 +267,7 @@ class TrainerBridge:
 
     `routed_experts` (MoE routing replay): every rollout asks for the experts each sample was routed to
     (`SamplingParams.return_routed_experts`), and its samples and padded batches carry them. None: on when the
-    engine says its model routes (`Engine.routed_experts_shape`; a pool does not say, so off there unless True).
+    engine (or pool) says its model routes (`routed_experts_shape`).
 
     `lora` (a local `Engine` with the adapter loaded): the bridge trains that LoRA adapter. Rollouts sample with it
     (a `sampling.lora` of its own wins) and pushes carry only its A / B tensors (see `push_weights`).
