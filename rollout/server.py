@@ -494,16 +494,16 @@ class _Server:
             raise APIError(400, f"{param} has token ids {bad[:5]} outside the vocabulary [0, {self.vocab_size})",
                            param=param)
 
-    async def embeds_prompts(self, tensors: list[Callable[[str], Any]], param: str) -> list[dict]:
+    async def embeds_prompts(self, tensors: list[Callable[[str], Any]], param: str, indexed: bool) -> list[dict]:
         """The engine's dict prompts of embedding tensors, each made by a callable (of the field's name, for its
-        errors: a ValueError) and checked off the event loop; a 400 naming `param` (`param[i]` in a list of several)."""
+        errors: a ValueError) and checked off the event loop; a 400 naming `param` (`param[i]` when `indexed`)."""
         from rollout.prompt_embeds import check_prompt_embeds
 
         if self.prompt_embeds_refusal is not None:
             raise APIError(400, f"{param}: {self.prompt_embeds_refusal}", param=param)
 
         def check(i: int, value) -> dict:
-            where = param if len(tensors) == 1 else f"{param}[{i}]"
+            where = f"{param}[{i}]" if indexed else param
             try:
                 embeds = check_prompt_embeds(value(where), hidden_size=self.hidden_size, dtype=self.model_dtype,
                                              field=where)
@@ -648,22 +648,21 @@ class _Server:
             raise APIError(400, "return_routed_experts needs max_tokens >= 1 (max_tokens 0 runs no generation)",
                            param="return_routed_experts")
         p = req.prompt
+        if p is None and req.prompt_embeds is None:
+            raise APIError(400, "prompt is required (or prompt_embeds)", param="prompt")
+        items = [] if req.prompt_embeds is not None else [p] if isinstance(p, str) or isinstance(p[0], int) else list(p)
+        texts, prompts = [], []
+        for i, item in enumerate(items):
+            param = "prompt" if len(items) == 1 else f"prompt[{i}]"
+            if isinstance(item, str):
+                ids = self.encode(item, req.add_special_tokens, param)
+            else:
+                ids = list(item)
+            self.check_prompt(ids, param)
+            texts.append(item if isinstance(item, str) else None)
+            prompts.append(ids)
         if req.prompt_embeds is not None:
             texts, prompts = await self.completion_embeds(req)
-        elif p is None:
-            raise APIError(400, "prompt is required (or prompt_embeds)", param="prompt")
-        else:
-            items = [p] if isinstance(p, str) or isinstance(p[0], int) else list(p)
-            texts, prompts = [], []
-            for i, item in enumerate(items):
-                param = "prompt" if len(items) == 1 else f"prompt[{i}]"
-                if isinstance(item, str):
-                    ids = self.encode(item, req.add_special_tokens, param)
-                else:
-                    ids = list(item)
-                self.check_prompt(ids, param)
-                texts.append(item if isinstance(item, str) else None)
-                prompts.append(ids)
         params = None
         if max_tokens > 0:
             params = self.sampling(
@@ -729,7 +728,7 @@ class _Server:
                                param=name)
         blobs = req.prompt_embeds if isinstance(req.prompt_embeds, list) else [req.prompt_embeds]
         prompts = await self.embeds_prompts([lambda where, b=b: decode_prompt_embeds(b, where) for b in blobs],
-                                            "prompt_embeds")
+                                            "prompt_embeds", indexed=len(blobs) > 1)
         return [None] * len(prompts), prompts
 
     def _completion_choice(self, req: P.CompletionRequest, index: int, c: CompletionOutput, prompt_text: str | None,
@@ -974,7 +973,7 @@ class _Server:
             batched = isinstance(req.input_embeds[0][0], list)
             items = req.input_embeds if batched else [req.input_embeds]
             prompts = await self.embeds_prompts([lambda where, r=rows: _embeds_rows(r, where) for rows in items],
-                                                "input_embeds")
+                                                "input_embeds", indexed=batched)
         else:
             field = "text" if req.text is not None else "input_ids"
             value = req.text if req.text is not None else req.input_ids

@@ -192,6 +192,15 @@ def test_refusals_name_the_field_and_queue_nothing(engine, monkeypatch):
     assert engine.generate([{"prompt_embeds": good}], GREEDY)[0].outputs[0].finish_reason == "length"
 
 
+def test_a_rollout_pool_refuses_them_before_anything_travels():
+    from rollout.pool import RolloutPool
+
+    pool = RolloutPool.__new__(RolloutPool)  # no workers: the refusal comes before any is used
+    for prompts in ({"prompt_embeds": torch.zeros(2, 64)}, [[1, 2], {"prompt_embeds": torch.zeros(2, 64)}]):
+        with pytest.raises(ValueError, match="prompt_embeds: not through a RolloutPool"):
+            pool.submit(prompts, GREEDY)
+
+
 def test_the_http_blob_round_trips_and_refuses_what_is_not_one_tensor():
     t = torch.randn(3, 8, dtype=torch.bfloat16)
     assert torch.equal(decode_prompt_embeds(encode_prompt_embeds(t)), t)
@@ -317,6 +326,14 @@ def test_openai_completions_take_prompt_embeds(server, http, table):
                                     extra_body={"prompt_embeds": encode_prompt_embeds(table[ids[0]])})
     greedy = client.completions.create(model=NAME, prompt=ids[0], max_tokens=4, temperature=0)
     assert one.choices[0].text == greedy.choices[0].text
+    long = dict(model=NAME, max_tokens=12, temperature=0, extra_body={"ignore_eos": True})
+    text = client.completions.create(prompt=ids[1], **long).choices[0].text
+    assert len(text) > 4
+    long["stop"] = [text[2:4]]  # a stop string inside the completion: it looks at generated tokens only
+    stopped = client.completions.create(prompt=ids[1], **long).choices[0]
+    long["extra_body"] = {**long["extra_body"], "prompt_embeds": encode_prompt_embeds(table[ids[1]])}
+    got_stop = client.completions.create(prompt="", **long).choices[0]
+    assert (got_stop.text, got_stop.finish_reason) == (stopped.text, "stop") and len(stopped.text) < len(text)
     r = http.post("/v1/completions", json={"prompt_embeds": encode_prompt_embeds(table[ids[0]]), "max_tokens": 4,
                                            "temperature": 0, "stream": True})  # no prompt field at all, streamed
     assert r.status_code == 200
