@@ -15,6 +15,11 @@ statistics (rollout/spec_stats.py), and every call that must run on every rank i
 (runner/executor.py). A bad request is refused at `add_request` with a ValueError and never reaches the
 scheduler, so it cannot disturb the requests already running.
 
+A prompt is text, a list of token ids, or one of vLLM's dict prompts: {"prompt": text}, {"prompt_token_ids": ids}
+or {"prompt_embeds": tensor [T, hidden_size]} (rows of input embeddings, checked and keyed for the prefix cache by
+rollout/prompt_embeds.py; not with speculative decoding, whose drafter embeds the prompt's token ids, nor under
+tensor parallelism, whose step messages carry no tensors).
+
 With `tensor_parallel_size=P > 1` this process is rank 0: it runs the scheduler, and the executor
 (runner/parallel/worker.py) spawns P - 1 worker ranks and sends them each step's scheduler output as
 plain data. Call `close()` (or use the engine as a context manager) to stop them; exit does it too.
@@ -28,7 +33,8 @@ import logging
 import random
 import time
 from collections import deque
-from typing import TYPE_CHECKING, Iterable, Sequence
+from collections.abc import Mapping
+from typing import TYPE_CHECKING, Any, Iterable, Sequence
 
 
 from rollout.config import EngineConfig
@@ -46,12 +52,14 @@ from rollout.tokenizer import Tokenizer
 
 if TYPE_CHECKING:
     from rollout.loras import LoraInfo
+    from rollout.prompt_embeds import PromptEmbeds
     from rollout.weight_sink import EngineSink
     from weight_updates import UpdateResult
 
 logger = logging.getLogger(__name__)
 
-Prompt = str | Sequence[int]
+Prompt = str | Sequence[int] | Mapping[str, Any]
+_DICT_PROMPT_KEYS = ("prompt", "prompt_token_ids", "prompt_embeds")  # vLLM's TextPrompt, TokensPrompt, EmbedsPrompt
 
 
 class Engine:
@@ -144,32 +152,46 @@ class Engine:
             return f"{self.model_config.architecture} is a dense model (no MoE layers, so no routed experts)"
         return "this engine keeps no routing store (EngineConfig.enable_return_routed_experts is False)"
 
+    def prompt_embeds_refusal(self) -> str | None:
+        """Why this engine takes no embedding prompts ({"prompt_embeds": tensor}), in words; None when it does."""
+        if self.config.speculative is not None:
+            return ("not with speculative decoding (EngineConfig.speculative): the drafter embeds the prompt's token "
+                    "ids, which an embedding prompt has not")
+        if self.config.tensor_parallel_size > 1:
+            return ("not under tensor parallelism (EngineConfig.tensor_parallel_size > 1): the step messages that "
+                    "reach the other ranks carry no tensors")
+        return None
+
     # ---- requests -------------------------------------------------------------------------------------
     def add_request(self, prompt: Prompt, params: SamplingParams | None = None, request_id: str | None = None) -> str:
-        """Queue one prompt (n samples). Raises ValueError, and queues nothing, for a bad request."""
+        """Queue one prompt (n samples): text, token ids, or a dict prompt (module docstring). Raises ValueError, and
+        queues nothing, for a bad request."""
         self._sleep.check_awake("add_request")
         params = params or SamplingParams()
         if not isinstance(params, SamplingParams):
             raise ValueError(f"params must be SamplingParams, got {type(params).__name__}")
-        text, token_ids = self._tokenize(prompt, params.add_special_tokens)
-        self._validate_prompt(token_ids, params)
-        return self._add(text, token_ids, params, request_id, params.output_kind)
+        text, token_ids, embeds = self._tokenize(prompt, params.add_special_tokens)
+        self._validate_prompt(token_ids, params, embeds)
+        return self._add(text, token_ids, params, request_id, params.output_kind, embeds)
 
     def _add(self, text: str | None, token_ids: list[int], params: SamplingParams, request_id: str | None,
-             kind: RequestOutputKind) -> str:
-        """Queue a tokenized, validated prompt whose outputs are of `kind`."""
+             kind: RequestOutputKind, embeds: "PromptEmbeds | None" = None) -> str:
+        """Queue a tokenized, validated prompt whose outputs are of `kind` (an embedding prompt: `embeds`, and
+        placeholder `token_ids`)."""
         request_id = str(next(self._ids)) if request_id is None else str(request_id)
         if request_id in self.output_processor:
             raise ValueError(f"request id {request_id!r} is already in use")
         max_tokens = min(params.max_tokens, self.max_model_len - len(token_ids))
         base_seed = params.seed if params.seed is not None else self._rng.getrandbits(32)
-        group = RequestGroup(request_id, text, list(token_ids), params)
+        group = RequestGroup(request_id, text, list(token_ids), params, prompt_embeds=embeds)
         routing = self.routed_experts_shape if params.return_routed_experts else None  # (L_moe, k)
         routing_rows = len(token_ids) + min(max_tokens, 512)  # a first capacity of the rows (they grow as needed)
         lora = None if params.lora is None else self._loras.get(params.lora, "SamplingParams.lora")
         cache_keys = () if params.cache_salt is None else (("cache_salt", params.cache_salt),)
         if lora is not None:  # blocks computed under an adapter are shared only with requests of the same load
             cache_keys += (lora.cache_key,)
+        if embeds is not None:  # blocks of an embedding prompt are shared only with byte-identical embeddings
+            cache_keys += (("prompt_embeds", embeds.digest),)
         for j in range(params.n):
             req = Request(
                 req_id=f"{request_id}-{j}",
@@ -270,7 +292,8 @@ class Engine:
         unfinished samples). For over-sampling: send more prompts than a batch needs (dynamic sampling)
         and cut the long tail."""
         self._sleep.check_awake("generate")
-        if isinstance(prompts, str) or (isinstance(prompts, Sequence) and prompts and isinstance(prompts[0], int)):
+        if (isinstance(prompts, (str, Mapping))
+                or (isinstance(prompts, Sequence) and prompts and isinstance(prompts[0], int))):
             prompts = [prompts]
         prompts = list(prompts)
         if params is None or isinstance(params, SamplingParams):
@@ -284,10 +307,11 @@ class Engine:
             if not isinstance(p, SamplingParams):
                 raise ValueError(f"params must be SamplingParams, got {type(p).__name__}")
         tokenized = [self._tokenize(prompt, p.add_special_tokens) for prompt, p in zip(prompts, params)]
-        for (_, token_ids), p in zip(tokenized, params):
-            self._validate_prompt(token_ids, p)
+        for (_, token_ids, embeds), p in zip(tokenized, params):
+            self._validate_prompt(token_ids, p, embeds)
         final_only = RequestOutputKind.FINAL_ONLY
-        ids = [self._add(text, token_ids, p, None, final_only) for (text, token_ids), p in zip(tokenized, params)]
+        ids = [self._add(text, token_ids, p, None, final_only, embeds)
+               for (text, token_ids, embeds), p in zip(tokenized, params)]
         wanted, done = set(ids), {}
         bar = None
         if use_tqdm:
@@ -500,7 +524,46 @@ class Engine:
         return self._spec_totals.summary(self.spec_controller)
 
     # ---- helpers ----------------------------------------------------------------------------------------
-    def _tokenize(self, prompt: Prompt, add_special_tokens: bool) -> tuple[str | None, list[int]]:
+    def _tokenize(self, prompt: Prompt, add_special_tokens: bool
+                  ) -> tuple[str | None, list[int], "PromptEmbeds | None"]:
+        """(text or None, token ids, None), or for an embedding prompt (None, placeholder ids, its PromptEmbeds)."""
+        if isinstance(prompt, Mapping):
+            return self._dict_prompt(prompt, add_special_tokens)
+        return (*self._tokens(prompt, add_special_tokens), None)
+
+    def _dict_prompt(self, prompt: Mapping, add_special_tokens: bool
+                     ) -> tuple[str | None, list[int], "PromptEmbeds | None"]:
+        keys = set(prompt)
+        unknown = sorted(map(str, keys - set(_DICT_PROMPT_KEYS)))
+        if unknown:
+            raise ValueError(f"a dict prompt takes one of the keys {list(_DICT_PROMPT_KEYS)}, got unknown {unknown}")
+        if "prompt_embeds" in keys and len(keys) > 1:
+            raise ValueError(f"prompt_embeds cannot be combined with other prompt fields {sorted(keys - {'prompt_embeds'})}: "
+                             "a prompt is text, token ids or embeddings")
+        if len(keys) != 1:
+            raise ValueError(f"a dict prompt takes exactly one of {list(_DICT_PROMPT_KEYS)}, got {sorted(keys)}")
+        (key,) = keys
+        value = prompt[key]
+        if key == "prompt_embeds":
+            return (None, *self._embeds_prompt(value))
+        if key == "prompt" and not isinstance(value, str):
+            raise ValueError(f"prompt (of a dict prompt) must be a str, got {type(value).__name__}")
+        if key == "prompt_token_ids" and (isinstance(value, str) or not isinstance(value, Sequence)
+                                          or not all(isinstance(t, int) for t in value)):
+            raise ValueError(f"prompt_token_ids must be a list of int token ids, got {type(value).__name__}")
+        return (*self._tokens(value, add_special_tokens), None)
+
+    def _embeds_prompt(self, value) -> tuple[list[int], "PromptEmbeds"]:
+        """An embedding prompt's placeholder token ids and its checked rows (rollout/prompt_embeds.py)."""
+        from rollout.prompt_embeds import PLACEHOLDER_TOKEN_ID, check_prompt_embeds
+
+        refusal = self.prompt_embeds_refusal()
+        if refusal is not None:
+            raise ValueError(f"prompt_embeds: {refusal}")
+        embeds = check_prompt_embeds(value, hidden_size=self.model_config.hidden_size, dtype=self.runner.dtype)
+        return [PLACEHOLDER_TOKEN_ID] * embeds.num_tokens, embeds
+
+    def _tokens(self, prompt: str | Sequence[int], add_special_tokens: bool) -> tuple[str | None, list[int]]:
         if isinstance(prompt, str):
             if self.tokenizer is None:
                 raise ValueError(
@@ -509,12 +572,16 @@ class Engine:
                 )
             return prompt, self.tokenizer.encode(prompt, add_special_tokens)
         if not isinstance(prompt, Sequence) or not all(isinstance(t, int) for t in prompt):
-            raise ValueError(f"prompt must be a str or a list of int token ids, got {type(prompt).__name__}")
+            raise ValueError(f"prompt must be a str, a list of int token ids or a dict prompt, got {type(prompt).__name__}")
         return None, list(prompt)
 
-    def _validate_prompt(self, token_ids: list[int], params: SamplingParams) -> None:
+    def _validate_prompt(self, token_ids: list[int], params: SamplingParams,
+                         embeds: "PromptEmbeds | None" = None) -> None:
         if len(token_ids) == 0:
             raise ValueError("prompt is empty")
+        if embeds is not None and embeds.num_tokens >= self.max_model_len:
+            raise ValueError(f"prompt_embeds has {embeds.num_tokens} rows (prompt positions); max_model_len="
+                             f"{self.max_model_len} leaves no room to generate")
         if params.lora is not None:
             if self._loras is None:
                 raise ValueError("SamplingParams.lora: this engine serves no LoRA adapters "

@@ -173,7 +173,7 @@ class OutputProcessor:
         return RequestOutput(
             request_id=group.request_id,
             prompt=group.prompt,
-            prompt_token_ids=group.prompt_token_ids,
+            prompt_token_ids=None if group.prompt_embeds is not None else group.prompt_token_ids,
             outputs=outputs,
             num_cached_prompt_tokens=group.num_cached_prompt_tokens,
             finished=group.finished,

@@ -87,7 +87,8 @@ class RequestOutput:
 
     request_id: str
     prompt: str | None
-    prompt_token_ids: list[int]
+    prompt_token_ids: list[int] | None
+    """The prompt's token ids; None for an embedding prompt ({"prompt_embeds": ...}, vLLM's), which has none."""
     outputs: list[CompletionOutput] = field(default_factory=list)
     num_cached_prompt_tokens: int = 0
     """Prompt tokens served from the prefix cache (summed over samples)."""

@@ -265,9 +265,12 @@ class RolloutPool:
 
     def submit(self, prompts, params: SamplingParams | Sequence[SamplingParams] | None = None) -> PendingRollout:
         """Start a rollout without waiting (see `collect`)."""
-        if isinstance(prompts, str) or (isinstance(prompts, Sequence) and prompts and isinstance(prompts[0], int)):
+        if isinstance(prompts, (str, dict)) or (isinstance(prompts, Sequence) and prompts and isinstance(prompts[0], int)):
             prompts = [prompts]
         prompts = list(prompts)
+        if any(isinstance(p, dict) and "prompt_embeds" in p for p in prompts):  # Ray would pickle the tensors
+            raise ValueError("prompt_embeds: not through a RolloutPool (tensors do not travel to its workers); "
+                             "use a local Engine")
         if params is None or isinstance(params, SamplingParams):
             params = [params or self.config.default_sampling()] * len(prompts)
         params = list(params)

@@ -110,10 +110,22 @@ PromptField = Annotated[
 ]
 
 
+PromptEmbedsField = Annotated[
+    Union[str, Annotated[list[str], Field(min_length=1)]],
+    Field(description="base64 of a safetensors blob holding one tensor [T, hidden_size], or a non-empty list of such "
+                      "strings"),
+]
+
+
 class CompletionRequest(_SamplingFields):
     """POST /v1/completions."""
 
-    prompt: PromptField
+    prompt: Nullable(PromptField) = None
+    """Required unless `prompt_embeds` is given (then it must be left out or "", as vLLM's clients send it)."""
+    prompt_embeds: Nullable(PromptEmbedsField) = None
+    """vLLM's: the prompt(s) as input-embedding rows (rollout/prompt_embeds.py), each the base64 of a safetensors
+    blob with one floating-point tensor [T, hidden_size] (vLLM takes `torch.save` output; this server never
+    unpickles, so it takes safetensors)."""
     max_tokens: Annotated[int, Field(ge=0, description="an integer >= 0 (0 only with echo)")] = 16
     echo: bool = False
     """Put the prompt before each completion (its text, and with `logprobs` its tokens' logprobs)."""
@@ -234,6 +246,13 @@ class GenerateRequest(_Strict):
         default=None, description="a string or a non-empty list of strings")
     input_ids: Union[TokenIds, Annotated[list[TokenIds], Field(min_length=1)], None] = Field(
         default=None, description="a list of token ids (integers >= 0) or a non-empty list of such lists")
+    input_embeds: Union[Annotated[list[list[float]], Field(min_length=1)],
+                        Annotated[list[Annotated[list[list[float]], Field(min_length=1)]], Field(min_length=1)],
+                        None] = Field(
+        default=None, description="a prompt's input-embedding rows [T][hidden_size] (finite numbers), or a non-empty "
+                                  "list of such prompts")
+    """SGLang's: the prompt(s) as input-embedding rows, JSON numbers (cast to the model's dtype), instead of text or
+    token ids."""
     sampling_params: SGLangSamplingParams | None = None
     return_logprob: bool = False
     top_logprobs_num: NumLogprobs = 0
@@ -251,8 +270,8 @@ class GenerateRequest(_Strict):
 
     @model_validator(mode="after")
     def _one_prompt_field(self):
-        if (self.text is None) == (self.input_ids is None):
-            raise ValueError("give one of 'text' or 'input_ids'")
+        if sum(f is not None for f in (self.text, self.input_ids, self.input_embeds)) != 1:
+            raise ValueError("give one of 'text' or 'input_ids' (or 'input_embeds')")
         return self
 
 

@@ -3,7 +3,8 @@
 A prompt with n samples becomes n `Request`s of one `RequestGroup`; sample j's id is
 "<request_id>-<j>". The group makes later samples wait until the prompt's full blocks are computed once,
 so all n share them through the prefix cache. Pure Python; no tensors (a sample that asked for its routed
-experts keeps them in a numpy array, `RoutedExperts`).
+experts keeps them in a numpy array, `RoutedExperts`), except an embedding prompt's rows (`RequestGroup.prompt_embeds`,
+rollout/prompt_embeds.py), whose positions hold placeholder token ids.
 """
 
 from __future__ import annotations
@@ -19,6 +20,7 @@ from rollout.sampling_params import SamplingParams
 if TYPE_CHECKING:
     from rollout.detokenizer import StopStrings
     from rollout.loras import LoadedLora
+    from rollout.prompt_embeds import PromptEmbeds
 
 
 class RequestStatus(enum.Enum):
@@ -67,8 +69,9 @@ class RequestGroup:
 
     request_id: str
     prompt: str | None
-    prompt_token_ids: list[int]
+    prompt_token_ids: list[int]  # an embedding prompt: one placeholder id per row (outputs report None)
     params: SamplingParams
+    prompt_embeds: "PromptEmbeds | None" = None  # the prompt as embedding rows [T, hidden] instead of token ids
     members: list["Request"] = field(default_factory=list)
     prompt_blocks_ready: bool = False  # the prompt's full blocks are computed and cached
     num_finished: int = 0  # members that finished (counted by the scheduler)
@@ -99,7 +102,7 @@ class Request:
     block_keys: list = field(default_factory=list)  # prefix-cache chain keys of full blocks (memo)
     # extra prefix-cache keys, part of the first block's key (so of every block's chain): only requests with
     # equal cache_keys share KV blocks: ("cache_salt", salt) for a salted request, ("lora", name, load id) for one
-    # of a LoRA adapter
+    # of a LoRA adapter, ("prompt_embeds", sha256) for an embedding prompt
     cache_keys: tuple = ()
     kv_epoch: int = 0  # weight epoch its KV was computed under (blocks of older epochs are not cached)
     logprobs: list[float] = field(default_factory=list)
@@ -127,6 +130,12 @@ class Request:
     @property
     def params(self) -> SamplingParams:
         return self.group.params
+
+    @property
+    def prompt_embeds(self):
+        """The embedding prompt's rows [num_prompt_tokens, hidden] (host, the model's dtype), or None."""
+        embeds = self.group.prompt_embeds
+        return None if embeds is None else embeds.tensor
 
     @property
     def num_tokens(self) -> int:

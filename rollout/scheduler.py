@@ -324,6 +324,7 @@ class Scheduler:
             block_ids=list(req.block_ids),
             num_computed_tokens=req.num_computed_tokens,
             sampling=req.params.runner_sampling(req.seed, req.lora_slot),
+            prompt_embeds=req.prompt_embeds,
         )
 
     def _drop_placeholders(self, req: Request) -> None:

@@ -10,11 +10,12 @@ RL clients call it, and SGLang's native `/generate` and RL control endpoints.
                                       (server-sent events of text deltas; a usage chunk with
                                       stream_options.include_usage), echo, logprobs (top-N, text_offset), stop,
                                       seed, max_tokens, temperature, top_p, top_k, min_p, usage; vLLM's
-                                      return_token_ids, return_tokens_as_token_ids, prompt_logprobs, cache_salt
+                                      return_token_ids, return_tokens_as_token_ids, prompt_logprobs, cache_salt,
+                                      prompt_embeds (base64 safetensors, below)
     POST /v1/chat/completions         OpenAI's: messages rendered with the model's chat template, tools and
                                       tool_choice ("auto" / "none"), tool calls parsed into `tool_calls`,
                                       streaming deltas, logprobs / top_logprobs, and the same extensions
-    POST /generate                    SGLang's: {"text" | "input_ids", "sampling_params", "return_logprob",
+    POST /generate                    SGLang's: {"text" | "input_ids" | "input_embeds", "sampling_params", "return_logprob",
                                       "top_logprobs_num", "rid", "stream", "return_routed_experts", "lora_path"};
                                       one result per sample
     GET  /get_model_info              {"model_path", "served_model_name", "policy_version", "has_tokenizer", ...}
@@ -65,6 +66,16 @@ loaded adapter, which the request then samples with (and its prompt logprobs are
 404 `model_not_found`, as vLLM answers. Responses carry the name asked for, and adapter choices (and /generate's
 `meta_info`) the adapter's version per token (`lora_versions`). /generate takes SGLang's `lora_path`: an adapter's
 name (or a list, one per prompt); an unknown one is a 400.
+
+Prompt embeddings (an engine that takes them: `Engine.prompt_embeds_refusal()` is None): /v1/completions takes vLLM's
+`prompt_embeds`, a string or a list of strings, each the base64 of a safetensors blob holding one floating-point
+tensor [T, hidden_size] (`rollout.prompt_embeds.encode_prompt_embeds`; vLLM's clients send `torch.save` output, which
+this server refuses: it never unpickles what a client sends), with `prompt` left out or "" (a text or token prompt
+together with embeddings is a 400). /generate takes SGLang's `input_embeds`, JSON numbers [T][hidden_size] (or a list
+of such prompts). Both are checked as the engine checks them (rollout/prompt_embeds.py: 2-D, the hidden size, a
+floating dtype cast to the model's, finite, 1 <= T <= max_prompt_tokens), each refusal a 400 naming the field
+(`prompt_embeds[1]` in a list); their size is bounded by max_body_bytes. They have no token ids: `echo` and
+`prompt_logprobs` are refused with them, `prompt_token_ids` are null, and usage counts T prompt tokens.
 
 Every choice carries the policy version of each of its tokens (`policy_versions`) and, when speculating,
 its acceptance counters (`spec_decode_stats`). MoE routing replay: with `return_routed_experts`, /generate's
@@ -159,6 +170,22 @@ def _routed(rows: np.ndarray | None) -> tuple[str, list[int]] | tuple[None, None
     if rows is None:
         return None, None
     return base64.b64encode(np.ascontiguousarray(rows, dtype="<i4").tobytes()).decode("ascii"), list(rows.shape)
+
+
+def _prompt_len(prompt: list[int] | dict) -> int:
+    """The prompt tokens of a prompt as handlers pass it on: token ids, or an embedding prompt's rows."""
+    return prompt["prompt_embeds"].num_tokens if isinstance(prompt, dict) else len(prompt)
+
+
+def _embeds_rows(rows: list, where: str):
+    """SGLang's `input_embeds` of one prompt (JSON numbers [T][hidden_size]) as a float64 tensor (cast once, to the
+    model's dtype, by the check)."""
+    import torch
+
+    try:
+        return torch.tensor(rows, dtype=torch.float64)
+    except (ValueError, TypeError):
+        raise ValueError(f"{where} must be rows of equal length [T][hidden_size]") from None
 
 
 def _stops(stop: str | list[str] | None) -> list[str]:
@@ -330,6 +357,8 @@ class _Server:
         self.max_prompt_tokens = min(config.max_prompt_tokens or eng.max_model_len - 1, eng.max_model_len - 1)
         self.max_tokens = min(config.max_tokens or eng.max_model_len, eng.max_model_len)
         self.routed_experts_refusal = eng.routed_experts_refusal()  # None: requests may ask for routed experts
+        self.prompt_embeds_refusal = eng.prompt_embeds_refusal()  # None: embedding prompts are taken
+        self.hidden_size, self.model_dtype = eng.model_config.hidden_size, eng.runner.dtype
         self.template = ChatTemplate.from_model_dir(eng.tokenizer_dir, override=config.chat_template)
         # loaded LoRA adapters by name (their LoraInfo): the engine's at start and after each load / unload here
         self.loras = {info.name: info for info in eng.list_loras()}
@@ -465,6 +494,28 @@ class _Server:
             raise APIError(400, f"{param} has token ids {bad[:5]} outside the vocabulary [0, {self.vocab_size})",
                            param=param)
 
+    async def embeds_prompts(self, tensors: list[Callable[[str], Any]], param: str, indexed: bool) -> list[dict]:
+        """The engine's dict prompts of embedding tensors, each made by a callable (of the field's name, for its
+        errors: a ValueError) and checked off the event loop; a 400 naming `param` (`param[i]` when `indexed`)."""
+        from rollout.prompt_embeds import check_prompt_embeds
+
+        if self.prompt_embeds_refusal is not None:
+            raise APIError(400, f"{param}: {self.prompt_embeds_refusal}", param=param)
+
+        def check(i: int, value) -> dict:
+            where = f"{param}[{i}]" if indexed else param
+            try:
+                embeds = check_prompt_embeds(value(where), hidden_size=self.hidden_size, dtype=self.model_dtype,
+                                             field=where)
+            except ValueError as e:
+                raise APIError(400, str(e), param=where) from None
+            if embeds.num_tokens > self.max_prompt_tokens:
+                raise APIError(400, f"{where} has {embeds.num_tokens} rows (prompt positions); this server takes at "
+                                    f"most {self.max_prompt_tokens}", param=where, code="context_length_exceeded")
+            return {"prompt_embeds": embeds}
+
+        return await asyncio.to_thread(lambda: [check(i, t) for i, t in enumerate(tensors)])
+
     def encode(self, text: str, add_special_tokens: bool, param: str) -> list[int]:
         if self.tokenizer is None:
             raise APIError(400, f"{param} is text but the model has no tokenizer.json; send token ids", param=param)
@@ -597,7 +648,9 @@ class _Server:
             raise APIError(400, "return_routed_experts needs max_tokens >= 1 (max_tokens 0 runs no generation)",
                            param="return_routed_experts")
         p = req.prompt
-        items = [p] if isinstance(p, str) or isinstance(p[0], int) else list(p)
+        if p is None and req.prompt_embeds is None:
+            raise APIError(400, "prompt is required (or prompt_embeds)", param="prompt")
+        items = [] if req.prompt_embeds is not None else [p] if isinstance(p, str) or isinstance(p[0], int) else list(p)
         texts, prompts = [], []
         for i, item in enumerate(items):
             param = "prompt" if len(items) == 1 else f"prompt[{i}]"
@@ -608,6 +661,8 @@ class _Server:
             self.check_prompt(ids, param)
             texts.append(item if isinstance(item, str) else None)
             prompts.append(ids)
+        if req.prompt_embeds is not None:
+            texts, prompts = await self.completion_embeds(req)
         params = None
         if max_tokens > 0:
             params = self.sampling(
@@ -642,7 +697,7 @@ class _Server:
             for c in samples:
                 completion_tokens += len(c.token_ids)
                 choices.append(self._completion_choice(req, i * req.n + c.index, c, text, ids, score, first=True)[0])
-        usage = _usage(sum(map(len, prompts)), completion_tokens,
+        usage = _usage(sum(map(_prompt_len, prompts)), completion_tokens,
                        sum(out.num_cached_prompt_tokens for out in outs if out is not None))
         created = int(time.time())
         if not req.stream:
@@ -659,6 +714,22 @@ class _Server:
             yield _DONE
 
         return _EventStream(events(), rid)
+
+    async def completion_embeds(self, req: P.CompletionRequest) -> tuple[list[None], list[dict]]:
+        """/v1/completions' `prompt_embeds` as (texts, the engine's dict prompts); 400s naming the field."""
+        from rollout.prompt_embeds import decode_prompt_embeds
+
+        if req.prompt not in (None, "", [""]):
+            raise APIError(400, "prompt_embeds cannot be combined with a text or token prompt: leave prompt out or "
+                                "send \"\"", param="prompt_embeds")
+        for name, given in (("echo", req.echo), ("prompt_logprobs", req.prompt_logprobs is not None)):
+            if given:
+                raise APIError(400, f"{name} with prompt_embeds: an embedding prompt has no token ids to echo or score",
+                               param=name)
+        blobs = req.prompt_embeds if isinstance(req.prompt_embeds, list) else [req.prompt_embeds]
+        prompts = await self.embeds_prompts([lambda where, b=b: decode_prompt_embeds(b, where) for b in blobs],
+                                            "prompt_embeds", indexed=len(blobs) > 1)
+        return [None] * len(prompts), prompts
 
     def _completion_choice(self, req: P.CompletionRequest, index: int, c: CompletionOutput, prompt_text: str | None,
                            prompt_ids: list[int], score: dict | None, first: bool,
@@ -687,7 +758,7 @@ class _Server:
         if req.return_token_ids:
             choice.token_ids = c.token_ids
             if first:
-                choice.prompt_token_ids = prompt_ids
+                choice.prompt_token_ids = None if isinstance(prompt_ids, dict) else prompt_ids
         return choice, offset
 
     async def _open(self, request: Request, rid: str, streams: "_Streams", start, release) -> Any:
@@ -750,7 +821,7 @@ class _Server:
                                                       choices=[choice]))
             if req.stream_options is not None and req.stream_options.include_usage:
                 yield _event(P.CompletionResponse(id=rid, created=created, model=self.model_name(req),
-                                                  choices=[], usage=_usage(sum(map(len, prompts)),
+                                                  choices=[], usage=_usage(sum(map(_prompt_len, prompts)),
                                                                            completion_tokens, sum(cached))))
 
         return self._event_stream(events(), rid, streams, release)
@@ -898,16 +969,22 @@ class _Server:
         max_tokens = self.bounded_default(sp, "max_new_tokens")
         self.check_common(sp.n, req.cache_salt, sp.stop_token_ids, max_tokens, "sampling_params.max_new_tokens")
         self.check_routed_experts(req.return_routed_experts)
-        field = "text" if req.text is not None else "input_ids"
-        value = req.text if req.text is not None else req.input_ids
-        batched = not (isinstance(value, str) or isinstance(value[0], int))
-        items = list(value) if batched else [value]
-        prompts = []
-        for i, item in enumerate(items):
-            param = f"{field}[{i}]" if batched else field
-            ids = self.encode(item, True, param) if isinstance(item, str) else list(item)
-            self.check_prompt(ids, param)
-            prompts.append(ids)
+        if req.input_embeds is not None:
+            batched = isinstance(req.input_embeds[0][0], list)
+            items = req.input_embeds if batched else [req.input_embeds]
+            prompts = await self.embeds_prompts([lambda where, r=rows: _embeds_rows(r, where) for rows in items],
+                                                "input_embeds", indexed=batched)
+        else:
+            field = "text" if req.text is not None else "input_ids"
+            value = req.text if req.text is not None else req.input_ids
+            batched = not (isinstance(value, str) or isinstance(value[0], int))
+            items = list(value) if batched else [value]
+            prompts = []
+            for i, item in enumerate(items):
+                param = f"{field}[{i}]" if batched else field
+                ids = self.encode(item, True, param) if isinstance(item, str) else list(item)
+                self.check_prompt(ids, param)
+                prompts.append(ids)
         if req.rid is None:
             base = f"gen-{uuid.uuid4().hex}"
             rids = [f"{base}-{i}" for i in range(len(prompts))] if batched else [base]
@@ -934,12 +1011,12 @@ class _Server:
             outs, _ = await self.until_disconnect(request, rids[0], self.generate_all(prompts, params, rids))
         finally:
             release()
-        results = [r for out in outs for r in self.sglang_result(out, req)]
+        results = [r for out, prompt in zip(outs, prompts) for r in self.sglang_result(out, req, _prompt_len(prompt))]
         return Response(json.dumps(results if batched or len(results) > 1 else results[0]),
                         media_type="application/json")
 
-    def sglang_result(self, out: RequestOutput, req: P.GenerateRequest) -> list[dict]:
-        """One SGLang result per sample of a prompt."""
+    def sglang_result(self, out: RequestOutput, req: P.GenerateRequest, num_prompt_tokens: int) -> list[dict]:
+        """One SGLang result per sample of a prompt (of `num_prompt_tokens` tokens)."""
         results = []
         for c in out.outputs:
             finish: dict[str, Any] = {"type": c.finish_reason}
@@ -948,7 +1025,7 @@ class _Server:
             if c.stop_reason is not None:
                 finish["matched"] = c.stop_reason
             meta = {"id": f"{out.request_id}-{c.index}", "finish_reason": finish,
-                    "prompt_tokens": len(out.prompt_token_ids), "completion_tokens": len(c.token_ids),
+                    "prompt_tokens": num_prompt_tokens, "completion_tokens": len(c.token_ids),
                     "cached_tokens": out.num_cached_prompt_tokens, "policy_versions": c.policy_versions,
                     "weight_version": str(c.policy_versions[-1] if c.policy_versions
                                           else self.engine.engine.policy_version)}
@@ -977,12 +1054,13 @@ class _Server:
         text = "" if self.tokenizer is not None else None
 
         async def events():
-            so_far = RequestOutput(request_id=rid, prompt=None, prompt_token_ids=ids, outputs=[
+            prompt_ids = None if isinstance(ids, dict) else ids  # an embedding prompt has none
+            so_far = RequestOutput(request_id=rid, prompt=None, prompt_token_ids=prompt_ids, outputs=[
                 CompletionOutput(index=j, token_ids=[], logprobs=None, finish_reason=None, policy_versions=[],
                                  text=text) for j in range(n)])
             async for _, out in streams:
                 so_far.add(out)
-                results = self.sglang_result(so_far, req)
+                results = self.sglang_result(so_far, req, _prompt_len(ids))
                 yield _event(results if n > 1 else results[0])
 
         return self._event_stream(events(), rid, streams, release)

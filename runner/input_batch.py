@@ -5,11 +5,17 @@ long as it is in the runner. The scheduler sends new requests in full and runnin
 class applies them. Per-step inputs are gathered from these rows by slot index (`gather`), so nothing is
 rebuilt per request per step. Host arrays are numpy; the runner copies the gathered step inputs into its
 persistent device buffers in one go.
+
+Embedding prompts (`NewRequestData.prompt_embeds`): a slot keeps its prompt's rows (a host tensor) while the prompt
+is being computed, and each step's `StepInputs.embeds` says which of its tokens take which rows instead of their
+(placeholder) token's embedding; once a step completes the prompt the slot forgets them (a preempted request
+re-enters with them). Steps without such slots do nothing of this.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Any
 
 import numpy as np
 
@@ -45,6 +51,15 @@ class StepInputs:
     sample_rows: np.ndarray  # [R] int64, batch rows that sample
     max_query_len: int
     max_seq_len: int
+    embeds: "PromptEmbedRows | None" = None  # tokens fed with embedding-prompt rows; None: every token is looked up
+
+
+@dataclass(slots=True)
+class PromptEmbedRows:
+    """The tokens of one step whose input embeddings are embedding-prompt rows rather than token lookups."""
+
+    token_index: np.ndarray  # [E] int64, each such token's index in the step's flat token list
+    rows: list[Any]  # host tensors [n_i, hidden] (sum n_i = E), the rows of token_index in order
 
 
 class InputBatch:
@@ -67,6 +82,8 @@ class InputBatch:
         # [S] MoE routing replay: the slot's first position whose routed experts are not reported yet; -1 for
         # requests that did not ask (runner/model_runner.py gathers them after each step)
         self.routed_from = np.full(S, -1, dtype=np.int64)
+        # slot -> its embedding prompt's rows [num_prompt_tokens, hidden] (host tensor), while the prompt is computed
+        self.prompt_embeds: dict[int, Any] = {}
         self.slot_of: dict[str, int] = {}
         self.free_slots = list(range(S - 1, -1, -1))
 
@@ -76,6 +93,8 @@ class InputBatch:
             slot = self.slot_of.pop(req_id, None)
             if slot is not None:
                 self.free_slots.append(slot)
+                if self.prompt_embeds:
+                    self.prompt_embeds.pop(slot, None)
         for new in sched.new_reqs:
             slot = self.free_slots.pop()
             self.slot_of[new.req_id] = slot
@@ -91,6 +110,9 @@ class InputBatch:
             for name in SAMPLING_COLUMNS:
                 getattr(self, name)[slot] = getattr(sampling, name)
             self.routed_from[slot] = 0 if sampling.return_routed_experts else -1
+            if new.prompt_embeds is not None and new.num_computed_tokens < new.num_prompt_tokens:
+                assert new.prompt_embeds.shape[0] == new.num_prompt_tokens, (new.req_id, new.prompt_embeds.shape)
+                self.prompt_embeds[slot] = new.prompt_embeds
         cached = sched.cached_reqs
         if cached.req_ids:
             slot_of = self.slot_of
@@ -123,6 +145,7 @@ class InputBatch:
         seq_lens = start + n_sched
         samples = seq_lens >= self.num_tokens[slots]
         sample_rows = np.nonzero(samples)[0]
+        embeds = self._prompt_embed_rows(slots, start, n_sched, cu) if self.prompt_embeds else None
         return StepInputs(
             req_ids=req_ids,
             slots=slots,
@@ -135,7 +158,29 @@ class InputBatch:
             sample_rows=sample_rows,
             max_query_len=int(n_sched.max()) if len(req_ids) else 0,
             max_seq_len=int(seq_lens.max()) if len(req_ids) else 0,
+            embeds=embeds,
         )
+
+    def _prompt_embed_rows(self, slots: np.ndarray, start: np.ndarray, n_sched: np.ndarray,
+                           cu: np.ndarray) -> PromptEmbedRows | None:
+        """The embedding-prompt rows of the prompt positions this step computes (batch row b's tokens start at
+        cu[b]); a slot whose prompt this step completes forgets its rows."""
+        index, rows = [], []
+        for slot, embeds in list(self.prompt_embeds.items()):
+            hit = np.flatnonzero(slots == slot)
+            if hit.size == 0:  # not scheduled this step
+                continue
+            b = int(hit[0])
+            lo = int(start[b])
+            hi = min(lo + int(n_sched[b]), embeds.shape[0])
+            if lo < hi:
+                index.append(np.arange(cu[b], cu[b] + hi - lo, dtype=np.int64))
+                rows.append(embeds[lo:hi])
+            if hi >= embeds.shape[0]:
+                del self.prompt_embeds[slot]
+        if not rows:
+            return None
+        return PromptEmbedRows(token_index=np.concatenate(index), rows=rows)
 
     def kv_slots(self, slots: np.ndarray, starts: np.ndarray, ends: np.ndarray) -> np.ndarray:
         """[sum(ends - starts)] int64: the KV-cache slot of every position in [starts[i], ends[i]) of each

@@ -7,7 +7,8 @@
                       request that asked (MoE): the routed experts of the positions that became final
 
 A leaf: this module imports nothing else of the project, nor torch, so `rollout/` (which builds them) and
-`runner/` (which reads them) share it without either importing the other. Everything here is plain data:
+`runner/` (which reads them) share it without either importing the other. Everything here is plain data (but
+an embedding prompt's rows, `NewRequestData.prompt_embeds`, which stay in one process):
 `to_dict` / `from_dict` turn a message into JSON-ready values and back, which is how a step reaches the
 worker ranks under tensor parallelism. Not here: how requests are chosen (rollout/scheduler.py) or run.
 """
@@ -48,6 +49,10 @@ class NewRequestData:
     block_ids: list[int]
     num_computed_tokens: int
     sampling: RequestSampling
+    # an embedding prompt (rollout/prompt_embeds.py): its rows [num_prompt_tokens, hidden], a host torch tensor in
+    # the model's dtype, fed instead of the embeddings of the prompt's placeholder token ids; None for a token
+    # prompt. Never under tensor parallelism (the engine refuses it there: `to_dict` carries plain values only)
+    prompt_embeds: Any = None
 
 
 @dataclass(slots=True)
@@ -83,6 +88,7 @@ class SchedulerOutput:
 
     def to_dict(self) -> dict:
         """JSON-ready plain values (sets as sorted lists)."""
+        assert all(r.prompt_embeds is None for r in self.new_reqs), "prompt embeddings do not cross processes"
         out = {f.name: getattr(self, f.name) for f in dataclasses.fields(self)}
         out["new_reqs"] = [
             {**{f.name: getattr(r, f.name) for f in dataclasses.fields(r)}, "sampling": dataclasses.asdict(r.sampling)}

@@ -25,6 +25,13 @@ model's linears); each request's slot (`InputBatch.lora_slot`) is staged per tok
 every forward runs inside `self.lora.tokens(...)` (an eager step without adapter tokens with none; a decode graph
 always with the buffer, so it builds the step's tiles itself). Without LoRA none of it exists.
 
+Embedding prompts (`NewRequestData.prompt_embeds`): a step whose tokens include prompt positions of such a request
+(`StepInputs.embeds`, from runner/input_batch.py) runs eagerly and hands the model those tokens' indices and rows
+(`model(..., embeds=(index [E], rows [E, hidden]))`, two non-blocking copies), which replace the embedding lookups
+of their placeholder tokens; the request's generated tokens, and every other request's, are looked up as usual.
+Only prefill tokens can be prompt rows, so decode steps (and their graphs) never see them; steps without them pass
+nothing.
+
 The device buffers (`[max_num_batched_tokens]`, `[max_num_seqs, ...]`) are allocated once, so a CUDA
 graph can capture a step that reads them. Under tensor parallelism (`tp` given) the runner is one rank's:
 its model shard, its KV heads, and a sampler that takes the rank's vocabulary shard of the logits
@@ -332,6 +339,7 @@ class ModelRunner:
             and R == num_reqs
             and num_reqs <= self.graphs.max_size
             and top_n == 0
+            and inputs.embeds is None
         ):
             size = self.graphs.padded_size(num_reqs)
             self._stage(inputs)
@@ -346,8 +354,9 @@ class ModelRunner:
         meta = self._metadata(inputs)
         T = inputs.input_ids.shape[0]
         uses_lora = self.lora is not None and bool((self.input_batch.lora_slot[inputs.slots] >= 0).any())
+        extra = {} if inputs.embeds is None else {"embeds": self._prompt_embeds(inputs)}
         with self._adapters(T, uses_lora):
-            hidden = self.model(b.input_ids[:T], b.positions[:T], meta)
+            hidden = self.model(b.input_ids[:T], b.positions[:T], meta, **extra)
         if routed is not None:
             self.routed_launch(routed)
         if R == 0:
@@ -358,6 +367,13 @@ class ModelRunner:
         logits = self.model.compute_logits(hidden[b.logits_indices[:R]])
         tokens, logprobs, top = self.sampler(logits, b.sampling(R, uses, top_n))
         return self._handle(inputs, tokens, logprobs, top, routed=routed)
+
+    def _prompt_embeds(self, inputs: StepInputs) -> tuple[torch.Tensor, torch.Tensor]:
+        """(token index [E] int64, rows [E, hidden]) on the device, copied without a host wait: the step's tokens
+        whose input embeddings are embedding-prompt rows, and those rows."""
+        e = inputs.embeds
+        rows = e.rows[0] if len(e.rows) == 1 else torch.cat(e.rows)
+        return upload(torch.from_numpy(e.token_index), self.device), upload(rows, self.device)
 
     def _upload(self, inputs: StepInputs, num_block_rows: int, in_graph: bool = False) -> None:
         """Copy the staged inputs to the device (three copies from pinned memory, no host wait) and fill

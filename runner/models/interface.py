@@ -38,8 +38,11 @@ class CausalLM(Protocol):
     def bind_kv_cache(self, kv_caches: list[tuple[torch.Tensor | None, torch.Tensor | None]]) -> None:
         """Give each layer its (k_cache, v_cache) pair (None, None when the cache is released)."""
 
-    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor:
-        """input_ids [T], positions [T] -> final hidden states [T, hidden], reading and writing the cache."""
+    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, meta: AttentionMetadata,
+                embeds: tuple[torch.Tensor, torch.Tensor] | None = None) -> torch.Tensor:
+        """input_ids [T], positions [T] -> final hidden states [T, hidden], reading and writing the cache. The runner
+        passes `embeds` (index [E] int64, rows [E, hidden] in the model dtype) only in steps with embedding-prompt
+        tokens: tokens `index` take `rows` as their input embeddings instead of their token's."""
 
     def forward_with_aux(self, input_ids: torch.Tensor, positions: torch.Tensor, meta: AttentionMetadata,
                          aux_layers: tuple[int, ...] = ()) -> tuple[torch.Tensor, torch.Tensor | None]:

@@ -363,18 +363,25 @@ class DecoderForCausalLM(nn.Module):
         for layer, (k, v) in zip(self.model.layers, kv_caches):
             layer.self_attn.k_cache, layer.self_attn.v_cache = k, v
 
-    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor:
-        """input_ids [T], positions [T] -> final hidden states [T, hidden]."""
-        return self.forward_with_aux(input_ids, positions, meta)[0]
+    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, meta: AttentionMetadata,
+                embeds: tuple[torch.Tensor, torch.Tensor] | None = None) -> torch.Tensor:
+        """input_ids [T], positions [T] -> final hidden states [T, hidden]. `embeds` (index [E] int64, rows
+        [E, hidden]): the input embeddings of tokens `index` are `rows` instead of their tokens' (embedding prompts)."""
+        if embeds is None:  # (a subclass's forward_with_aux may predate the argument)
+            return self.forward_with_aux(input_ids, positions, meta)[0]
+        return self.forward_with_aux(input_ids, positions, meta, embeds=embeds)[0]
 
     def forward_with_aux(
-        self, input_ids: torch.Tensor, positions: torch.Tensor, meta: AttentionMetadata, aux_layers: tuple[int, ...] = ()
+        self, input_ids: torch.Tensor, positions: torch.Tensor, meta: AttentionMetadata, aux_layers: tuple[int, ...] = (),
+        embeds: tuple[torch.Tensor, torch.Tensor] | None = None,
     ) -> tuple[torch.Tensor, torch.Tensor | None]:
         """`forward`, plus the residual stream after each layer in `aux_layers`, in layer order (for drafters).
 
         Returns (final hidden [T, hidden], aux [T, len(aux_layers) * hidden] or None when aux_layers is empty).
         """
         hidden = self.model.embed_tokens(input_ids)
+        if embeds is not None:
+            hidden.index_copy_(0, *embeds)
         rope = Rotary.make(positions, self.cos_sin_cache, hidden.dtype, dense=False, deterministic=self.deterministic)
         return self._run_layers(hidden, rope, meta, aux_layers)
 
