@@ -99,7 +99,7 @@ READERS = ("auto", "chunked", "tensorwise")
 def load_model(
     model_dir: str | Path, cfg: ModelConfig, dtype: torch.dtype, device: torch.device, backend, max_position: int,
     deterministic: bool = False, tp=None, random_seed: int | None = None, reader: str = "auto",
-    chunk_bytes: int = 256 << 20,
+    chunk_bytes: int = 256 << 20, read_threads: int = 4,
 ) -> CausalLM:
     """Build the registered class of `cfg.architecture` on meta, allocate once on `device` in `dtype`, fill
     from the checkpoint, check completeness. On a CUDA device the weights are in place when it returns.
@@ -107,7 +107,8 @@ def load_model(
     With `tp` (a `runner.parallel.group.TPGroup`) the model is the rank's shard and only its slices are read.
     With `random_seed` nothing is read: every checkpoint slot is drawn on `device` (`fill_random`).
     `reader` picks how the files are read: "chunked" (`_load_chunked`: each file's bytes in chunks of
-    `chunk_bytes` through reused host buffers, pinned for CUDA, copies overlapped with the next read),
+    `chunk_bytes`, each read by `read_threads` threads, through two reused host buffers, pinned for CUDA, the
+    copies to the device overlapped with the next read),
     "tensorwise" (`_load_tensorwise`: tensor by tensor from memory-mapped safetensors slices), "auto": chunked
     on CUDA, tensor-wise otherwise. Both fill the same parameters bitwise.
     """
@@ -129,7 +130,7 @@ def load_model(
     start = time.perf_counter()
     with torch.no_grad():
         if chunked:
-            loaded, nbytes = _load_chunked(model_dir, cfg, weights, chunk_bytes)
+            loaded, nbytes = _load_chunked(model_dir, cfg, weights, chunk_bytes, read_threads)
         else:
             loaded, nbytes = _load_tensorwise(model_dir, cfg, weights)
     if weights.device.type == "cuda":
@@ -151,7 +152,8 @@ def _check_tensor(file: Path, name: str, dtype: str, shape: tuple[int, ...], slo
     if not dtype.startswith(("F", "BF")):
         raise ValueError(f"checkpoint tensor {name} in {file} has non-float dtype {dtype}")
     if tuple(shape) != slot.shape:
-        raise ValueError(f"shape mismatch for {name} in {file}: checkpoint {tuple(shape)}, config.json implies {slot.shape}")
+        raise ValueError(f"shape mismatch for {name} in {file}: checkpoint {tuple(shape)}, "
+                         f"config.json implies {slot.shape}")
 
 
 def _load_tensorwise(model_dir, cfg: ModelConfig, weights: "CheckpointWeights") -> tuple[set[str], int]:
@@ -172,7 +174,8 @@ def _load_tensorwise(model_dir, cfg: ModelConfig, weights: "CheckpointWeights") 
     return loaded, nbytes
 
 
-def _load_chunked(model_dir, cfg: ModelConfig, weights: "CheckpointWeights", chunk_bytes: int) -> tuple[set[str], int]:
+def _load_chunked(model_dir, cfg: ModelConfig, weights: "CheckpointWeights", chunk_bytes: int,
+                  read_threads: int) -> tuple[set[str], int]:
     """Every file's needed bytes in chunks of `chunk_bytes` through a `ChunkStager` (runner/safetensors_io.py);
     each tensor straight into its slot when the slot is a contiguous tensor of the checkpoint's dtype holding
     the bytes read (a whole tensor, or a rank's rows), else through a device staging tensor (dtype conversion,
@@ -197,7 +200,8 @@ def _load_chunked(model_dir, cfg: ModelConfig, weights: "CheckpointWeights", chu
         plans.append((file, targets))
     largest = max((sum(t.nbytes for t in targets) for _, targets in plans), default=0)
     nbytes = 0
-    with ChunkStager(weights.device, chunk_bytes=max(1, min(chunk_bytes, largest))) as stager:
+    chunk_bytes = max(1, min(chunk_bytes, largest))  # no bigger buffers than the largest file needs
+    with ChunkStager(weights.device, chunk_bytes=chunk_bytes, read_threads=read_threads) as stager:
         for file, targets in plans:
             nbytes += stager.read_file(file, targets)
     return loaded, nbytes

@@ -89,7 +89,8 @@ def read_header(file: str | Path) -> list[TensorEntry]:
             raise bad(f"tensor {name!r} has unknown dtype {dtype!r}")
         need = math.prod(shape) * DTYPES[dtype].itemsize
         if not 0 <= begin <= end or end - begin != need:
-            raise bad(f"tensor {name!r}: data_offsets [{begin}, {end}) do not hold {dtype} {list(shape)} ({need} bytes)")
+            raise bad(f"tensor {name!r}: data_offsets [{begin}, {end}) do not hold {dtype} {list(shape)} "
+                      f"({need} bytes)")
         if base + end > size:
             raise bad(f"truncated: tensor {name!r} ends at byte {base + end}, the file has {size}")
         entries.append(TensorEntry(name, dtype, shape, base + begin, base + end))

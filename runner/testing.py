@@ -45,6 +45,8 @@ QWEN3_32B = dict(
     rope_theta=1_000_000.0, max_position_embeddings=40960,
 )
 
+MODEL_SHAPES = {"qwen2.5-0.5b": QWEN25_05B, "qwen3-8b": QWEN3_8B, "llama-3.1-8b": LLAMA31_8B, "qwen3-32b": QWEN3_32B}
+
 
 def random_state_dict(config: dict, dtype: torch.dtype, seed: int, std: float) -> dict[str, torch.Tensor]:
     """A random tensor for every checkpoint name the model of `config` (config.json as a dict) declares, in

@@ -20,7 +20,7 @@ from safetensors.torch import load_file
 from conftest import make_checkpoint
 from runner.loader import CheckpointWeights, load_model, safetensors_files
 from runner.model_config import ModelConfig
-from runner.safetensors_io import ChunkStager, DirectTarget, StagedTarget, read_header
+from runner.safetensors_io import ChunkStager, DirectTarget, StagedTarget
 from runner.testing import random_state_dict, write_random_checkpoint
 
 CPU = torch.device("cpu")
@@ -190,7 +190,8 @@ def test_corrupt_files_are_refused_naming_the_file(tmp_path, mutation, message):
     raw = (src / "model.safetensors").read_bytes()
     assert b'"data_offsets":[0,' in raw and b'"F32"' in raw  # the mutations find what they change
     bad = _corrupt(tmp_path, src, "bad", mutation)
-    with pytest.raises(ValueError, match=re.escape(f"cannot read safetensors file {bad / 'model.safetensors'}: ") + ".*" + re.escape(message)):
+    prefix = re.escape(f"cannot read safetensors file {bad / 'model.safetensors'}: ")
+    with pytest.raises(ValueError, match=prefix + ".*" + re.escape(message)):
         _load(bad, torch.float32, "chunked")
 
 
@@ -199,7 +200,8 @@ def test_read_past_the_end_is_a_truncation_error(tmp_path):
     file = path / "model.safetensors"
     dest = torch.empty(64, dtype=torch.uint8)
     size = file.stat().st_size
-    with ChunkStager(CPU, chunk_bytes=16) as stager, pytest.raises(ValueError, match=re.escape(f"{file}: truncated at byte {size}")):
+    with ChunkStager(CPU, chunk_bytes=16) as stager, \
+            pytest.raises(ValueError, match=re.escape(f"{file}: truncated at byte {size}")):
         stager.read_file(file, [DirectTarget(size - 32, size + 32, dest)])
 
 
