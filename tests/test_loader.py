@@ -51,7 +51,7 @@ def _assert_holds_checkpoint(model: torch.nn.Module, full: dict[str, torch.Tenso
     assert set(weights.layout) <= set(full)
     for name, slot in weights.layout.items():
         view = weights.view(name)
-        expected = slot.own_part(full[name]).to(view.dtype)
+        expected = slot.own_part(full[name]).to(view.device, view.dtype)
         assert torch.equal(view, expected), name
 
 
@@ -241,3 +241,16 @@ def test_chunked_reader_on_cuda_matches_tensorwise(tmp_path, tp_rank):
     _assert_bitwise_equal(models[0], models[2])
     _assert_bitwise_equal(models[1], models[3])
     _assert_holds_checkpoint(models[2], _checkpoint(path))
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+def test_checkpoint_drawn_on_cuda_loads_the_same_with_both_readers(tmp_path):
+    path = write_random_checkpoint(tmp_path, family="qwen3", dtype="bfloat16", device="cuda", shards=2, seed=1,
+                                   vocab_size=1000, hidden_size=256, intermediate_size=512, num_attention_heads=4)
+    assert len(safetensors_files(path)) == 2
+    cfg = ModelConfig.from_dir(path)
+    dev = torch.device("cuda")
+    tensorwise, chunked = (load_model(path, cfg, torch.bfloat16, dev, None, 64, reader=r, chunk_bytes=1 << 18)
+                           for r in ("tensorwise", "chunked"))
+    _assert_bitwise_equal(tensorwise, chunked)
+    _assert_holds_checkpoint(chunked, _checkpoint(path))
