@@ -66,38 +66,60 @@ def copy_bandwidth(device: str) -> float:
 
 
 def bench_engine(path, device, dtype, batch, prompt_len, new_tokens, n=1, max_num_seqs=None, **engine_kw):
-    from rollout import Engine, EngineConfig, SamplingParams
+    from rollout import Engine, EngineConfig
 
     engine = Engine(EngineConfig(model=path, device=device, dtype=dtype,
                                  max_num_seqs=max_num_seqs or max(batch * n, 1),
                                  max_model_len=prompt_len + new_tokens + 16, **engine_kw))
-    g = torch.Generator().manual_seed(0)
+    tps, best = time_generate(engine, device, batch, prompt_len, new_tokens, n=n)
+    engine.close()
+    return tps, best
+
+
+def random_prompts(vocab: int, batch: int, prompt_len: int, seed: int = 0) -> list[list[int]]:
+    g = torch.Generator().manual_seed(seed)
+    return torch.randint(2, vocab, (batch, prompt_len), generator=g).tolist()
+
+
+def time_generate(engine, device, batch, prompt_len, new_tokens, n=1, repeats=2, fresh_prompts=False):
+    """(new tokens per second, seconds) of the best of `repeats` timed `generate` calls of `batch` random prompts
+    x `n` samples, every new token forced, after an untimed warm-up on the same shapes (so that Triton's
+    compilation of each kernel specialization stays out of the timing). With `fresh_prompts` every timed call
+    has prompts of its own, so that none hits the prefix cache of an earlier call (the samples of one prompt
+    still share its blocks); otherwise every call has the warm-up's prompts."""
+    from rollout import SamplingParams
+
     vocab = engine.model_config.vocab_size
-    prompts = torch.randint(2, vocab, (batch, prompt_len), generator=g).tolist()
     params = SamplingParams(n=n, temperature=1.0, max_tokens=new_tokens, ignore_eos=True, seed=1)
-    # warm-up on the same shapes, so Triton's compilation of each kernel specialization stays out of the timing
-    engine.generate(prompts, SamplingParams(n=n, max_tokens=8, ignore_eos=True))
+    engine.generate(random_prompts(vocab, batch, prompt_len), SamplingParams(n=n, max_tokens=8, ignore_eos=True))
     best = float("inf")
-    for _ in range(2):  # best of two timed runs
+    for r in range(repeats):
+        prompts = random_prompts(vocab, batch, prompt_len, seed=r + 1 if fresh_prompts else 0)
         sync(device)
         t = time.perf_counter()
         outs = engine.generate(prompts, params)
         sync(device)
         best = min(best, time.perf_counter() - t)
     tokens = sum(len(c.token_ids) for o in outs for c in o.outputs)
-    engine.close()
     return tokens / best, best
 
 
-def bench_hf(path, device, dtype, batch, prompt_len, new_tokens, static=False, n=1):
+def load_hf(path, device, dtype):
+    import transformers
+
+    return transformers.AutoModelForCausalLM.from_pretrained(path, dtype=getattr(torch, dtype)).to(device).eval()
+
+
+def bench_hf(path, device, dtype, batch, prompt_len, new_tokens, static=False, n=1, model=None):
     """transformers `generate`, sampling at temperature 1 with every new token forced.
 
     static=True uses `cache_implementation="static"`, which transformers compiles; the warm-up runs the
-    same shapes so the compilation stays out of the timed run.
+    same shapes so the compilation stays out of the timed run. `model`: one `load_hf` loaded (kept), else
+    the model at `path` is loaded and released afterwards.
     """
-    import transformers
-
-    model = transformers.AutoModelForCausalLM.from_pretrained(path, dtype=getattr(torch, dtype)).to(device).eval()
+    owned = model is None
+    if owned:
+        model = load_hf(path, device, dtype)
     g = torch.Generator().manual_seed(0)
     ids = torch.randint(2, model.config.vocab_size, (batch, prompt_len), generator=g).to(device)
     kw = dict(do_sample=True, temperature=1.0, top_k=0, top_p=1.0, max_new_tokens=new_tokens,
@@ -113,8 +135,9 @@ def bench_hf(path, device, dtype, batch, prompt_len, new_tokens, static=False, n
         model.generate(ids, **kw)
         sync(device)
     elapsed = time.perf_counter() - t
-    del model
-    release_memory()
+    if owned:
+        del model
+        release_memory()
     return batch * n * new_tokens / elapsed, elapsed
 
 

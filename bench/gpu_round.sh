@@ -7,6 +7,9 @@
 #   bash bench/gpu_round.sh spec      speculative decoding: target + online drafters, with/without speculation
 #   bash bench/gpu_round.sh tp        tensor parallelism on 2 GPUs (the nvidia-h200-x2 kind): tests + decode bench
 #   bash bench/gpu_round.sh weights   weight-sync benchmark on the GPU, with an operator profile of one round
+#   bash bench/gpu_round.sh scale     real policy sizes (issue 20): loader tests on CUDA, then bench/scale.py for
+#                                     each shape in $SCALE_SHAPES (default qwen3-8b; about 3 min an 8B shape, so
+#                                     one or two per call), extra arguments in $SCALE_ARGS (e.g. --with-32b)
 #   bash bench/gpu_round.sh first     a session's first call (< 10 min): GPU tests, weight sync (0.5B and 1.5B
 #                                     shapes), decode-step profile (batch 256 also with cuBLASLt)
 # Logs and JSON lines go under $OUT (default ./gpu_out).
@@ -55,6 +58,14 @@ case "${1:-tests}" in
   weights)
     timeout 300 python3 bench/weight_sync.py --device cuda --profile > "$OUT/weight_sync.jsonl" 2> "$OUT/weight_sync.err"
     grep -v '"profile"' "$OUT/weight_sync.jsonl"; grep '"profile"' "$OUT/weight_sync.jsonl" | head -30; tail -3 "$OUT/weight_sync.err"
+    ;;
+  scale)
+    timeout 120 python3 -m pytest -q -p no:cacheprovider tests/test_loader.py > "$OUT/loader_tests.log" 2>&1
+    tail -3 "$OUT/loader_tests.log"
+    for shape in ${SCALE_SHAPES:-qwen3-8b}; do
+      timeout 540 python3 bench/scale.py --shapes "$shape" ${SCALE_ARGS:-} > "$OUT/scale_$shape.jsonl" 2> "$OUT/scale_$shape.err"
+      cat "$OUT/scale_$shape.jsonl"; grep -i -A3 "error\|traceback" "$OUT/scale_$shape.err" | tail -20
+    done
     ;;
   tp)
     export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1

@@ -48,6 +48,7 @@ from rollout.sampling_params import RequestOutputKind, SamplingParams
 from rollout.scheduler import Scheduler
 from rollout.sleep import SleepState
 from rollout.spec_stats import SpecDecodeTotals, new_spec_stats
+from rollout.startup import PhaseTimer
 from rollout.tokenizer import Tokenizer
 
 if TYPE_CHECKING:
@@ -68,6 +69,7 @@ class Engine:
         from runner.executor import make_executor
         from runner.model_config import ModelConfig
 
+        timer = PhaseTimer()
         self._sample_seed = sample_seed
         self.config = config
         # config.model: a directory, or a hub id found in (or fetched into) the local Hugging Face cache
@@ -89,13 +91,18 @@ class Engine:
             logger.info("max_model_len capped at the model's sliding_window=%d", window)
             self.max_model_len = window
         self.tokenizer = Tokenizer.find(self.tokenizer_dir)
+        timer.mark("config_tokenizer")
         self.executor = make_executor(config.runner_config(model_dir), self.model_config, self.max_model_len)
         self.runner = self.executor.driver  # rank 0's ModelRunner
+        timer.mark("runner_init", load=self.runner.load_seconds)  # around the load: CUDA context, buffers, TP ranks
         rpc = self.executor.collective_rpc
         num_blocks = min(rpc("determine_num_kv_blocks"))  # each rank measures its own memory
+        timer.mark("profile")  # CUDA: a profile step and a probe graph of the largest size
         rpc("allocate_kv_cache", num_blocks)
+        timer.mark("kv_alloc")
         if self.runner.device.type == "cuda" and not config.enforce_eager and config.speculative is None:
             rpc("capture_graphs")
+        timer.mark("graph_capture")
         self.kv_manager = KVCacheManager(num_blocks, config.block_size, config.enable_prefix_caching)
         self.scheduler = Scheduler(
             kv_manager=self.kv_manager,
@@ -128,6 +135,10 @@ class Engine:
         if config.gc_freeze:
             gc.collect()
             gc.freeze()
+        self.startup_times: dict[str, float] = timer.done()
+        """Seconds of each start-up phase (logged at INFO): config_tokenizer, load (rank 0's weight load),
+        runner_init (the rest of building the runners), profile (KV-cache sizing), kv_alloc, graph_capture, other,
+        total (their sum)."""
 
     # ---- properties ---------------------------------------------------------------------------------
     @property

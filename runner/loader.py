@@ -2,18 +2,23 @@
 
 `load_model` builds the model class registered for the config's architecture (`runner.models.ModelRegistry`)
 on the meta device, allocates its parameters once on the target device, and copies each safetensors tensor
-(read one at a time, memory-mapped) into its slot of the runtime parameters (a slice of a fused or stacked
-tensor) — never two copies of the weights. Under tensor parallelism each rank reads only its slice of each
-tensor (`get_slice`). Both follow the model's `checkpoint_layout` (runner/models/layout.py), as does
-`CheckpointWeights`, which exposes the same map to weight updates: read, overwrite or patch a checkpoint
-tensor in place, by its Hugging Face name and flat coordinates. Not here: filtering full-tensor updates to
-a rank's slice (runner/parallel/weights.py).
+into its slot of the runtime parameters (a slice of a fused or stacked tensor) — never two copies of the
+weights. Two readers fill the same parameters bitwise: on CUDA (by default) each file's bytes stream in large
+chunks through two reused pinned host buffers, copied to the device on a side stream while the next chunk is
+read (runner/safetensors_io.py); on the CPU (and on request) tensor by tensor from memory-mapped lazy slices.
+Under tensor parallelism each rank reads only its slice of each tensor where that slice is contiguous in the
+file (the tensor-wise reader: `get_slice` for any slice). Both follow the model's `checkpoint_layout`
+(runner/models/layout.py), as does `CheckpointWeights`, which exposes the same map to weight updates: read,
+overwrite or patch a checkpoint tensor in place, by its Hugging Face name and flat coordinates. Not here:
+filtering full-tensor updates to a rank's slice (runner/parallel/weights.py).
 """
 
 from __future__ import annotations
 
 import json
 import logging
+import math
+import time
 from pathlib import Path
 
 import torch
@@ -68,9 +73,14 @@ def checkpoint_tensors(model_dir: str | Path, tie_word_embeddings: bool):
     """(file, name, lazy slice) of a checkpoint directory's weight tensors: without the buffers Hugging Face
     saves next to them (rotary inverse frequencies) and without lm_head.weight when it is tied."""
     for file, name, lazy in _iter_checkpoint(safetensors_files(model_dir)):
-        if name.endswith(_IGNORED_SUFFIXES) or (tie_word_embeddings and name == "lm_head.weight"):
-            continue
-        yield file, name, lazy
+        if _wanted(name, tie_word_embeddings):
+            yield file, name, lazy
+
+
+def _wanted(name: str, tie_word_embeddings: bool) -> bool:
+    """Whether checkpoint tensor `name` is a weight: not a buffer Hugging Face saves next to the weights (rotary
+    inverse frequencies), not lm_head.weight when it is tied."""
+    return not (name.endswith(_IGNORED_SUFFIXES) or (tie_word_embeddings and name == "lm_head.weight"))
 
 
 def _read_shard(file: Path, name: str, lazy, slot: CheckpointSlot) -> torch.Tensor:
@@ -83,16 +93,27 @@ def _read_shard(file: Path, name: str, lazy, slot: CheckpointSlot) -> torch.Tens
         raise ValueError(f"cannot read tensor {name!r} from {file}: {e}") from None
 
 
+READERS = ("auto", "chunked", "tensorwise")
+
+
 def load_model(
     model_dir: str | Path, cfg: ModelConfig, dtype: torch.dtype, device: torch.device, backend, max_position: int,
-    deterministic: bool = False, tp=None, random_seed: int | None = None,
+    deterministic: bool = False, tp=None, random_seed: int | None = None, reader: str = "auto",
+    chunk_bytes: int = 256 << 20, read_threads: int = 4,
 ) -> CausalLM:
     """Build the registered class of `cfg.architecture` on meta, allocate once on `device` in `dtype`, fill
-    from the checkpoint, check completeness.
+    from the checkpoint, check completeness. On a CUDA device the weights are in place when it returns.
 
     With `tp` (a `runner.parallel.group.TPGroup`) the model is the rank's shard and only its slices are read.
     With `random_seed` nothing is read: every checkpoint slot is drawn on `device` (`fill_random`).
+    `reader` picks how the files are read: "chunked" (`_load_chunked`: each file's bytes in chunks of
+    `chunk_bytes`, each read by `read_threads` threads, through two reused host buffers, pinned for CUDA, the
+    copies to the device overlapped with the next read),
+    "tensorwise" (`_load_tensorwise`: tensor by tensor from memory-mapped safetensors slices), "auto": chunked
+    on CUDA, tensor-wise otherwise. Both fill the same parameters bitwise.
     """
+    if reader not in READERS:
+        raise ValueError(f"reader must be one of {READERS}, got {reader!r}")
     _, model_cls = ModelRegistry.resolve([cfg.architecture])
     with torch.device("meta"):
         model = model_cls(cfg, backend, tp)
@@ -101,32 +122,114 @@ def load_model(
     weights = CheckpointWeights(model)
     if random_seed is not None:
         fill_random(weights, random_seed)
+        if weights.device.type == "cuda":
+            torch.cuda.synchronize(weights.device)
         model.set_deterministic(deterministic)
         return model.eval()
-    loaded: set[str] = set()
+    chunked = reader == "chunked" or (reader == "auto" and weights.device.type == "cuda")
+    start = time.perf_counter()
     with torch.no_grad():
-        for file, name, lazy in checkpoint_tensors(model_dir, cfg.tie_word_embeddings):
-            if name not in weights.layout:
-                logger.warning("ignoring checkpoint tensor %s (%s): not part of the model", name, file.name)
-                continue
-            dtype = lazy.get_dtype()
-            if not dtype.startswith(("F", "BF")):
-                raise ValueError(f"checkpoint tensor {name} in {file} has non-float dtype {dtype}")
-            slot = weights.layout[name]
-            if tuple(lazy.get_shape()) != slot.shape:
-                raise ValueError(
-                    f"shape mismatch for {name} in {file}: checkpoint {tuple(lazy.get_shape())}, "
-                    f"config.json implies {slot.shape}"
-                )
-            weights.view(name).copy_(_read_shard(file, name, lazy, slot))
-            loaded.add(name)
+        if chunked:
+            loaded, nbytes = _load_chunked(model_dir, cfg, weights, chunk_bytes, read_threads)
+        else:
+            loaded, nbytes = _load_tensorwise(model_dir, cfg, weights)
+    if weights.device.type == "cuda":
+        torch.cuda.synchronize(weights.device)
+    seconds = time.perf_counter() - start
     missing = sorted(set(weights.layout) - loaded)
     if missing:
         more = f" (+{len(missing) - 5} more)" if len(missing) > 5 else ""
         raise ValueError(f"checkpoint {model_dir} is missing tensor(s) {missing[:5]}{more}")
+    logger.info("loaded %d tensors (%.2f GB) in %.2f s (%.2f GB/s, %s reader)", len(loaded), nbytes / 1e9, seconds,
+                nbytes / 1e9 / max(seconds, 1e-9), "chunked" if chunked else "tensorwise")
     model.set_deterministic(deterministic)
     model.eval()
     return model
+
+
+def _check_tensor(file: Path, name: str, dtype: str, shape: tuple[int, ...], slot: CheckpointSlot) -> None:
+    """A checkpoint tensor (safetensors dtype code, shape) fits its slot: a float dtype, the slot's full shape."""
+    if not dtype.startswith(("F", "BF")):
+        raise ValueError(f"checkpoint tensor {name} in {file} has non-float dtype {dtype}")
+    if tuple(shape) != slot.shape:
+        raise ValueError(f"shape mismatch for {name} in {file}: checkpoint {tuple(shape)}, "
+                         f"config.json implies {slot.shape}")
+
+
+def _load_tensorwise(model_dir, cfg: ModelConfig, weights: "CheckpointWeights") -> tuple[set[str], int]:
+    """Copy each checkpoint tensor (the rank's slice of it) from its memory-mapped safetensors slice into its slot.
+    Returns the names loaded and the bytes read."""
+    loaded: set[str] = set()
+    nbytes = 0
+    for file, name, lazy in checkpoint_tensors(model_dir, cfg.tie_word_embeddings):
+        if name not in weights.layout:
+            logger.warning("ignoring checkpoint tensor %s (%s): not part of the model", name, file.name)
+            continue
+        slot = weights.layout[name]
+        _check_tensor(file, name, lazy.get_dtype(), tuple(lazy.get_shape()), slot)
+        part = _read_shard(file, name, lazy, slot)
+        weights.view(name).copy_(part)
+        loaded.add(name)
+        nbytes += part.numel() * part.element_size()
+    return loaded, nbytes
+
+
+def _load_chunked(model_dir, cfg: ModelConfig, weights: "CheckpointWeights", chunk_bytes: int,
+                  read_threads: int) -> tuple[set[str], int]:
+    """Every file's needed bytes in chunks of `chunk_bytes` through a `ChunkStager` (runner/safetensors_io.py);
+    each tensor straight into its slot when the slot is a contiguous tensor of the checkpoint's dtype holding
+    the bytes read (a whole tensor, or a rank's rows), else through a device staging tensor (dtype conversion,
+    a rank's columns: narrowed with `CheckpointSlot.own_part`). Every header is checked before any byte is read.
+    Returns the names loaded and the bytes read."""
+    from runner.safetensors_io import ChunkStager, read_header
+
+    plans: list[tuple[Path, list]] = []  # (file, its targets)
+    loaded: set[str] = set()
+    for file in safetensors_files(model_dir):
+        targets = []
+        for entry in read_header(file):
+            if not _wanted(entry.name, cfg.tie_word_embeddings):
+                continue
+            if entry.name not in weights.layout:
+                logger.warning("ignoring checkpoint tensor %s (%s): not part of the model", entry.name, file.name)
+                continue
+            slot = weights.layout[entry.name]
+            _check_tensor(file, entry.name, entry.dtype, entry.shape, slot)
+            targets.append(_chunked_target(entry, slot, weights.view(entry.name)))
+            loaded.add(entry.name)
+        plans.append((file, targets))
+    largest = max((sum(t.nbytes for t in targets) for _, targets in plans), default=0)
+    nbytes = 0
+    chunk_bytes = max(1, min(chunk_bytes, largest))  # no bigger buffers than the largest file needs
+    with ChunkStager(weights.device, chunk_bytes=chunk_bytes, read_threads=read_threads) as stager:
+        for file, targets in plans:
+            nbytes += stager.read_file(file, targets)
+    return loaded, nbytes
+
+
+def _chunked_target(entry, slot: CheckpointSlot, view: torch.Tensor):
+    """Where the bytes of checkpoint tensor `entry` (a `TensorEntry`) go for `slot`, whose live view is `view`:
+    only the rank's part of the file's range when that part is contiguous in it (no dimension before the
+    split one holds more than one index), else all of the tensor, narrowed on the device."""
+    from runner.safetensors_io import DTYPES, DirectTarget, StagedTarget
+
+    src = DTYPES[entry.dtype]
+    start, end = slot.shard
+    if slot.is_whole:
+        begin, stop, shape, narrow = entry.begin, entry.end, slot.shape, False
+    elif math.prod(slot.shape[: slot.dim]) == 1:
+        inner = math.prod(slot.shape[slot.dim + 1 :]) * src.itemsize  # bytes per index of the split dimension
+        begin, stop, shape, narrow = entry.begin + start * inner, entry.begin + end * inner, slot.shard_shape, False
+    else:
+        begin, stop, shape, narrow = entry.begin, entry.end, slot.shape, True
+    if not narrow and src == view.dtype and view.is_contiguous():
+        return DirectTarget(begin, stop, view)
+
+    def finish(raw: torch.Tensor) -> None:  # raw: uint8 [stop - begin] on the device
+        tensor = raw.view(src).view(shape)
+        view.copy_(slot.own_part(tensor) if narrow else tensor)
+
+    return StagedTarget(begin, stop, view.device, finish)
 
 
 def fill_random(weights: "CheckpointWeights", seed: int, std: float = 0.02) -> None:

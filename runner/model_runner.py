@@ -44,6 +44,7 @@ import contextlib
 import gc
 import logging
 import math
+import time
 from dataclasses import dataclass, field
 
 import numpy as np
@@ -122,10 +123,13 @@ class ModelRunner:
         self.max_model_len = max_model_len
         self.block_size = config.block_size
         self.backend = AttentionBackend(self.device)
+        start = time.perf_counter()
         self.model = load_model(
             config.model, model_config, self.dtype, self.device, self.backend, max_model_len, config.deterministic, tp,
             random_seed=config.seed if config.load_format == "dummy" else None,
         )
+        self.load_seconds = time.perf_counter() - start
+        """Seconds the weight load took (`load_model`: on CUDA until the weights are in place)."""
         self.num_kv_heads = self.model.num_kv_heads  # this rank's
         shape = getattr(self.model, "routed_experts_shape", None) if config.enable_return_routed_experts else None
         self.routed_experts_shape: tuple[int, int] | None = None if shape is None else tuple(shape)

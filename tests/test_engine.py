@@ -287,3 +287,26 @@ def test_gc_freeze_moves_the_start_up_heap_out_of_collections_until_close(model_
     e.close()
     if gc_freeze:  # (without it the engine freezes nothing; a library may freeze its own objects meanwhile)
         assert gc.get_freeze_count() == 0
+
+
+def test_startup_phases_are_timed(model_dir, monkeypatch):
+    """Each start-up phase is timed where it runs: a slow weight load shows in "load" alone, and the phases add
+    up to the total."""
+    import time
+
+    import runner.model_runner
+
+    real = runner.model_runner.load_model
+
+    def slow_load(*args, **kwargs):
+        time.sleep(1.0)
+        return real(*args, **kwargs)
+
+    monkeypatch.setattr(runner.model_runner, "load_model", slow_load)
+    engine = Engine(EngineConfig(model=str(model_dir), max_num_seqs=4))
+    times = engine.startup_times
+    assert list(times) == ["config_tokenizer", "load", "runner_init", "profile", "kv_alloc", "graph_capture", "other",
+                           "total"]
+    assert times["load"] >= 1.0 and max(v for k, v in times.items() if k not in ("load", "total")) < 1.0
+    assert sum(v for k, v in times.items() if k != "total") == pytest.approx(times["total"], abs=1e-6)
+    engine.close()
