@@ -8,6 +8,11 @@ blocks, so the n samples of one prompt hold the prompt's full blocks once; reque
 keys share no block. Freed blocks keep their key and go to the back of an LRU free queue; allocation takes
 from the front, evicting the key, so the most recently used cached blocks survive longest.
 `reset_prefix_cache()` (after a weight update) forgets all keys. Pure Python: block ids only, no tensors.
+
+Prompt blocks that a running request is computing right now (allocated, not yet registered) are counted by
+key (`computing`), so that a waiting request about to compute the same block can wait for it instead of
+computing it again: requests with the same prompt admitted together (a framework sending a prompt's n
+samples as n requests) then share its blocks as one request's n samples do.
 """
 
 from __future__ import annotations
@@ -88,6 +93,7 @@ class KVCacheManager:
         self.block_size = block_size
         self.pool = BlockPool(num_blocks, enable_caching)
         self.epoch = 0  # bumped by reset_prefix_cache; requests computed under older epochs don't register
+        self.computing: dict[BlockKey, int] = {}  # key -> running requests computing that prompt block now
 
     def _keys(self, req: Request, num_blocks: int) -> list[BlockKey]:
         """The chain keys of the request's first `num_blocks` full blocks (memoised on the request)."""
@@ -109,6 +115,35 @@ class KVCacheManager:
             hits.append(block)
         return hits
 
+    def being_computed(self, req: Request, num_hits: int) -> bool:
+        """Whether another running request is computing the prompt block `req` would compute next (the one
+        after its `num_hits` cached blocks)."""
+        if not self.computing or num_hits >= (req.num_tokens - 1) // self.block_size:
+            return False
+        return self.computing.get(self._keys(req, num_hits + 1)[num_hits], 0) > 0
+
+    def _start_computing(self, req: Request) -> None:
+        """Count the request's full prompt blocks past its cached ones as being computed (caching on)."""
+        if not self.pool.enable_caching or req.kv_epoch != self.epoch:
+            return
+        upto = min(len(req.block_ids), (req.num_prompt_tokens - 1) // self.block_size)
+        start = max(req.num_cached_blocks, req.computing_upto)
+        for key in self._keys(req, upto)[start:]:
+            self.computing[key] = self.computing.get(key, 0) + 1
+        req.computing_upto = max(upto, req.computing_upto)
+
+    def _stop_computing(self, req: Request, upto: int) -> None:
+        """Blocks [num_cached_blocks, upto) of the request are no longer being computed by it."""
+        if req.kv_epoch == self.epoch:
+            for key in self._keys(req, min(upto, req.computing_upto))[req.num_cached_blocks:]:
+                left = self.computing.get(key, 0) - 1
+                if left > 0:
+                    self.computing[key] = left
+                else:
+                    self.computing.pop(key, None)
+        if upto >= req.computing_upto:
+            req.computing_upto = 0
+
     def blocks_needed(self, req: Request, num_total_tokens: int, num_hit_blocks: int = 0) -> int:
         """New blocks for the request to hold `num_total_tokens` tokens of KV."""
         total = -(-num_total_tokens // self.block_size)
@@ -128,6 +163,8 @@ class KVCacheManager:
             req.num_cached_blocks = len(hits)
         new.extend(self.pool.allocate(self.blocks_needed(req, num_total_tokens, len(hits))))
         req.block_ids.extend(new)
+        if req.num_computed_tokens < req.num_prompt_tokens:
+            self._start_computing(req)
         return new
 
     def register_computed(self, req: Request) -> None:
@@ -137,12 +174,16 @@ class KVCacheManager:
         num_full = min(req.num_computed_tokens, req.num_tokens - req.num_placeholders) // self.block_size
         if num_full <= req.num_cached_blocks:
             return
+        if req.computing_upto:
+            self._stop_computing(req, num_full)
         for i, key in enumerate(self._keys(req, num_full)):
             if i >= req.num_cached_blocks:
                 self.pool.register(req.block_ids[i], key)
         req.num_cached_blocks = num_full
 
     def free(self, req: Request) -> None:
+        if req.computing_upto:
+            self._stop_computing(req, req.computing_upto)
         self.pool.free(req.block_ids)
         req.block_ids = []
         req.num_cached_blocks = 0
@@ -150,3 +191,4 @@ class KVCacheManager:
     def reset_prefix_cache(self) -> None:
         self.pool.reset_prefix_cache()
         self.epoch += 1
+        self.computing = {}  # blocks computed under the old weights are shared with no one

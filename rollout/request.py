@@ -100,6 +100,7 @@ class Request:
     block_ids: list[int] = field(default_factory=list)
     num_cached_blocks: int = 0  # leading blocks registered in the prefix cache
     block_keys: list = field(default_factory=list)  # prefix-cache chain keys of full blocks (memo)
+    computing_upto: int = 0  # its prompt blocks [num_cached_blocks, computing_upto) count as being computed
     # extra prefix-cache keys, part of the first block's key (so of every block's chain): only requests with
     # equal cache_keys share KV blocks: ("cache_salt", salt) for a salted request, ("lora", name, load id) for one
     # of a LoRA adapter, ("prompt_embeds", sha256) for an embedding prompt

@@ -11,7 +11,9 @@ request's new tokens, the newest running request is preempted (its blocks are fr
 at the front, to be recomputed later) until it fits — never an error, never a deadlock, as long as one
 request fits in the cache alone (checked when a request is added). Then waiting requests are admitted,
 first come first served, while budget, slots and blocks last; a sample of an n>1 prompt waits while a
-sibling is still computing the prompt, so the n samples share the prompt's blocks.
+sibling is still computing the prompt, so the n samples share the prompt's blocks, and any request waits
+while another running request computes the prompt block it would compute next (the same prompt sent as
+separate requests).
 
 Cost: adding, scheduling and aborting the n samples of a prompt is O(n) overall, never a scan of the group
 per sample: the group counts its running members (`RequestGroup.num_running`), the waiting queue is an
@@ -159,6 +161,10 @@ class Scheduler:
                 skipped.append(req)
                 continue
             hits = self.kv.lookup_prefix(req) if req.num_computed_tokens == 0 else []
+            if req.num_computed_tokens == 0 and self.kv.being_computed(req, len(hits)):
+                del waiting[req]  # another request is computing its next prompt block: take it cached later
+                skipped.append(req)
+                continue
             num_cached = len(hits) * self.kv.block_size
             num_new = min(req.num_tokens - num_cached, budget)
             if not self.kv.can_allocate(req, num_cached + num_new, hits):

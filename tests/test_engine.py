@@ -310,3 +310,16 @@ def test_startup_phases_are_timed(model_dir, monkeypatch):
     assert times["load"] >= 1.0 and max(v for k, v in times.items() if k not in ("load", "total")) < 1.0
     assert sum(v for k, v in times.items() if k != "total") == pytest.approx(times["total"], abs=1e-6)
     engine.close()
+
+
+def test_one_prompt_sent_as_separate_requests_is_computed_once(model_dir):
+    """Four requests with the same 40-token prompt in one generate call (as verl sends a prompt's samples): the
+    prompt's full blocks are computed once and hit by the others, and each request samples what it samples alone."""
+    prompt = list(range(3, 43))
+    params = [SamplingParams(max_tokens=6, seed=i, ignore_eos=True) for i in range(4)]
+    engine = Engine(EngineConfig(model=str(model_dir), dtype="float32", max_num_seqs=8, num_kv_blocks=64, block_size=8))
+    together = engine.generate([prompt] * 4, params)
+    assert [o.num_cached_prompt_tokens for o in together] == [0, 32, 32, 32]
+    alone = [Engine(EngineConfig(model=str(model_dir), dtype="float32", num_kv_blocks=64, block_size=8))
+             .generate([prompt], [p])[0] for p in params[:2]]
+    assert [o.outputs[0].token_ids for o in together[:2]] == [o.outputs[0].token_ids for o in alone]

@@ -97,7 +97,9 @@ def test_a_missing_model_names_the_directory_and_the_cache(hub, monkeypatch, tmp
     assert str(hub) in str(e.value)
 
 
-def test_a_path_that_cannot_be_an_id_is_a_missing_directory(hub, tmp_path):
+def test_a_path_that_cannot_be_an_id_is_a_missing_directory(hub, tmp_path, monkeypatch):
+    (tmp_path / "cwd").mkdir()
+    monkeypatch.chdir(tmp_path / "cwd")  # relative names resolve inside tmp_path, where none of them exists
     for name in (str(tmp_path / "nowhere"), "./nowhere", "a/b/c", "../x"):
         with pytest.raises(ValueError, match="no such directory") as e:
             resolve_model(name)

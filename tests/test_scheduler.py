@@ -121,6 +121,52 @@ def test_n_samples_share_prompt_blocks_once():
     assert sum(m.num_cached_prompt_tokens for m in group.members) == 3 * 12
 
 
+def test_separate_requests_with_one_prompt_share_its_blocks_as_samples_do():
+    """The same prompt as 4 separate requests (how verl sends a prompt's n samples), admitted in one step: one
+    computes the prompt, the others wait and then hit its cached blocks; also under chunked prefill."""
+    for budget in (64, 6):
+        sched = make_scheduler(num_blocks=64, block_size=4, budget=budget)
+        prompt = list(range(2, 16))  # 14 tokens: 3 full blocks + 2 tokens
+        groups = [make_group(f"r{i}", prompt, max_tokens=4) for i in range(4)]
+        for g in groups:
+            sched.add_request(g.members[0])
+        first = sched.schedule()
+        assert list(first.num_scheduled_tokens) == ["r0-0"]  # the others wait for its prompt blocks
+        run_to_completion(sched)
+        others = [g.members[0] for g in groups[1:]]
+        assert all(r.num_cached_prompt_tokens == 12 for r in others)  # all 3 full prompt blocks were hits
+        assert sched.kv.computing == {}
+
+
+def test_a_waiting_request_goes_on_when_the_request_computing_its_prompt_is_aborted():
+    sched = make_scheduler(num_blocks=64, block_size=4, budget=6)
+    prompt = list(range(2, 16))
+    a, b = make_group("a", prompt, max_tokens=4), make_group("b", prompt, max_tokens=4)
+    sched.add_request(a.members[0])
+    sched.add_request(b.members[0])
+    out = sched.schedule()  # a computes its first 6 prompt tokens (one full block), b waits
+    assert list(out.num_scheduled_tokens) == ["a-0"]
+    sched.update(out, fake_run(sched, out))
+    sched.abort(["a-0"])
+    assert sched.kv.computing == {}
+    out = sched.schedule()
+    assert out.num_scheduled_tokens == {"b-0": 6}  # b takes a's registered block as a hit, computes the rest
+    assert b.members[0].num_cached_prompt_tokens == 4
+    run_to_completion(sched)
+
+
+def test_different_prompts_or_no_prefix_caching_do_not_wait():
+    sched = make_scheduler(num_blocks=64, block_size=4, budget=64)
+    for i, g in enumerate((make_group("a", list(range(2, 16))), make_group("b", list(range(3, 17))))):
+        sched.add_request(g.members[0])
+    assert set(sched.schedule().num_scheduled_tokens) == {"a-0", "b-0"}
+    kv = KVCacheManager(64, 4, enable_caching=False)
+    sched = Scheduler(kv_manager=kv, max_num_seqs=8, max_num_batched_tokens=64, max_model_len=256)
+    for i in range(2):
+        sched.add_request(make_group(f"s{i}", list(range(2, 16))).members[0])
+    assert set(sched.schedule().num_scheduled_tokens) == {"s0-0", "s1-0"}
+
+
 def test_freed_cached_blocks_are_reused_lru():
     pool = BlockPool(4)
     a, b = pool.allocate(2)
