@@ -25,6 +25,7 @@ import torch
 
 from runner.model_config import ModelConfig
 from runner.models import CausalLM, CheckpointSlot, ModelRegistry
+from runner.parallel.layers import is_expert_parallel
 from weight_updates.target import ParamSpec
 
 logger = logging.getLogger(__name__)
@@ -116,7 +117,7 @@ def load_model(
     if reader not in READERS:
         raise ValueError(f"reader must be one of {READERS}, got {reader!r}")
     _, model_cls = ModelRegistry.resolve([cfg.architecture])
-    if tp is not None and tp.expert_parallel and not hasattr(model_cls, "sparse_blocks"):
+    if is_expert_parallel(tp) and not hasattr(model_cls, "sparse_blocks"):
         raise ValueError(f"EngineConfig.expert_parallel needs a Mixture-of-Experts model; {cfg.architecture} is dense")
     with torch.device("meta"):
         model = model_cls(cfg, backend, tp)

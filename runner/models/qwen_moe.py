@@ -42,7 +42,7 @@ from runner.layers import Linear
 from runner.model_config import ModelConfig
 from runner.models.layout import CheckpointSlot, part
 from runner.models.llama import MLP, DecoderForCausalLM, DecoderLayer
-from runner.parallel.layers import even_partition, rank_and_size
+from runner.parallel.layers import even_partition, is_expert_parallel, rank_and_size
 
 if TYPE_CHECKING:
     from runner.attention import AttentionBackend, AttentionMetadata
@@ -93,7 +93,7 @@ class FusedExperts(nn.Module):
     def __init__(self, num_experts: int, hidden: int, intermediate: int, tp: TPGroup | None) -> None:
         super().__init__()
         self.num_experts, self.hidden, self.intermediate = num_experts, hidden, intermediate
-        self.expert_parallel = tp is not None and tp.expert_parallel
+        self.expert_parallel = is_expert_parallel(tp)
         if self.expert_parallel:
             self.expert_start, end = even_partition(num_experts, *rank_and_size(tp), "num_experts")
             local, inter = end - self.expert_start, intermediate
