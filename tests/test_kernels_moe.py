@@ -260,8 +260,8 @@ def test_rejects_bad_arguments(fn):
 
 
 @pytest.mark.parametrize("fn", [fused_moe, fused_moe_ref])
-@pytest.mark.parametrize("tokens", [3, 20])  # 6 rows: a block per row; 40 rows: the aligned path
-def test_an_expert_range_adds_its_terms_only(monkeypatch, fn, tokens):
+@pytest.mark.parametrize("tokens,deterministic", [(3, False), (20, False), (20, True)])  # 6 rows: a block per
+def test_an_expert_range_adds_its_terms_only(monkeypatch, fn, tokens, deterministic):  # row; 40: aligned
     """Expert parallelism: weights of experts [s, s + E/P) and global ids; the pairs routed elsewhere add
     exactly nothing (uninitialised memory is filled with NaN / out-of-range ids, so a term read from a row
     never written would show), and the ranges' outputs sum to the whole layer's."""
@@ -277,7 +277,8 @@ def test_an_expert_range_adds_its_terms_only(monkeypatch, fn, tokens):
     total = torch.zeros_like(x)
     share = experts // parts
     for start in range(0, experts, share):
-        out = fn(x, w13[start : start + share], w2[start : start + share], w, ids, expert_start=start)
+        out = fn(x, w13[start : start + share], w2[start : start + share], w, ids, expert_start=start,
+                 deterministic=deterministic)
         mine = (ids >= start) & (ids < start + share)
         expected = _naive64(x, w13, w2, torch.where(mine, w, 0.0), ids).to(x.dtype)
         torch.testing.assert_close(out, expected, atol=ATOL, rtol=RTOL)
