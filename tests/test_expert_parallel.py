@@ -103,9 +103,9 @@ def test_qwen3_moe_ep2_deterministic_equals_one_process_with_the_same_routing(tm
 
 
 def test_qwen2_moe_ep2_equals_one_process_and_takes_dense_and_rank_local_pushes(tmp_path, single_thread):  # noqa: F811
-    """Shared expert tensor-parallel, routed experts split: logits and greedy equal one process; a dense push,
-    then a rank-local patch push on rows of both ranks' experts, leave the exported weights equal to the
-    trainer's and greedy equal to one process holding them."""
+    """Shared expert tensor-parallel, routed experts split: logits and greedy equal one process; a dense push
+    and a patch push (broadcast), then a rank-local patch push, on rows of both ranks' experts, leave the
+    exported weights equal to the trainer's and greedy equal to one process holding them."""
     path = write_random_checkpoint(tmp_path / "moe", **QWEN2_MOE)
     one = Engine(tp_config(path))
     ref = one.collective_rpc("full_sequence_logits", IDS)[0]
@@ -121,7 +121,12 @@ def test_qwen2_moe_ep2_equals_one_process_and_takes_dense_and_rank_local_pushes(
             for name, t in model.checkpoint_state().items():
                 if ".experts." in name:
                     t.add_(0.05 * torch.randn(t.shape, generator=g))
-        assert TrainerBridge(engine).push_weights(model).num_dense > 0
+        broadcast = TrainerBridge(engine)  # records broadcast from rank 0; each rank writes its own part
+        assert broadcast.push_weights(model).num_dense > 0
+        with torch.no_grad():
+            model.checkpoint_state()["model.layers.0.mlp.experts.5.gate_proj.weight"][2, :8] += 0.25  # rank 1's
+            model.checkpoint_state()["model.layers.1.mlp.experts.0.down_proj.weight"][7, 3] -= 0.25  # rank 0's
+        assert broadcast.push_weights(model).num_dense == 0
         exported = {r.name: r.tensor for r in engine.export_weights()}
         for name, t in model.checkpoint_state().items():
             assert torch.equal(exported[name], t), name
