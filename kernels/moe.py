@@ -25,7 +25,13 @@ to 128 for long prefills), BLOCK_N / BLOCK_K by the GEMM's N and K. `determinist
 config whatever the row count, and no kernel here splits K, so a row's reduction order depends on the
 model's widths alone: each token's output is bitwise independent of the other tokens and of T (the MMA
 computes an output row from that row of A and the weight only; padding rows are zeros that are never
-stored). Not here: the router, shared experts, expert parallelism, quantized weights, split-K.
+stored).
+
+Expert parallelism (`expert_start=s`: the weights are experts [s, s + E) of a larger set, topk_ids global):
+the ids are shifted by s on the device, the alignment leaves out the rows whose shifted id is outside
+[0, E), the row-block GEMMs skip such rows' blocks, and the combine leaves their (never written) z rows
+out of the sum, so they contribute exactly 0; no host sync either way. Not here: the router, shared experts,
+the communication of expert parallelism, quantized weights, split-K.
 """
 
 from __future__ import annotations
@@ -215,14 +221,15 @@ def moe_align_block_size(topk_ids: torch.Tensor, num_experts: int, block_m: int
 @triton.jit
 def _moe_gemm_kernel(
     a_ptr, b_ptr, c_ptr, weights_ptr, sorted_ptr, block_experts_ptr, num_padded_ptr,
-    n, k, num_rows, a_row_div, num_m_blocks, stride_am, stride_be, stride_bn, stride_cm,
+    n, k, num_rows, a_row_div, num_m_blocks, num_experts, stride_am, stride_be, stride_bn, stride_cm,
     SILU_MUL: tl.constexpr, MUL_WEIGHT: tl.constexpr, IEEE: tl.constexpr, ROW_BLOCKS: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr,
 ):
     """c[r, cols] for the sorted rows r of one block (one expert e) and one column tile:
     a[r // a_row_div] @ b[e, cols]^T, then silu(gate) * up (gate columns cols, up columns n + cols) or a
     multiply by weights[r]. a, b are contiguous in k. With ROW_BLOCKS (few rows: no alignment) block b holds
-    the one row b, of expert block_experts[b] (the flat topk_ids), and the sorted arrays are not read."""
+    the one row b, of expert block_experts[b] (the flat topk_ids), and the sorted arrays are not read; a row
+    whose expert is outside [0, num_experts) is skipped (its c row is not written)."""
     pid = tl.program_id(0)
     num_n_blocks = tl.cdiv(n, BLOCK_N)
     in_group = GROUP_M * num_n_blocks
@@ -238,6 +245,9 @@ def _moe_gemm_kernel(
         rows = tl.load(sorted_ptr + pid_m * BLOCK_M + tl.arange(0, BLOCK_M))  # [BLOCK_M] flat (token, j) rows
     row_ok = rows < num_rows
     expert = tl.load(block_experts_ptr + pid_m).to(tl.int64)
+    if ROW_BLOCKS:
+        if (expert < 0) | (expert >= num_experts):
+            return
     offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
     n_ok = offs_n < n
     offs_k = tl.arange(0, BLOCK_K)
@@ -277,13 +287,20 @@ def _moe_gemm_kernel(
 
 
 @triton.jit
-def _moe_combine_kernel(z_ptr, out_ptr, hidden, top_k, stride_z, stride_o, BLOCK: tl.constexpr):
+def _moe_combine_kernel(z_ptr, ids_ptr, out_ptr, hidden, top_k, num_experts, stride_z, stride_o,
+                        BLOCK: tl.constexpr, LOCAL: tl.constexpr):
+    """out[t] = sum over j of z[t * k + j]; with LOCAL only the j whose id ids[t * k + j] (shifted to the
+    rank's range) is in [0, num_experts): the other z rows were never written."""
     token = tl.program_id(0).to(tl.int64)
     cols = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
     mask = cols < hidden
     acc = tl.zeros([BLOCK], dtype=tl.float32)
     for j in range(0, top_k):  # the fixed order j = 0..k-1
-        acc += tl.load(z_ptr + (token * top_k + j) * stride_z + cols, mask=mask, other=0.0).to(tl.float32)
+        ok = mask
+        if LOCAL:
+            expert = tl.load(ids_ptr + token * top_k + j + tl.zeros([BLOCK], dtype=tl.int64))  # [BLOCK], one value
+            ok = mask & (expert >= 0) & (expert < num_experts)
+        acc += tl.load(z_ptr + (token * top_k + j) * stride_z + cols, mask=ok, other=0.0).to(tl.float32)
     tl.store(out_ptr + token * stride_o + cols, acc.to(out_ptr.dtype.element_ty), mask=mask)
 
 
@@ -295,7 +312,8 @@ def _grouped_gemm(a, b, c, weights, sorted_ids, block_experts, num_padded, *, n,
     _moe_gemm_kernel[grid](
         a, b, c, weights, block_experts if row_blocks else sorted_ids, block_experts,
         block_experts if row_blocks else num_padded,
-        n, a.shape[1], c.shape[0], a_row_div, num_m_blocks, a.stride(0), b.stride(0), b.stride(1), c.stride(0),
+        n, a.shape[1], c.shape[0], a_row_div, num_m_blocks, b.shape[0], a.stride(0), b.stride(0), b.stride(1),
+        c.stride(0),
         SILU_MUL=silu_mul, MUL_WEIGHT=weights is not None, IEEE=a.dtype == torch.float32, ROW_BLOCKS=row_blocks,
         BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k, GROUP_M=cfg.group_m,
         num_warps=cfg.num_warps, num_stages=cfg.num_stages,
@@ -310,12 +328,17 @@ def fused_moe(
     topk_ids: torch.Tensor,  # [T, k] int32 / int64 in [0, E)
     *,
     deterministic: bool = False,
+    expert_start: int | None = None,
 ) -> torch.Tensor:
     """-> [T, H] in x's dtype: out[t] = sum over j = 0..k-1 of topk_weights[t, j] * (expert topk_ids[t, j]'s
     SwiGLU MLP of x[t]); see the module docstring. x, w13 and w2 must be contiguous in their last
-    dimension. topk_ids outside [0, E) are not checked (that would sync the host): their terms are
-    undefined, but no memory outside the tensors is read."""
-    check_moe_args(x, w13, w2, topk_weights, topk_ids)
+    dimension. Without `expert_start`, topk_ids outside [0, E) are not checked (that would sync the host):
+    their terms are undefined, but no memory outside the tensors is read. With `expert_start=s` (an int >= 0),
+    the weights are experts [s, s + E) and the terms of pairs routed to any other id are exactly 0."""
+    local = expert_start is not None
+    check_moe_args(x, w13, w2, topk_weights, topk_ids, local=local)
+    if local and expert_start < 0:
+        raise ValueError(f"expert_start must be >= 0; got {expert_start}")
     if x.stride(1) != 1 or w13.stride(2) != 1 or w2.stride(2) != 1:
         raise ValueError("x, w13 and w2 must be contiguous in their last dimension")
     tokens, hidden = x.shape
@@ -328,6 +351,8 @@ def fused_moe(
                         deterministic=deterministic)
     cfg_down = moe_config(experts, hidden, inter, rows, itemsize=x.element_size(), deterministic=deterministic)
     assert cfg_up.block_m == cfg_down.block_m
+    if local:
+        topk_ids = topk_ids - expert_start  # [T, k]: ids in the rank's numbering; others fall outside [0, E)
     if rows <= ROW_BLOCK_ROWS:  # decode at batch 1-2: a block per row, no alignment launch
         sorted_ids, block_experts, num_padded = None, topk_ids.reshape(-1), None
     else:
@@ -339,7 +364,8 @@ def fused_moe(
     _grouped_gemm(act, w2, z, topk_weights.reshape(-1), sorted_ids, block_experts, num_padded, n=hidden,
                   a_row_div=1, silu_mul=False, cfg=cfg_down)
     grid = (tokens, triton.cdiv(hidden, _COMBINE_BLOCK))
-    _moe_combine_kernel[grid](z, out, hidden, top_k, z.stride(0), out.stride(0), BLOCK=_COMBINE_BLOCK, num_warps=4)
+    _moe_combine_kernel[grid](z, topk_ids.reshape(-1), out, hidden, top_k, experts, z.stride(0), out.stride(0),
+                              BLOCK=_COMBINE_BLOCK, LOCAL=local, num_warps=4)
     return out
 
 
@@ -353,5 +379,5 @@ def moe_workspace_bytes(max_tokens: int, top_k: int, hidden: int, intermediate: 
     rows = max_tokens * top_k
     activations = rows * (intermediate + hidden) * item + max_tokens * hidden * item  # act, z, out
     routing = rows * (MAX_BLOCK_M + 1) * 4 + 4 + _MAX_CHUNKS * MAX_EXPERTS * 4  # sorted ids, block experts, counts
-    flattened = rows * (8 + 4)  # topk_ids / topk_weights copies when they are not contiguous
+    flattened = rows * (8 + 8 + 4)  # topk_ids / topk_weights copies when not contiguous, the shifted ids (EP)
     return activations + routing + flattened

@@ -14,8 +14,13 @@ rows by expert on the host), so it is no CUDA-graph path.
 
 `deterministic=True` computes every projection with `batch_invariant_linear_ref` (each output element's
 reduction order fixed by the model's widths), so a token's output depends only on that token's row, its
-routing and the weights: bitwise the same alone or inside any batch. Not here: the router (softmax,
-top-k), shared experts, expert parallelism, quantized weights.
+routing and the weights: bitwise the same alone or inside any batch.
+
+Expert parallelism: with `expert_start=s` the weights hold the E experts [s, s + E) of a larger set and
+topk_ids are global ids; a (token, j) pair routed outside that range contributes exactly 0 (its term is
+left out of the sum), so summing the outputs of ranks that hold disjoint ranges covering every expert
+gives every term once. Not here: the router (softmax, top-k), shared experts, the communication of
+expert parallelism, quantized weights.
 """
 
 from __future__ import annotations
@@ -31,9 +36,10 @@ MAX_EXPERTS = 1024  # the Triton alignment kernel holds one counter per expert i
 
 
 def check_moe_args(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, topk_weights: torch.Tensor,
-                   topk_ids: torch.Tensor) -> None:
+                   topk_ids: torch.Tensor, *, local: bool = False) -> None:
     """Raise ValueError naming the argument and the rule unless the shapes, dtypes and devices fit the
-    fused MoE contract (values of topk_ids are not looked at: that would sync the host)."""
+    fused MoE contract (values of topk_ids are not looked at: that would sync the host). `local`: w13 holds
+    a range of the experts (expert parallelism), so k may exceed its expert count."""
     if x.dim() != 2 or x.dtype not in MOE_DTYPES:
         raise ValueError(f"x must be [T, H] of {MOE_DTYPES}; got {x.dtype} {tuple(x.shape)}")
     tokens, hidden = x.shape
@@ -46,8 +52,9 @@ def check_moe_args(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, topk_we
         raise ValueError(f"w2 must be [{experts}, {hidden}, {inter}] {x.dtype}; got {w2.dtype} {tuple(w2.shape)}")
     if topk_ids.dim() != 2 or topk_ids.shape[0] != tokens or topk_ids.dtype not in (torch.int32, torch.int64):
         raise ValueError(f"topk_ids must be [{tokens}, k] int32 or int64; got {topk_ids.dtype} {tuple(topk_ids.shape)}")
-    if not 0 < topk_ids.shape[1] <= experts:
-        raise ValueError(f"topk_ids must choose 1..{experts} experts per token; got k = {topk_ids.shape[1]}")
+    if not 0 < topk_ids.shape[1] <= (MAX_EXPERTS if local else experts):
+        raise ValueError(f"topk_ids must choose 1..{MAX_EXPERTS if local else experts} experts per token; got "
+                         f"k = {topk_ids.shape[1]}")
     if topk_weights.shape != topk_ids.shape or topk_weights.dtype != torch.float32:
         raise ValueError(f"topk_weights must be [{tokens}, {topk_ids.shape[1]}] float32; got "
                          f"{topk_weights.dtype} {tuple(topk_weights.shape)}")
@@ -63,29 +70,45 @@ def fused_moe_ref(
     topk_ids: torch.Tensor,  # [T, k] int32 / int64 in [0, E)
     *,
     deterministic: bool = False,
+    expert_start: int | None = None,
 ) -> torch.Tensor:
-    """-> [T, H] in x's dtype (see the module docstring for the sum and its order)."""
-    check_moe_args(x, w13, w2, topk_weights, topk_ids)
+    """-> [T, H] in x's dtype (see the module docstring for the sum and its order). `expert_start`: None,
+    topk_ids must lie in [0, E); an int s >= 0, the weights are experts [s, s + E) and pairs routed to any
+    other (non-negative) id contribute 0."""
+    check_moe_args(x, w13, w2, topk_weights, topk_ids, local=expert_start is not None)
     tokens, hidden = x.shape
     experts, top_k = w13.shape[0], topk_ids.shape[1]
     flat = topk_ids.reshape(-1).long()  # [T * k]: row t * k + j is (token t, choice j)
-    if flat.numel() and (int(flat.min()) < 0 or int(flat.max()) >= experts):
+    if expert_start is not None:
+        if expert_start < 0:
+            raise ValueError(f"expert_start must be >= 0; got {expert_start}")
+        if flat.numel() and int(flat.min()) < 0:
+            raise ValueError("topk_ids must be >= 0")
+        flat = flat - expert_start
+        flat = torch.where((flat >= 0) & (flat < experts), flat, experts)  # id E: another rank's expert
+    elif flat.numel() and (int(flat.min()) < 0 or int(flat.max()) >= experts):
         raise ValueError(f"topk_ids must lie in [0, {experts})")
     order = torch.argsort(flat, stable=True)  # [T * k]: the rows grouped by expert, each group in row order
-    counts = torch.bincount(flat, minlength=experts).tolist()
+    counts = torch.bincount(flat, minlength=experts + 1).tolist()  # [E + 1]: the last, rows of other ranks
     rows = x[order // top_k]  # [T * k, H]
     linear = batch_invariant_linear_ref if deterministic else F.linear
     parts, start = [], 0
-    for e, count in enumerate(counts):
+    for e, count in enumerate(counts[:experts]):
         if count:
             part = rows[start : start + count]  # [count, H]
             parts.append(linear(silu_and_mul_ref(linear(part, w13[e])), w2[e]))  # [count, H]
             start += count
+    if counts[experts]:  # rows of other ranks' experts: placeholders, left out of the sum below
+        parts.append(rows[start:])
     grouped = torch.cat(parts) if parts else rows  # [T * k, H] in `order`
     inverse = torch.empty_like(order)
     inverse[order] = torch.arange(order.numel(), device=order.device)
     y = grouped[inverse].view(tokens, top_k, hidden)  # [T, k, H]
-    out = y[:, 0].float() * topk_weights[:, 0, None]  # [T, H] float32
-    for j in range(1, top_k):
-        out = out + y[:, j].float() * topk_weights[:, j, None]
+    mine = (flat < experts).view(tokens, top_k, 1)  # [T, k, 1]: the pair's expert is one of these weights'
+    out = None  # [T, H] float32: the sum over j of the pairs routed here, in order j = 0..k-1
+    for j in range(top_k):
+        term = y[:, j].float() * topk_weights[:, j, None]
+        if expert_start is not None:
+            term = torch.where(mine[:, j], term, 0.0)
+        out = term if out is None else out + term
     return out.to(x.dtype)

@@ -73,6 +73,12 @@ class EngineConfig:
     vocabulary shard of all rows into all of the vocabulary for its share of the rows; per-rank logits memory
     falls by the group size) or "allgather" (every rank gathers all logits and samples every row). Both
     sample the same tokens."""
+    expert_parallel: bool = False
+    """With tensor_parallel_size=P > 1 and a MoE model: each MoE layer's experts are split over the ranks
+    (rank r holds experts [r * E / P, (r + 1) * E / P) whole; P must divide num_experts) instead of every
+    expert's intermediate dimension; attention stays tensor-parallel and the router replicated, so routing is
+    the same. Each rank computes its experts' terms for every token and the block output is summed over the
+    ranks (one all-reduce, as without it). Refused for a dense model."""
     deterministic: bool = False
     """Batch-invariant kernels: per-token results independent of batch composition and chunking."""
     speculative: SpeculativeConfig | None = None
@@ -128,6 +134,9 @@ class EngineConfig:
             self.speculative = from_mapping(SpeculativeConfig, self.speculative, "EngineConfig.speculative")
         if self.tp_sampling not in ("sharded", "allgather"):
             raise ValueError(f"EngineConfig.tp_sampling must be 'sharded' or 'allgather', got {self.tp_sampling!r}")
+        if self.expert_parallel and self.tensor_parallel_size < 2:
+            raise ValueError("EngineConfig.expert_parallel needs tensor_parallel_size > 1 (the experts are split "
+                             f"over the tensor-parallel ranks), got tensor_parallel_size={self.tensor_parallel_size}")
         if self.tensor_parallel_size > 1 and self.speculative is not None:
             raise ValueError("speculative decoding does not support tensor_parallel_size > 1 yet")
         for name, low in (("max_loras", 0), ("max_lora_rank", 1)):

@@ -53,6 +53,7 @@ class RunnerConfig:
     seed: int = 0
     tensor_parallel_size: int = 1
     tp_sampling: str = "sharded"
+    expert_parallel: bool = False
     deterministic: bool = False
     speculative: SpeculativeConfig | None = None
     enable_return_routed_experts: bool = True

@@ -25,6 +25,7 @@ import torch
 
 from runner.model_config import ModelConfig
 from runner.models import CausalLM, CheckpointSlot, ModelRegistry
+from runner.parallel.layers import is_expert_parallel
 from weight_updates.target import ParamSpec
 
 logger = logging.getLogger(__name__)
@@ -116,6 +117,8 @@ def load_model(
     if reader not in READERS:
         raise ValueError(f"reader must be one of {READERS}, got {reader!r}")
     _, model_cls = ModelRegistry.resolve([cfg.architecture])
+    if is_expert_parallel(tp) and not hasattr(model_cls, "sparse_blocks"):
+        raise ValueError(f"EngineConfig.expert_parallel needs a Mixture-of-Experts model; {cfg.architecture} is dense")
     with torch.device("meta"):
         model = model_cls(cfg, backend, tp)
     model = model.to(dtype=dtype).to_empty(device=device)
@@ -168,9 +171,11 @@ def _load_tensorwise(model_dir, cfg: ModelConfig, weights: "CheckpointWeights") 
             continue
         slot = weights.layout[name]
         _check_tensor(file, name, lazy.get_dtype(), tuple(lazy.get_shape()), slot)
+        loaded.add(name)
+        if slot.is_empty:  # another rank's expert (expert parallelism): nothing to read
+            continue
         part = _read_shard(file, name, lazy, slot)
         weights.view(name).copy_(part)
-        loaded.add(name)
         nbytes += part.numel() * part.element_size()
     return loaded, nbytes
 
@@ -196,8 +201,9 @@ def _load_chunked(model_dir, cfg: ModelConfig, weights: "CheckpointWeights", chu
                 continue
             slot = weights.layout[entry.name]
             _check_tensor(file, entry.name, entry.dtype, entry.shape, slot)
-            targets.append(_chunked_target(entry, slot, weights.view(entry.name)))
             loaded.add(entry.name)
+            if not slot.is_empty:  # an empty part (another rank's expert) reads nothing
+                targets.append(_chunked_target(entry, slot, weights.view(entry.name)))
         plans.append((file, targets))
     largest = max((sum(t.nbytes for t in targets) for _, targets in plans), default=0)
     nbytes = 0

@@ -120,6 +120,11 @@ def _launch_every_kernel() -> None:
         ids = torch.randint(0, E, (tokens, 2), generator=g, dtype=ids_dtype)
         fused_moe(torch.randn(tokens, W, generator=g).to(dtype), w13.to(dtype), w2.to(dtype),
                   torch.rand(tokens, 2, generator=g), ids, deterministic=deterministic)
+    # expert parallelism: the rank holds experts [2, 4) of 8 (the combine that skips other ranks' rows), with a
+    # block per row and with the alignment
+    for tokens in (4, 24):
+        fused_moe(torch.randn(tokens, W, generator=g).to(h), w13[:2], w2[:2], torch.rand(tokens, 2, generator=g),
+                  torch.randint(0, 2 * E, (tokens, 2), generator=g), expert_start=2)
     # routing: top-k with the routing store, and replayed ids (half-precision logits, as the router gives)
     logits = torch.randn(5, 128, generator=g).to(h)
     store = torch.zeros(8, 2, 8, dtype=torch.int32)

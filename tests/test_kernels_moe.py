@@ -257,3 +257,32 @@ def test_rejects_bad_arguments(fn):
     else:
         with pytest.raises(ValueError, match="must lie in"):
             fn(x, w13, w2, w, ids + 3)
+
+
+@pytest.mark.parametrize("fn", [fused_moe, fused_moe_ref])
+@pytest.mark.parametrize("tokens,deterministic", [(3, False), (20, False), (20, True)])  # 6 rows: a block per
+def test_an_expert_range_adds_its_terms_only(monkeypatch, fn, tokens, deterministic):  # row; 40: aligned
+    """Expert parallelism: weights of experts [s, s + E/P) and global ids; the pairs routed elsewhere add
+    exactly nothing (uninitialised memory is filled with NaN / out-of-range ids, so a term read from a row
+    never written would show), and the ranges' outputs sum to the whole layer's."""
+    experts, parts = 6, 3
+    x, w13, w2, w, ids = _problem(tokens, experts, 2, 32, 16, seed=5)
+    real_empty = torch.empty
+
+    def poisoned_empty(*shape, dtype=None, **kw):
+        t = real_empty(*shape, dtype=dtype, **kw)
+        return t.fill_(float("nan") if t.is_floating_point() else 12345)
+
+    monkeypatch.setattr(torch, "empty", poisoned_empty)
+    total = torch.zeros_like(x)
+    share = experts // parts
+    for start in range(0, experts, share):
+        out = fn(x, w13[start : start + share], w2[start : start + share], w, ids, expert_start=start,
+                 deterministic=deterministic)
+        mine = (ids >= start) & (ids < start + share)
+        expected = _naive64(x, w13, w2, torch.where(mine, w, 0.0), ids).to(x.dtype)
+        torch.testing.assert_close(out, expected, atol=ATOL, rtol=RTOL)
+        total += out
+    torch.testing.assert_close(total, _naive64(x, w13, w2, w, ids).to(x.dtype), atol=ATOL, rtol=RTOL)
+    with pytest.raises(ValueError, match="expert_start must be >= 0"):
+        fn(x, w13, w2, w, ids, expert_start=-1)

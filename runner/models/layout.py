@@ -21,6 +21,7 @@ Examples, for a layer whose checkpoint holds `gate_proj.weight` and `up_proj.wei
     part("gate_up_proj.weight", (I, H), shard=(i0, i1), at=i1 - i0)   # under TP: the rank's rows of up
     part("experts.w13", (I, H), index=(e,), at=I)        # expert e's up rows of a stacked [E, 2I, H]
     part("down_proj.weight", (H, I), dim=1, shard=(i0, i1))           # row-parallel: the rank's columns
+    part("experts.w2", (H, I), shard=(0, 0), index=(0,))  # another rank's expert: an empty [0, I] view
 """
 
 from __future__ import annotations
@@ -39,7 +40,8 @@ class CheckpointSlot:
     """Where this rank's part of one checkpoint tensor lives.
 
     Checkpoint side: the tensor has its full Hugging Face shape `shape`; the rank holds the range `shard`
-    along `dim` (all of every other dimension); without tensor parallelism, all of it.
+    along `dim` (all of every other dimension); without tensor parallelism, all of it; under expert
+    parallelism, none of another rank's expert (an empty range: the view and own part are empty).
     Runtime side: parameter `param`, indexed by `index` (leading dimensions of a stacked parameter), then
     narrowed by each `(dim, start, length)` of `narrows` in turn (dimensions of the indexed tensor). The
     result, a view of the parameter, has the shape `shard_shape`.
@@ -66,6 +68,11 @@ class CheckpointSlot:
         """The shape of this rank's part of the checkpoint tensor (the shape of `view`)."""
         start, end = self.shard
         return tuple(end - start if d == self.dim else n for d, n in enumerate(self.shape))
+
+    @property
+    def is_empty(self) -> bool:
+        """Whether the rank holds none of the checkpoint tensor (expert parallelism: another rank's expert)."""
+        return self.shard[0] == self.shard[1]
 
     @property
     def is_whole(self) -> bool:

@@ -10,14 +10,20 @@ Which layers are sparse follows transformers: layer i unless i is in `mlp_only_l
 
 Checkpoints name experts one by one (`mlp.experts.{e}.gate_proj.weight` ...); the layout puts each at its
 expert's index of the stacked tensors (and, under tensor parallelism, the rank's rows of the expert's
-intermediate dimension; the block's output is all-reduced). transformers 5's in-memory fused names
+intermediate dimension; the block's output is all-reduced). Expert parallelism (`TPGroup.expert_parallel`,
+from EngineConfig.expert_parallel) splits the experts instead: rank r of P holds experts [r * E / P,
+(r + 1) * E / P) whole and declares an empty part (shard (0, 0) along dim 0) of every other expert, so every
+rank has a slot for every name; the router is replicated, each rank adds its experts' terms for every token
+(`fused_moe(..., expert_start=...)`) and the block's output is all-reduced, as under TP. Qwen2-MoE's shared
+expert stays tensor-parallel either way. transformers 5's in-memory fused names
 (`mlp.experts.gate_up_proj`, `mlp.experts.down_proj`) are accepted by weight pushes through
 `weight_updates.aliases`, not here.
 
 Routing replay: with a routing store bound (`bind_routed_experts`), every paged forward writes each token's
 expert ids at its KV slot, so the runner can report the experts of every position, prefix-cache hits
 included. `forward_dense(..., routed_experts=...)` makes the trainer's forward use given experts, their
-weights recomputed from its own router (gradients reach the router). Not here: expert parallelism.
+weights recomputed from its own router (gradients reach the router). Not here: all-to-all dispatch of
+tokens to the ranks of their experts (every rank sees every token: its hidden states are replicated).
 """
 
 from __future__ import annotations
@@ -36,7 +42,7 @@ from runner.layers import Linear
 from runner.model_config import ModelConfig
 from runner.models.layout import CheckpointSlot, part
 from runner.models.llama import MLP, DecoderForCausalLM, DecoderLayer
-from runner.parallel.layers import even_partition, rank_and_size
+from runner.parallel.layers import even_partition, is_expert_parallel, rank_and_size
 
 if TYPE_CHECKING:
     from runner.attention import AttentionBackend, AttentionMetadata
@@ -81,21 +87,41 @@ class MoEConfig:
 
 class FusedExperts(nn.Module):
     """Every expert's SiLU MLP, stacked: w13 [E, 2 * I_rank, H] (gate rows, then up rows, of the rank's part
-    of the intermediate dimension), w2 [E, H, I_rank]."""
+    of the intermediate dimension), w2 [E, H, I_rank]. With expert parallelism, the rank's experts
+    [expert_start, expert_start + E / P) whole: w13 [E / P, 2 * I, H], w2 [E / P, H, I]."""
 
     def __init__(self, num_experts: int, hidden: int, intermediate: int, tp: TPGroup | None) -> None:
         super().__init__()
         self.num_experts, self.hidden, self.intermediate = num_experts, hidden, intermediate
-        start, end = even_partition(intermediate, *rank_and_size(tp), "moe_intermediate_size")
-        self.w13 = nn.Parameter(torch.empty(num_experts, 2 * (end - start), hidden))
-        self.w2 = nn.Parameter(torch.empty(num_experts, hidden, end - start))
+        self.expert_parallel = is_expert_parallel(tp)
+        if self.expert_parallel:
+            self.expert_start, end = even_partition(num_experts, *rank_and_size(tp), "num_experts")
+            local, inter = end - self.expert_start, intermediate
+        else:
+            self.expert_start, local = None, num_experts  # None: every expert here (fused_moe's default)
+            start, end = even_partition(intermediate, *rank_and_size(tp), "moe_intermediate_size")
+            inter = end - start
+        self.w13 = nn.Parameter(torch.empty(local, 2 * inter, hidden))
+        self.w2 = nn.Parameter(torch.empty(local, hidden, inter))
 
     def checkpoint_layout(self, tp_rank: int, tp_size: int) -> dict[str, CheckpointSlot]:
         """{e}.gate_proj / up_proj [I, H]: the rank's rows, at expert e of w13 (gate then up);
-        {e}.down_proj [H, I]: the rank's columns, at expert e of w2."""
+        {e}.down_proj [H, I]: the rank's columns, at expert e of w2. With expert parallelism: the rank's
+        experts whole (at e - expert_start), every other expert an empty part (shard (0, 0) along dim 0)."""
+        shape = (self.intermediate, self.hidden)
+        if self.expert_parallel:
+            start, end = even_partition(self.num_experts, tp_rank, tp_size, "num_experts")
+            layout: dict[str, CheckpointSlot] = {}
+            for e in range(self.num_experts):
+                mine = start <= e < end
+                rows, index = (None, (e - start,)) if mine else ((0, 0), (0,))
+                layout[f"{e}.gate_proj.weight"] = part("w13", shape, shard=rows, index=index, at=0)
+                layout[f"{e}.up_proj.weight"] = part("w13", shape, shard=rows, index=index, at=self.intermediate)
+                layout[f"{e}.down_proj.weight"] = part("w2", shape[::-1], shard=rows, index=index)
+            return layout
         rows = even_partition(self.intermediate, tp_rank, tp_size, "moe_intermediate_size")
-        n, shape = rows[1] - rows[0], (self.intermediate, self.hidden)
-        layout: dict[str, CheckpointSlot] = {}
+        n = rows[1] - rows[0]
+        layout = {}
         for e in range(self.num_experts):
             layout[f"{e}.gate_proj.weight"] = part("w13", shape, shard=rows, index=(e,), at=0)
             layout[f"{e}.up_proj.weight"] = part("w13", shape, shard=rows, index=(e,), at=n)
@@ -163,15 +189,16 @@ class SparseMoeBlock(nn.Module):
         x = hidden.reshape(-1, hidden.shape[-1])
         weights, ids = self.route(x, lead, meta)
         w13, w2, det = self.experts.w13, self.experts.w2, self.deterministic
+        start = self.experts.expert_start  # expert parallelism: this rank's first expert; None: all here
 
         def reference(a, b, c, w):
-            return fused_moe_ref(a, b, c, w, ids, deterministic=det)
+            return fused_moe_ref(a, b, c, w, ids, deterministic=det, expert_start=start)
 
         if x.is_cuda and (det or not torch.is_grad_enabled()):
             from kernels.moe import fused_moe
 
-            out = kernel_forward(lambda a, b, c, w: fused_moe(a, b, c, w, ids, deterministic=det), reference,
-                                 x, w13, w2, weights)
+            out = kernel_forward(lambda a, b, c, w: fused_moe(a, b, c, w, ids, deterministic=det, expert_start=start),
+                                 reference, x, w13, w2, weights)
         else:
             out = reference(x, w13, w2, weights)
         if self.tp is not None:

@@ -24,10 +24,12 @@ def _gloo(store, rank: int, size: int, timeout: timedelta):
 class TPGroup:
     """This process's rank in a tensor-parallel group of `size` ranks, and its collectives."""
 
-    def __init__(self, rank: int, size: int, device: torch.device, store_path: str, timeout_s: float = 600.0) -> None:
+    def __init__(self, rank: int, size: int, device: torch.device, store_path: str, timeout_s: float = 600.0,
+                 expert_parallel: bool = False) -> None:
         timeout = timedelta(seconds=timeout_s)
         store = dist.FileStore(store_path, size)
         self.rank, self.size, self.device = rank, size, device
+        self.expert_parallel = expert_parallel  # MoE layers split their experts over the ranks (EngineConfig)
         self._control = _gloo(dist.PrefixStore("control", store), rank, size, timeout)
         if device.type == "cuda":
             torch.cuda.set_device(device)

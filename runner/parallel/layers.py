@@ -71,6 +71,12 @@ def rank_and_size(tp: TPGroup | None) -> tuple[int, int]:
     return (0, 1) if tp is None else (tp.rank, tp.size)
 
 
+def is_expert_parallel(tp: TPGroup | None) -> bool:
+    """Whether MoE layers split their experts over the group's ranks (`TPGroup.expert_parallel`; a group
+    without the attribute, as a test's stand-in, splits their intermediate dimension)."""
+    return tp is not None and getattr(tp, "expert_parallel", False)
+
+
 class RowParallelLinear(Linear):
     """y = sum over ranks of x_r @ W_r^T, plus the (replicated) bias once.
 

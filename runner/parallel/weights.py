@@ -6,7 +6,9 @@ single-process engine would. Writes apply only the rank's own coordinates: a den
 the rank's rows or columns, and a patch's flat indices are filtered to the rank's slice and mapped to
 flat indices of the rank's view (through the slice's row / column offset). Reads (used by update
 sessions for checksums and verification) assemble the full tensor with one all-gather, so every rank must
-run the same session over the same records; reads of replicated tensors are local.
+run the same session over the same records; reads of replicated tensors are local. Under expert
+parallelism a rank's part of another rank's expert is empty (shard (0, 0)): it writes nothing of it and
+adds nothing to the gather.
 
 `RankLocalWeights` (rank-local updates, weight_updates/transports/rank_local.py): the rank's own part in
 its own coordinates. Specs are the shard shapes (`CheckpointSlot.shard_shape`: q_proj [q / P, hidden],
@@ -35,16 +37,25 @@ class ShardedCheckpointWeights(CheckpointWeights):
         self.rank_layouts = [model.checkpoint_layout(r, tp.size) for r in range(tp.size)]  # every rank's
 
     def read_checkpoint_tensor(self, name: str) -> torch.Tensor:
-        """The full checkpoint tensor (a collective unless the tensor is replicated)."""
+        """The full checkpoint tensor (a collective unless every rank holds all of it). Parts of unequal
+        lengths (expert parallelism: one rank holds the expert whole, the others nothing) are padded to the
+        longest for the all-gather."""
         slot = self.layout[name]
-        if slot.is_whole:
+        slots = [layout[name] for layout in self.rank_layouts]
+        if all(s.is_whole for s in slots):
             return self.view(name)
-        parts = self.tp.all_gather(self.view(name).contiguous())  # [P, *shard_shape]
+        assert all(s.dim == slot.dim for s in slots), name
+        width = max(s.shard[1] - s.shard[0] for s in slots)
+        mine = self.view(name)
+        if mine.shape[slot.dim] < width:
+            padded = mine.new_zeros(tuple(width if d == slot.dim else n for d, n in enumerate(mine.shape)))
+            padded.narrow(slot.dim, 0, mine.shape[slot.dim]).copy_(mine)
+            mine = padded
+        parts = self.tp.all_gather(mine.contiguous())  # [P, *padded shard shape]
         full = parts.new_empty(slot.shape)
-        for rank, part in enumerate(parts):
-            start, end = self.rank_layouts[rank][name].shard
-            assert end - start == part.shape[slot.dim], (name, rank)
-            full.narrow(slot.dim, start, end - start).copy_(part)
+        for part, s in zip(parts, slots):
+            start, end = s.shard
+            full.narrow(slot.dim, start, end - start).copy_(part.narrow(slot.dim, 0, end - start))
         return full
 
     def write_patch(self, name: str, flat_indices: torch.Tensor, values: torch.Tensor) -> None:

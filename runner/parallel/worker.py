@@ -120,7 +120,7 @@ def run_worker(rank: int, size: int, store_path: str, config: RunnerConfig, mode
     for arch, path in models.items():
         ModelRegistry.register_model(arch, path)
     torch.set_num_threads(num_threads)
-    tp = TPGroup(rank, size, rank_device(config.device, rank), store_path)
+    tp = TPGroup(rank, size, rank_device(config.device, rank), store_path, expert_parallel=config.expert_parallel)
     try:
         follower = _Follower(ModelRunner(config, model_config, max_model_len, tp=tp), tp)
         while True:
@@ -169,7 +169,7 @@ class TensorParallelExecutor:
             w.start()
         tp = None
         try:
-            tp = TPGroup(0, size, rank_device(config.device, 0), store)
+            tp = TPGroup(0, size, rank_device(config.device, 0), store, expert_parallel=config.expert_parallel)
             self.driver = ModelRunner(config, model_config, max_model_len, tp=tp)
         except BaseException:
             for w in self._workers:
