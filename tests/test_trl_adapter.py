@@ -35,7 +35,7 @@ def model_dir(tmp_path_factory):
     return path
 
 
-def _trainer(model_dir, out_dir, adapter, reward_func, *, steps=3):
+def _trainer(model_dir, out_dir, adapter, reward_func, *, steps=3, peft_config=None):
     import datasets
     from transformers import AutoModelForCausalLM, AutoTokenizer
     from trl import GRPOConfig, GRPOTrainer
@@ -49,7 +49,7 @@ def _trainer(model_dir, out_dir, adapter, reward_func, *, steps=3):
     dataset = datasets.Dataset.from_dict({"prompt": [p.prompt for p in problems]})
     model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32)
     return GRPOTrainer(model=model, reward_funcs=reward_func, args=args, train_dataset=dataset,
-                       processing_class=AutoTokenizer.from_pretrained(model_dir),
+                       processing_class=AutoTokenizer.from_pretrained(model_dir), peft_config=peft_config,
                        rollout_func=adapter.rollout_func, callbacks=[adapter.callback])
 
 
@@ -103,6 +103,53 @@ def test_grpo_trainer_three_steps_pushes_exact_sparse_versioned_weights(model_di
     assert all(row["bridge/push_s"] > 0 and 0 <= row["bridge/mismatch_abs_mean"] < 0.1 for row in logged)
     assert all("bridge/is_weight_mean" in row for row in logged)
     print("TRL figures:", [(p.version, p.nbytes, p.dense_nbytes, round(p.seconds, 4)) for p in adapter.pushes])
+
+
+def test_grpo_trainer_training_a_lora_adapter_pushes_only_the_adapter(model_dir, tmp_path):
+    """GRPOTrainer with a peft LoraConfig, the engine serving the adapter (TrainerBridge(engine, lora=...)):
+    every rollout samples with it, each push carries its A / B tensors only and leaves
+    the engine's adapter slot equal to the trainer's adapter, bitwise; the base weights are never sent."""
+    peft = pytest.importorskip("peft")
+    from transformers import AutoModelForCausalLM
+
+    from trainer_bridge import TrainerBridge
+
+    torch.manual_seed(0)
+    config = peft.LoraConfig(r=4, lora_alpha=8, target_modules=["q_proj", "v_proj", "down_proj"],
+                             task_type="CAUSAL_LM")
+    # the engine starts from an adapter of the same shape; the first push replaces its values
+    peft.get_peft_model(AutoModelForCausalLM.from_pretrained(model_dir), config).save_pretrained(tmp_path / "init")
+    engine = Engine(EngineConfig(model=str(model_dir), dtype="float32", max_num_seqs=64, num_kv_blocks=128,
+                                 max_loras=1, max_lora_rank=4))
+    engine.load_lora("policy", str(tmp_path / "init"))
+    base = {n: engine.runner.weights.view(n).clone() for n in engine.weight_specs()}
+    adapter = TRLAdapter(bridge=TrainerBridge(engine, lora="policy"),
+                         sampling=SamplingParams(max_tokens=6, temperature=1.0, seed=7))
+    trainer = _trainer(model_dir, tmp_path / "out", adapter, lambda completions, **kw: [float(len(c)) for c in completions],
+                       peft_config=config)
+    slot = engine.list_loras()[0].slot
+    from transformers import TrainerCallback
+
+    checked = []
+
+    class CheckAdapter(TrainerCallback):  # after adapter.callback: each step's push has landed
+        def on_step_end(self, args, state, control, **kwargs):
+            views = engine.runner.lora.slots.named_views(slot)
+            trained = {n.replace(".default", ""): p.detach() for n, p in trainer.model.named_parameters()
+                       if "lora_" in n}
+            checked.append(sorted(views) == sorted(trained)
+                           and all(torch.equal(views[n], trained[n]) for n in views))
+
+    trainer.add_callback(CheckAdapter())
+    trainer.train()
+    assert checked == [True, True, True]
+    assert all(torch.equal(engine.runner.weights.view(n), t) for n, t in base.items())  # the base was not sent
+    adapter_bytes = sum(t.numel() * 4 for t in engine.runner.lora.slots.named_views(slot).values())
+    first, *later = adapter.pushes
+    # (fp32 on both sides: a step moves most adapter elements, so later pushes are mostly dense too)
+    assert first.nbytes == adapter_bytes and all(p.dense_nbytes == adapter_bytes >= p.nbytes for p in later)
+    assert [p.lora_version for p in adapter.pushes] == [1, 2, 3]
+    assert len(adapter.rollout_versions) == 3
 
 
 def test_chat_prompts_are_tokenized_as_trl_does_and_bad_settings_are_refused(model_dir):

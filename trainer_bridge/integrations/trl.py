@@ -25,6 +25,11 @@ engine's `policy_version` goes up by one per step) and appends `bridge/push_*` (
 and `bridge/mismatch_*`, `bridge/is_*` (measured at rollout time with one no-grad trainer forward) to
 `trainer._metrics` (train or eval, as TRL's own), which TRL averages into its next log line.
 
+LoRA: with `GRPOTrainer(..., peft_config=LoraConfig(...))` give the adapter a bridge that trains an engine
+adapter of the same rank and modules, `TRLAdapter(bridge=TrainerBridge(engine, lora="policy"), ...)` after
+`engine.load_lora("policy", initial_adapter_dir)` (EngineConfig(max_loras >= 1)): rollouts sample with the
+adapter and each push carries only its A / B tensors (tests/test_trl_adapter.py).
+
 What it does not do: TRL 1.16 applies its own importance-sampling correction only on its vLLM path
 (`use_vllm and vllm_importance_sampling_correction`), so the `importance_weights` field reaches reward
 functions and the metrics but not TRL's loss; multimodal prompts and TRL's tool-calling loop are not
