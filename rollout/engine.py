@@ -349,6 +349,8 @@ class Engine:
                 done[rid] = self.abort_request(rid)
         if not self.scheduler.has_unfinished():
             self._drain()  # a last step in flight can only hold tokens of finished or aborted requests
+            if self.scheduler.has_removals_to_send:  # an empty step: the runner drops them, and is idle
+                self.executor.execute(self.scheduler.schedule())
         return [done[rid] for rid in ids]
 
     def close(self) -> None:

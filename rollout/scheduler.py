@@ -94,6 +94,11 @@ class Scheduler:
             self._finish(req, RequestStatus.FINISHED_ABORTED)
         return list(aborted.values())
 
+    @property
+    def has_removals_to_send(self) -> bool:
+        """Whether finished or preempted requests wait for the next step to leave the runner."""
+        return bool(self._finished_ids or self._preempted_ids)
+
     def has_unfinished(self) -> bool:
         return bool(self.waiting or self.running)
 

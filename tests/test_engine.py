@@ -323,3 +323,18 @@ def test_one_prompt_sent_as_separate_requests_is_computed_once(model_dir):
     alone = [Engine(EngineConfig(model=str(model_dir), dtype="float32", num_kv_blocks=64, block_size=8))
              .generate([prompt], [p])[0] for p in params[:2]]
     assert [o.outputs[0].token_ids for o in together[:2]] == [o.outputs[0].token_ids for o in alone]
+
+
+@pytest.mark.parametrize("async_scheduling", [False, True])
+def test_generate_leaves_the_runner_idle(model_dir, async_scheduling):
+    """When generate returns with nothing left to run, its requests have left the runner too (not only at the
+    next step), so idle-engine calls such as full_sequence_logits work right after it."""
+    engine = Engine(EngineConfig(model=str(model_dir), dtype="float32", num_kv_blocks=64,
+                                 async_scheduling=async_scheduling))
+    prompt = [5, 9, 13, 2]
+    first = engine.generate([prompt, [7, 8]], SamplingParams(max_tokens=5, seed=1, ignore_eos=True))
+    assert not engine.runner.input_batch.slot_of
+    logits = engine.collective_rpc("full_sequence_logits", prompt + first[0].outputs[0].token_ids)[0]
+    assert logits.shape[0] == 9
+    again = engine.generate([prompt, [7, 8]], SamplingParams(max_tokens=5, seed=1, ignore_eos=True))
+    assert [o.outputs[0].token_ids for o in again] == [o.outputs[0].token_ids for o in first]
