@@ -60,8 +60,6 @@ def test_moe_bf16_follows_transformers_greedy(moe_model):
     prompts = _prompts(6, seed=2)
     refs = [hf.generate(torch.tensor([p], device="cuda"), max_new_tokens=16, do_sample=False, eos_token_id=None,
                         pad_token_id=0)[0, len(p):].tolist() for p in prompts]
-    # teacher-forced first: full_sequence_logits needs an idle runner (under async scheduling the last step's
-    # requests leave the runner only at the next step)
     forced = [engine.collective_rpc("full_sequence_logits", p + ref)[0].float() for p, ref in zip(prompts, refs)]
     outs = engine.generate(prompts, SamplingParams(temperature=0, max_tokens=16, ignore_eos=True))
     total = agree = first_equal = 0
