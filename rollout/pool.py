@@ -23,6 +23,7 @@ does not choose encodings (weight_updates.differ) and does not batch requests ac
 
 from __future__ import annotations
 
+import functools
 import json
 import os
 import time
@@ -223,7 +224,6 @@ class RolloutPool:
         self._version = 0
         self.num_restarts = [0] * config.num_workers
         self._specs = None
-        self._routed_asked, self._routed_shape = False, None  # worker 0's routed_experts_shape, once asked
 
     def _spawn(self):
         return self._actor_cls.remote(self._engine_dict, max(1, int(self.config.resources.num_cpus)))
@@ -233,15 +233,13 @@ class RolloutPool:
     def policy_version(self) -> int:
         return self._version
 
-    @property
+    @functools.cached_property
     def routed_experts_shape(self) -> tuple[int, int] | None:
-        """(num_moe_layers, top_k) of the workers' MoE model (routing replay), None for a dense model."""
+        """(num_moe_layers, top_k) of the workers' MoE model (routing replay), None for a dense model (asked once)."""
         import ray
 
-        if not self._routed_asked:
-            shape = ray.get(self.workers[0].routed_experts_shape.remote())
-            self._routed_shape, self._routed_asked = None if shape is None else tuple(shape), True
-        return self._routed_shape
+        shape = ray.get(self.workers[0].routed_experts_shape.remote())
+        return None if shape is None else tuple(shape)
 
     def weight_specs(self) -> dict:
         import ray

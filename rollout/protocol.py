@@ -454,14 +454,9 @@ class CompletionLogprobs(BaseModel):
     top_logprobs: list[dict[str, float] | None]
 
 
-class CompletionChoice(BaseModel):
-    index: int
-    text: str
-    logprobs: CompletionLogprobs | None = None
-    finish_reason: str | None = None
-    stop_reason: int | str | None = None
-    prompt_logprobs: list[dict[str, dict] | None] | None = Extension()
-    prompt_token_ids: list[int] | None = Extension()
+class _SampleExtensions(BaseModel):
+    """This engine's per-sample extension fields, shared by every choice of a completion or chat response."""
+
     token_ids: list[int] | None = Extension()
     policy_versions: list[int] | None = Extension()
     """The engine's policy version when each token was sampled."""
@@ -473,6 +468,16 @@ class CompletionChoice(BaseModel):
     """The shape of `routed_experts`: [P + L - 1, num_moe_layers, top_k]."""
     lora_versions: list[int] | None = Extension()
     """With a LoRA adapter (`model`): its version when each token was sampled."""
+
+
+class CompletionChoice(_SampleExtensions):
+    index: int
+    text: str
+    logprobs: CompletionLogprobs | None = None
+    finish_reason: str | None = None
+    stop_reason: int | str | None = None
+    prompt_logprobs: list[dict[str, dict] | None] | None = Extension()
+    prompt_token_ids: list[int] | None = Extension()
 
 
 class CompletionResponse(BaseModel):
@@ -522,18 +527,12 @@ class ChatMessageOut(BaseModel):
     tool_calls: list[ToolCallOut] | None = Extension()
 
 
-class ChatChoice(BaseModel):
+class ChatChoice(_SampleExtensions):
     index: int
     message: ChatMessageOut
     logprobs: ChatLogprobs | None = None
     finish_reason: str | None = None
     stop_reason: int | str | None = None
-    token_ids: list[int] | None = Extension()
-    policy_versions: list[int] | None = Extension()
-    spec_decode_stats: dict | None = Extension()
-    routed_experts: str | None = Extension()
-    routed_experts_shape: list[int] | None = Extension()
-    lora_versions: list[int] | None = Extension()
 
 
 class ChatCompletionResponse(BaseModel):
@@ -553,18 +552,12 @@ class ChatDelta(BaseModel):
     tool_calls: list[ToolCallDelta] | None = Extension()
 
 
-class ChatStreamChoice(BaseModel):
+class ChatStreamChoice(_SampleExtensions):
     index: int
     delta: ChatDelta
     logprobs: ChatLogprobs | None = None
     finish_reason: str | None = None
     stop_reason: int | str | None = Extension()
-    token_ids: list[int] | None = Extension()
-    policy_versions: list[int] | None = Extension()
-    spec_decode_stats: dict | None = Extension()
-    routed_experts: str | None = Extension()
-    routed_experts_shape: list[int] | None = Extension()
-    lora_versions: list[int] | None = Extension()
 
 
 class ChatCompletionChunk(BaseModel):

@@ -59,6 +59,20 @@ def load_hf(path: Path, dtype=torch.float32):
     return transformers.AutoModelForCausalLM.from_pretrained(path, dtype=dtype).eval()
 
 
+def variant_id(variant) -> str:
+    """A readable pytest id of a (family, overrides) model variant."""
+    family, overrides = variant
+    return family + ("-" + "-".join(sorted(overrides)) if overrides else "")
+
+
+def assert_engine_holds(engine, state: dict[str, torch.Tensor]) -> None:
+    """The engine's weights equal `state` (checkpoint name -> tensor, cast to the engine dtype) bit for bit."""
+    for name, t in state.items():
+        view = engine.runner.weights.view(name)
+        bits = {2: torch.int16, 4: torch.int32}[view.element_size()]
+        assert torch.equal(view.reshape(-1).view(bits), t.to(view.dtype).reshape(-1).view(bits)), name
+
+
 @pytest.fixture(scope="session")
 def ckpt_factory(tmp_path_factory):
     cache: dict[tuple, Path] = {}

@@ -5,6 +5,7 @@ from __future__ import annotations
 import pytest
 import torch
 
+from conftest import assert_engine_holds
 from rollout import EngineConfig, SamplingParams
 from rollout.engine import Engine
 from trainer_bridge import TrainerBridge, TrainingModel, logprob_mismatch, toy_task
@@ -52,12 +53,6 @@ def test_rollout_records_are_aligned_and_masked(model_dir):
     assert [s.token_ids for s in twin.samples[:4]] != [s.token_ids for s in twin.samples[4:]]
 
 
-def _assert_engine_holds(engine: Engine, state: dict[str, torch.Tensor]) -> None:
-    for name, t in state.items():
-        view = engine.runner.weights.view(name)
-        assert torch.equal(view.view(-1).view(torch.int32), t.to(view.dtype).reshape(-1).view(torch.int32)), name
-
-
 def test_push_weights_is_bitwise_exact_dense_then_patch(model_dir):
     engine = make_engine(model_dir)
     bridge = TrainerBridge(engine)
@@ -68,19 +63,19 @@ def test_push_weights_is_bitwise_exact_dense_then_patch(model_dir):
             p.add_(0.01 * torch.randn(p.shape, generator=g))
     first = bridge.push_weights(model)
     assert first.version == 1 == engine.policy_version and first.num_patch == 0 and first.num_dense > 0
-    _assert_engine_holds(engine, model.checkpoint_state())
+    assert_engine_holds(engine, model.checkpoint_state())
     name = "model.layers.1.mlp.down_proj.weight"
     with torch.no_grad():
         model.checkpoint_state()[name].view(-1)[:7] += 1.0  # a few coordinates of one tensor
     second = bridge.push_weights(model)
     assert second.version == 2 and second.num_patch >= 1 and second.nbytes < first.nbytes / 10
     assert second.changed_fraction < 1e-3
-    _assert_engine_holds(engine, model.checkpoint_state())
+    assert_engine_holds(engine, model.checkpoint_state())
     # a mapping and an iterable of pairs are accepted too, as is a subset of the parameters
     state = {k: v + 0.5 for k, v in list(model.checkpoint_state().items())[:3]}
     assert bridge.push_weights(state).version == 3
     assert bridge.push_weights(list(state.items())).nbytes < 1024  # unchanged since the last push
-    _assert_engine_holds(engine, state)
+    assert_engine_holds(engine, state)
 
 
 def test_fp32_master_weights_are_cast_to_engine_dtype(model_dir):
@@ -125,7 +120,7 @@ def test_bad_push_raises_and_changes_nothing(model_dir, bad, match):
         assert torch.equal(engine.runner.weights.view(n), t), n
     # the bridge's snapshot did not move either: the next good push lands exactly
     assert bridge.push_weights(model).version == 2
-    _assert_engine_holds(engine, model.checkpoint_state())
+    assert_engine_holds(engine, model.checkpoint_state())
 
 
 def test_mismatch_is_near_zero_right_after_a_push(model_dir):
@@ -212,7 +207,7 @@ def test_after_dense_patch_and_ipc_pushes_greedy_equals_a_fresh_engine(model_dir
     config = json.loads((fresh_dir / "config.json").read_text())
     config["dtype"] = "bfloat16"
     (fresh_dir / "config.json").write_text(json.dumps(config))
-    _assert_engine_holds(engine, state)
+    assert_engine_holds(engine, state)
     fresh = make_engine(fresh_dir, dtype="bfloat16")
     params = SamplingParams(temperature=0, max_tokens=8, ignore_eos=True)
     ours = [o.outputs[0].token_ids for o in engine.generate(PROMPTS, params)]
@@ -236,7 +231,7 @@ def test_adopting_the_engines_weights_makes_the_first_push_a_patch(model_dir):
         model.checkpoint_state()[name].view(-1)[:5] += 0.5
     result = bridge.push_weights(model)
     assert result.num_dense == 0 and result.num_patch >= 1 and result.nbytes < 1024
-    _assert_engine_holds(engine, {n: t.to(torch.bfloat16) for n, t in model.checkpoint_state().items()})
+    assert_engine_holds(engine, {n: t.to(torch.bfloat16) for n, t in model.checkpoint_state().items()})
 
 
 def test_rollout_with_min_finished_prompts_returns_cut_samples_marked_abort(model_dir):

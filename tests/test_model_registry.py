@@ -16,7 +16,7 @@ import pytest
 import torch
 from torch import nn
 
-from conftest import load_hf, make_checkpoint
+from conftest import assert_engine_holds, load_hf, make_checkpoint
 from kernels.activation_ref import silu_and_mul_ref
 from rollout import Engine, EngineConfig, SamplingParams
 from runner.layers import Linear
@@ -124,12 +124,6 @@ def model_kind(runner) -> str:
     return f"{type(runner.model).__name__}/{type(runner.model.model.layers[0].mlp).__name__}"
 
 
-def _assert_engine_holds(engine, state: dict[str, torch.Tensor]) -> None:
-    for name, t in state.items():
-        view = engine.runner.weights.view(name)
-        assert torch.equal(view.reshape(-1).view(torch.int32), t.reshape(-1).view(torch.int32)), name
-
-
 def test_registered_model_takes_dense_then_patch_updates_bitwise(custom_ckpt):
     path, hf = custom_ckpt
     engine, hf = _engine(path), copy.deepcopy(hf)
@@ -143,7 +137,7 @@ def test_registered_model_takes_dense_then_patch_updates_bitwise(custom_ckpt):
     assert all(isinstance(u, Dense) for u in first.updates) and len(first.updates) == len(specs)
     engine.apply_weight_update(engine.policy_version + 1, first.updates)
     differ.commit(first)
-    _assert_engine_holds(engine, master)
+    assert_engine_holds(engine, master)
     for t in master.values():  # about 1% of each tensor moves
         flat = t.view(-1)
         idx = torch.randperm(flat.numel(), generator=g)[: max(1, flat.numel() // 100)]
@@ -152,7 +146,7 @@ def test_registered_model_takes_dense_then_patch_updates_bitwise(custom_ckpt):
     assert all(isinstance(u, Patch) for u in second.updates) and len(second.updates) == len(specs)
     engine.apply_weight_update(engine.policy_version + 1, second.updates)
     differ.commit(second)
-    _assert_engine_holds(engine, master)
+    assert_engine_holds(engine, master)
     assert engine.policy_version == 2
     # the pushed tensors landed where the model computes with them: transformers with the same weights agrees
     hf.load_state_dict(master)

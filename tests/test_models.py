@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from conftest import load_hf
+from conftest import load_hf, variant_id
 from rollout import Engine, EngineConfig, SamplingParams
 
 VARIANTS = [
@@ -22,12 +22,7 @@ VARIANTS = [
 ]
 
 
-def _ids(variant):
-    fam, kw = variant
-    return fam + ("-" + "-".join(sorted(kw)) if kw else "")
-
-
-@pytest.mark.parametrize("variant", VARIANTS, ids=_ids)
+@pytest.mark.parametrize("variant", VARIANTS, ids=variant_id)
 def test_logits_match_transformers_at_every_position(ckpt_factory, variant):
     family, overrides = variant
     path = ckpt_factory(family, **overrides)

@@ -9,7 +9,7 @@ import json
 import pytest
 import torch
 
-from conftest import load_hf
+from conftest import load_hf, variant_id
 from rollout import Engine, EngineConfig, SamplingParams
 from runner.testing import write_random_checkpoint
 from trainer_bridge.training_model import TrainingModel
@@ -23,16 +23,11 @@ VARIANTS = [
 ]
 
 
-def _ids(variant):
-    fam, kw = variant
-    return fam + ("-" + "-".join(sorted(kw)) if kw else "")
-
-
 def _tokens(n: int, seed: int) -> list[int]:
     return torch.randint(0, 128, (n,), generator=torch.Generator().manual_seed(seed)).tolist()
 
 
-@pytest.mark.parametrize("variant", VARIANTS, ids=_ids)
+@pytest.mark.parametrize("variant", VARIANTS, ids=variant_id)
 def test_logits_match_transformers_at_every_position(ckpt_factory, variant):
     family, overrides = variant
     path = ckpt_factory(family, **overrides)

@@ -8,7 +8,7 @@ import pytest
 import torch
 from safetensors.torch import save_file
 
-from conftest import load_hf, single_thread, tp_config  # noqa: F401 (fixture)
+from conftest import assert_engine_holds, load_hf, single_thread, tp_config  # noqa: F401 (fixture)
 from rollout import Engine, EngineConfig, SamplingParams
 from runner.testing import write_random_checkpoint
 from trainer_bridge import TrainerBridge
@@ -21,12 +21,6 @@ GREEDY = SamplingParams(temperature=0, max_tokens=12, ignore_eos=True)
 
 def _engine(path, **kw) -> Engine:
     return Engine(EngineConfig(model=str(path), dtype="float32", max_num_seqs=8, num_kv_blocks=64, **kw))
-
-
-def _assert_engine_holds(engine: Engine, state: dict[str, torch.Tensor]) -> None:
-    for name, t in state.items():
-        view = engine.runner.weights.view(name)
-        assert torch.equal(view.reshape(-1).view(torch.int32), t.to(view.dtype).reshape(-1).view(torch.int32)), name
 
 
 def _greedy(engine: Engine) -> list[list[int]]:
@@ -58,7 +52,7 @@ def test_dense_then_one_percent_patch_across_all_experts_is_bitwise(ckpt_factory
             p.add_(0.05 * torch.randn(p.shape, generator=g))
     first = bridge.push_weights(model)
     assert first.num_dense > 0
-    _assert_engine_holds(engine, model.checkpoint_state())
+    assert_engine_holds(engine, model.checkpoint_state())
 
     state = model.checkpoint_state()
     experts = [n for n in state if ".experts." in n]
@@ -71,7 +65,7 @@ def test_dense_then_one_percent_patch_across_all_experts_is_bitwise(ckpt_factory
     second = bridge.push_weights(model)
     assert second.num_dense == 0 and second.num_patch == len(state)  # unchanged tensors: empty patches
     assert second.nbytes < 0.1 * total * 4  # a patch, not a dense copy of the experts
-    _assert_engine_holds(engine, model.checkpoint_state())
+    assert_engine_holds(engine, model.checkpoint_state())
     assert _greedy(engine) == _fresh_greedy(model.checkpoint_state(), path, tmp_path / "updated")
     engine.close()
 
@@ -146,7 +140,7 @@ def test_adopting_a_moe_engines_weights_makes_the_first_push_a_patch(ckpt_factor
         model.checkpoint_state()[name].view(-1)[:7] += 0.5
     result = bridge.push_weights(model)
     assert result.num_dense == 0 and result.nbytes < 1024
-    _assert_engine_holds(engine, model.checkpoint_state())
+    assert_engine_holds(engine, model.checkpoint_state())
     engine.close()
 
 
