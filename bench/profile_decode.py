@@ -4,6 +4,7 @@ device time of one captured decode graph, on a random model of a real shape. Pri
     python bench/profile_decode.py --device cuda --batch 1 --batch 64
     python bench/profile_decode.py --batch 256 --blas cublaslt   # the GEMMs through another BLAS backend
     python bench/profile_decode.py --shape qwen3-30b-a3b --batch 1  # MoE (random weights drawn on the device)
+    python bench/profile_decode.py --shape qwen3-8b --batch 1 --fused-gemv-rows 0 --fused-gemv-rows 4  # 8B, dummy weights
 """
 
 from __future__ import annotations
@@ -22,14 +23,15 @@ import torch  # noqa: E402
 
 from bench.generate import SHAPES  # noqa: E402
 from rollout import Engine, EngineConfig, SamplingParams  # noqa: E402
-from runner.testing import write_random_checkpoint  # noqa: E402
+from runner.testing import MODEL_SHAPES, write_config, write_random_checkpoint  # noqa: E402
 
 
 def profile(path: str, device: str, dtype: str, batch: int, prompt_len: int, steps: int, eager: bool,
-            deterministic: bool = False, load_format: str = "safetensors") -> dict:
+            deterministic: bool = False, load_format: str = "safetensors", fused_gemv_rows: int | None = None) -> dict:
+    extra = {} if fused_gemv_rows is None else {"fused_gemv_rows": fused_gemv_rows}
     engine = Engine(EngineConfig(model=path, device=device, dtype=dtype, max_num_seqs=batch,
                                  max_model_len=prompt_len + steps + 64, enforce_eager=eager,
-                                 deterministic=deterministic, async_scheduling=False, load_format=load_format))
+                                 deterministic=deterministic, async_scheduling=False, load_format=load_format, **extra))
     g = torch.Generator().manual_seed(0)
     prompts = torch.randint(2, engine.model_config.vocab_size, (batch, prompt_len), generator=g).tolist()
     for p in prompts:
@@ -54,7 +56,7 @@ def profile(path: str, device: str, dtype: str, batch: int, prompt_len: int, ste
         times["update_ms"] += t3 - t2
     total = time.perf_counter() - t_all
     row = {k: round(v / steps * 1e3, 4) for k, v in times.items()}
-    row.update(batch=batch, eager=eager, deterministic=deterministic, step_ms=round(total / steps * 1e3, 4),
+    row.update(batch=batch, eager=eager, deterministic=deterministic, fused_gemv_rows=engine.config.fused_gemv_rows, step_ms=round(total / steps * 1e3, 4),
                tokens_per_s=round(batch * steps / total, 1))
     if device.startswith("cuda") and runner.graphs is not None:
         size = runner.graphs.padded_size(batch)
@@ -80,7 +82,7 @@ def profile(path: str, device: str, dtype: str, batch: int, prompt_len: int, ste
 def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
-    ap.add_argument("--shape", default="qwen2.5-0.5b", choices=sorted(SHAPES) + ["qwen3-30b-a3b"])
+    ap.add_argument("--shape", default="qwen2.5-0.5b", choices=sorted({*SHAPES, *MODEL_SHAPES, "qwen3-30b-a3b"}))
     ap.add_argument("--dtype", default="bfloat16")
     ap.add_argument("--batch", type=int, action="append")
     ap.add_argument("--prompt-len", type=int, default=128)
@@ -89,6 +91,8 @@ def main() -> None:
     ap.add_argument("--deterministic", action="store_true", help="profile the engine in deterministic mode")
     ap.add_argument("--blas", choices=["cublas", "cublaslt"], default=None,
                     help="torch.backends.cuda.preferred_blas_library for the run (default: torch's choice)")
+    ap.add_argument("--fused-gemv-rows", type=int, action="append",
+                    help="EngineConfig.fused_gemv_rows; repeat to profile each (default: the engine's)")
     args = ap.parse_args()
     if args.blas:
         torch.backends.cuda.preferred_blas_library(args.blas)
@@ -100,14 +104,19 @@ def main() -> None:
             with open(os.path.join(d, "config.json"), "w") as f:
                 json.dump(dict(QWEN3_30B_A3B, dtype=args.dtype), f)
             load_format = "dummy"
+        elif args.shape not in SHAPES:  # a real policy size: the engine draws its weights on the device
+            spec = dict(MODEL_SHAPES[args.shape])
+            write_config(d, dtype=args.dtype, **spec)
+            load_format = "dummy"
         else:
             spec = dict(SHAPES[args.shape])
             family = spec.pop("family")
             write_random_checkpoint(d, family=family, dtype=args.dtype, std=0.02, **spec)
         for b in args.batch or [1, 64]:
-            row = profile(d, args.device, args.dtype, b, args.prompt_len, args.steps, args.eager, args.deterministic,
-                          load_format)
-            print(json.dumps({**row, "blas": args.blas or "default"}), flush=True)
+            for rows in args.fused_gemv_rows or [None]:
+                row = profile(d, args.device, args.dtype, b, args.prompt_len, args.steps, args.eager,
+                              args.deterministic, load_format, rows)
+                print(json.dumps({**row, "blas": args.blas or "default"}), flush=True)
 
 
 if __name__ == "__main__":

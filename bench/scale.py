@@ -15,7 +15,10 @@ the run's dtype (an 8192^3 matmul on CUDA). Then per shape:
 - `load` / `load_check`: bench/load.py, the tensor-wise reader against the chunked one (page cache warm).
 - `startup`: one engine for all the shape's workloads (max_num_seqs = the largest batch, max_model_len = the
   longest workload + 16, everything else the defaults), `Engine.startup_times` (config/tokenizer, load,
-  runner_init, profile = KV sizing, kv_alloc, graph_capture).
+  runner_init, profile = KV sizing, kv_alloc, graph_capture): `start` "first" for the run's engine (its Triton
+  kernels compiled then, unless earlier runs on the machine compiled them), and on CUDA "restart": the same
+  engine built again in a fresh process after the workloads (kernels in Triton's on-disk cache, checkpoint in
+  the page cache), as every later start on the machine is.
 - `generate`, system "engine": decode at batch 1, 64, 256 (prompt 128 + 256 new tokens) and the GRPO shape (32
   prompts x n=16, prompt 256, 512 new); temperature 1, every new token forced (EOS ignored); best of two
   timed calls after an untimed warm-up, each call with prompts of its own (no prefix-cache hits across calls;
@@ -40,8 +43,10 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import json
 import math
 import os
+import subprocess
 import sys
 import tempfile
 import time
@@ -149,6 +154,20 @@ class Plan:
     chunk_bytes: int
 
 
+def restart_times(config) -> dict[str, float]:
+    """`Engine.startup_times` of the same engine built again in a fresh process: what every start after the first
+    on a machine costs (the compiled Triton kernels are in their on-disk cache, the checkpoint in the page cache)."""
+    fields = {f.name: getattr(config, f.name) for f in dataclasses.fields(config)
+              if f.name in ("model", "device", "dtype", "max_num_seqs", "max_model_len", "load_format")}
+    code = ("import json, sys; from rollout import Engine, EngineConfig; "
+            "e = Engine(EngineConfig(**json.loads(sys.argv[1]))); print(json.dumps(e.startup_times)); e.close()")
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join(p for p in (root, os.environ.get("PYTHONPATH")) if p))
+    done = subprocess.run([sys.executable, "-c", code, json.dumps(fields)], env=env, capture_output=True, text=True,
+                          timeout=300, check=True)
+    return json.loads(done.stdout.strip().splitlines()[-1])
+
+
 def run_shape(shape: str, plan: Plan, device: str, dtype: str, ceilings: tuple[float, float], workdir,
               force_dummy: bool) -> bool:
     """Every row of one shape; returns whether the checkpoint readers agreed (True when not compared)."""
@@ -182,10 +201,10 @@ def run_shape(shape: str, plan: Plan, device: str, dtype: str, ceilings: tuple[f
                               load_format="dummy" if dummy else "safetensors")
         engine = Engine(config)
         graphs = engine.runner.graphs
-        emit(kind="startup", **{k: round(v, 3) for k, v in engine.startup_times.items()},
-             num_kv_blocks=engine.num_kv_blocks, max_num_seqs=max_rows, max_model_len=max_len,
-             num_graphs=0 if graphs is None else len(graphs.sizes), weights="dummy" if dummy else "checkpoint",
-             **common)
+        startup = dict(num_kv_blocks=engine.num_kv_blocks, max_num_seqs=max_rows, max_model_len=max_len,
+                       num_graphs=0 if graphs is None else len(graphs.sizes), weights="dummy" if dummy else "checkpoint",
+                       **common)
+        emit(kind="startup", start="first", **{k: round(v, 3) for k, v in engine.startup_times.items()}, **startup)
         engine_tps = {}
         for name, prompts, n, prompt_len, new in workloads:
             tps, secs = time_generate(engine, device, prompts, prompt_len, new, n=n, repeats=plan.repeats,
@@ -200,6 +219,9 @@ def run_shape(shape: str, plan: Plan, device: str, dtype: str, ceilings: tuple[f
         engine.close()
         del engine
         release_memory()
+        if device.startswith("cuda"):
+            times = restart_times(config)
+            emit(kind="startup", start="restart", **{k: round(v, 3) for k, v in times.items()}, **startup)
         if dummy or not plan.hf_batches:
             return identical
         model = load_hf(d, device, dtype)

@@ -64,6 +64,11 @@ class EngineConfig:
     """Share full KV blocks between requests with the same prefix (always on for a prompt's n samples)."""
     enforce_eager: bool = False
     """Disable CUDA-graph capture of decode."""
+    fused_gemv_rows: int = 4
+    """CUDA, outside deterministic mode: forwards of at most this many tokens (decode at batch 1 to 4 by
+    default) run each layer's qkv, gate_up and down projections as fused Triton matrix-vector kernels with the
+    residual add + RMSNorm or the SiLU-and-mul before them folded in (kernels/gemv.py), instead of cuBLAS and
+    separate kernels. 0 turns them off; at most 8."""
     seed: int = 0
     """Seeds the engine's generator for requests without their own seed."""
     tensor_parallel_size: int = 1
@@ -139,6 +144,9 @@ class EngineConfig:
                              f"over the tensor-parallel ranks), got tensor_parallel_size={self.tensor_parallel_size}")
         if self.tensor_parallel_size > 1 and self.speculative is not None:
             raise ValueError("speculative decoding does not support tensor_parallel_size > 1 yet")
+        if isinstance(self.fused_gemv_rows, bool) or not isinstance(self.fused_gemv_rows, int) \
+                or not 0 <= self.fused_gemv_rows <= 8:
+            raise ValueError(f"EngineConfig.fused_gemv_rows must be an integer in [0, 8], got {self.fused_gemv_rows!r}")
         for name, low in (("max_loras", 0), ("max_lora_rank", 1)):
             value = getattr(self, name)
             if isinstance(value, bool) or not isinstance(value, int) or value < low:

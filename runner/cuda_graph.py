@@ -35,13 +35,13 @@ def capture_sizes(max_num_seqs: int) -> list[int]:
 
 
 def capture(step, pool=None):
-    """(graph, outputs) of `step()` captured as a CUDA graph in memory pool `pool` (None: a new one). Two
-    warm-up calls on a side stream first compile and autotune every kernel outside the capture."""
+    """(graph, outputs) of `step()` captured as a CUDA graph in memory pool `pool` (None: a new one). A warm-up
+    call on a side stream first compiles (and autotunes) every kernel and sets up the BLAS workspaces outside
+    the capture."""
     stream = torch.cuda.Stream()
     stream.wait_stream(torch.cuda.current_stream())
     with torch.cuda.stream(stream):
-        for _ in range(2):
-            step()
+        step()
     torch.cuda.current_stream().wait_stream(stream)
     graph = torch.cuda.CUDAGraph()
     with torch.cuda.graph(graph, pool=pool):

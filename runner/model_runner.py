@@ -130,6 +130,9 @@ class ModelRunner:
         )
         self.load_seconds = time.perf_counter() - start
         """Seconds the weight load took (`load_model`: on CUDA until the weights are in place)."""
+        set_gemv_rows = getattr(self.model, "set_gemv_rows", None)  # optional (runner/models/interface.py)
+        if self.device.type == "cuda" and not config.deterministic and set_gemv_rows is not None:
+            set_gemv_rows(config.fused_gemv_rows)
         self.num_kv_heads = self.model.num_kv_heads  # this rank's
         shape = getattr(self.model, "routed_experts_shape", None) if config.enable_return_routed_experts else None
         self.routed_experts_shape: tuple[int, int] | None = None if shape is None else tuple(shape)
@@ -271,7 +274,7 @@ class ModelRunner:
             b.seq_lens.zero_()
             torch.cuda.synchronize()
             free_before = torch.cuda.mem_get_info(self.device)[0]
-            probe = DecodeGraphs(self, [cfg.max_num_seqs])
+            probe = DecodeGraphs(self, [self.max_decode_rows])
             probe.capture()
             graph_bytes = max(0, free_before - torch.cuda.mem_get_info(self.device)[0])
             probe.release()
@@ -622,10 +625,16 @@ class ModelRunner:
         if self.device.type == "cuda":
             torch.cuda.empty_cache()
 
+    @property
+    def max_decode_rows(self) -> int:
+        """The most requests one decode step can hold: a step runs at most max_num_seqs requests and at most
+        max_num_batched_tokens tokens."""
+        return min(self.config.max_num_seqs, self.config.max_num_batched_tokens)
+
     def capture_graphs(self) -> None:
         from runner.cuda_graph import DecodeGraphs, capture_sizes
 
-        self.graphs = DecodeGraphs(self, capture_sizes(self.config.max_num_seqs))
+        self.graphs = DecodeGraphs(self, capture_sizes(self.max_decode_rows))
         self.graphs.capture()
 
     def _stage(self, inputs: StepInputs) -> None:

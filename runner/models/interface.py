@@ -4,7 +4,9 @@
 an `nn.Module` built on the meta device by `runner.loader.load_model` as `cls(cfg, backend, tp)`, then
 allocated, filled through its `checkpoint_layout` and switched by `set_deterministic`. Speculative
 decoding's drafters also read the target's token embedding as `model.model.embed_tokens` (EAGLE / MTP
-heads share it). Not here: any implementation (runner/models/llama.py is the built-in one).
+heads share it). Optional: `set_gemv_rows(rows)`, called by the runner on CUDA outside deterministic mode with
+`EngineConfig.fused_gemv_rows` (paged forwards of at most that many tokens may take fused small-batch kernels).
+Not here: any implementation (runner/models/llama.py is the built-in one).
 """
 
 from __future__ import annotations

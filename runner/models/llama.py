@@ -170,8 +170,11 @@ class Attention(nn.Module):
 
     def forward(self, rope: Rotary, hidden, meta: AttentionMetadata | None) -> torch.Tensor:
         """Paged: hidden [T, H] with `meta`. Dense (training): hidden [B, T, H], meta None, causal per row."""
-        lead = hidden.shape[:-1]
-        qkv = self.qkv_proj(hidden)
+        return self.attend(rope, self.qkv_proj(hidden), meta)
+
+    def attend(self, rope: Rotary, qkv: torch.Tensor, meta: AttentionMetadata | None) -> torch.Tensor:
+        """`forward` from the qkv projection's output qkv [..., Hq*D + 2*Hkv*D] on -> [..., H]."""
+        lead = qkv.shape[:-1]
         if meta is not None and not qkv.is_cuda and self.q_norm is None:
             return self._paged_torch(rope, qkv, meta)
         q, k, v = qkv.split([self.q_size, self.kv_size, self.kv_size], dim=-1)
@@ -279,7 +282,10 @@ class MLP(nn.Module):
         }
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        gate_up = self.gate_up_proj(x)  # [..., 2 * intermediate]
+        return self.down(self.gate_up_proj(x))
+
+    def down(self, gate_up: torch.Tensor) -> torch.Tensor:
+        """The block from the gate_up projection's output gate_up [..., 2 * intermediate] on -> [..., H]."""
         if gate_up.is_cuda and (self.deterministic or not torch.is_grad_enabled()):
             from kernels.activation import silu_and_mul  # one kernel, as in the engine (Triton on CUDA)
 
@@ -292,7 +298,14 @@ class MLP(nn.Module):
 class DecoderLayer(nn.Module):
     """Attention then a feed-forward block `mlp` (the dense `MLP` unless one is given), each after an RMSNorm
     fused with the residual add. A feed-forward block is called as `mlp(hidden)`, or as `mlp(hidden, meta)`
-    when it declares `takes_metadata = True` (a MoE block records its routing per KV slot)."""
+    when it declares `takes_metadata = True` (a MoE block records its routing per KV slot).
+
+    A paged forward of at most `gemv_rows` tokens (set by the engine on CUDA, `EngineConfig.fused_gemv_rows`;
+    0 elsewhere) runs the qkv and gate_up projections with the residual add + RMSNorm before them, and the down
+    projection with the SiLU-and-mul before it, as single fused matrix-vector kernels (kernels/gemv.py); a
+    projection with a LoRA hook keeps the unfused path (the hook reads the normalised input)."""
+
+    gemv_rows = 0
 
     def __init__(self, cfg: ModelConfig, backend: AttentionBackend | None, tp: TPGroup | None = None,
                  mlp: nn.Module | None = None) -> None:
@@ -309,6 +322,8 @@ class DecoderLayer(nn.Module):
         return layout
 
     def forward(self, rope, hidden, residual, meta):
+        if meta is not None and 0 < hidden.shape[0] <= self.gemv_rows and not torch.is_grad_enabled():
+            return self._forward_gemv(rope, hidden, residual, meta)
         if residual is None:
             residual = hidden
             hidden = self.input_layernorm(hidden)
@@ -316,9 +331,39 @@ class DecoderLayer(nn.Module):
             hidden, residual = self.input_layernorm(hidden, residual)
         hidden = self.self_attn(rope, hidden, meta)
         hidden, residual = self.post_attention_layernorm(hidden, residual)
+        return self._feed_forward(hidden, meta), residual
+
+    def _feed_forward(self, hidden, meta):
         if getattr(self.mlp, "takes_metadata", False):
-            return self.mlp(hidden, meta), residual
-        return self.mlp(hidden), residual
+            return self.mlp(hidden, meta)
+        return self.mlp(hidden)
+
+    def _forward_gemv(self, rope, hidden, residual, meta):
+        """`forward` at a few tokens, hidden [T, H] with T <= gemv_rows: the fused kernels where they apply."""
+        from kernels.gemv import fused_gemv
+
+        attn, mlp = self.self_attn, self.mlp
+        qkv_proj, norm = attn.qkv_proj, self.input_layernorm
+        if qkv_proj.lora is None:
+            qkv, residual = fused_gemv(hidden, qkv_proj.weight, qkv_proj.bias, prologue="rms_norm",
+                                       norm_weight=norm.weight, residual=residual, eps=norm.eps)
+            hidden = attn.attend(rope, qkv, meta)
+        else:
+            hidden, residual = (norm(hidden), hidden) if residual is None else norm(hidden, residual)
+            hidden = attn(rope, hidden, meta)
+        norm = self.post_attention_layernorm
+        if not isinstance(mlp, MLP) or mlp.gate_up_proj.lora is not None:
+            hidden, residual = norm(hidden, residual)
+            return self._feed_forward(hidden, meta), residual
+        gate_up, residual = fused_gemv(hidden, mlp.gate_up_proj.weight, None, prologue="rms_norm",
+                                       norm_weight=norm.weight, residual=residual, eps=norm.eps)
+        down = mlp.down_proj
+        if down.lora is not None:
+            return mlp.down(gate_up), residual
+        if down.tp is None:
+            return fused_gemv(gate_up, down.weight, down.bias, prologue="silu_mul"), residual
+        out = down.tp.all_reduce(fused_gemv(gate_up, down.weight, prologue="silu_mul"))
+        return (out if down.bias is None else out + down.bias), residual
 
 
 class DecoderModel(nn.Module):
@@ -406,6 +451,12 @@ class DecoderForCausalLM(nn.Module):
                 aux.append(hidden + residual)
         hidden, _ = self.model.norm(hidden, residual)
         return hidden, (torch.cat(aux, dim=-1) if aux else None)
+
+    def set_gemv_rows(self, rows: int) -> None:
+        """Paged forwards of at most `rows` tokens take the layers' fused small-batch kernels (CUDA inference in
+        fast mode only; `DecoderLayer`); 0 turns them off."""
+        for layer in self.model.layers:
+            layer.gemv_rows = rows
 
     def set_deterministic(self, deterministic: bool) -> None:
         """Batch-invariant kernels everywhere (linears, LM head, norms, attention, MLP) when True: every
