@@ -13,7 +13,10 @@ Kernel structure:
              = one [BLOCK_Q * GROUP_PAD, D] tile, so each KV tile is loaded once for the whole group
       fast mode, num_splits == 1 : online softmax over the context, write the output
       fast mode, num_splits > 1  : online softmax over one KV split, write (max, sum, acc) partials,
-                                   then `_combine_splits_kernel` merges the splits with log-sum-exp
+                                   then `_combine_splits_kernel` merges the splits with log-sum-exp;
+                                   unless a split size is forced, the program cuts its request's actual
+                                   context into num_splits equal runs of whole KV tiles, so a graph
+                                   captured for max_seq_len splits a short context as finely as a long one
       deterministic mode         : num_splits == 1; the program walks the context in fixed splits of
                                    `kv_split_size` tokens, each an online softmax over fixed BLOCK_N
                                    tiles started afresh, merged in order by one fixed combine step
@@ -42,7 +45,7 @@ _DTYPES = (torch.float16, torch.bfloat16, torch.float32)
 _INDEX_DTYPES = (torch.int32, torch.int64)
 _LOG2E = 1.4426950408889634
 DETERMINISTIC_KV_SPLIT_SIZE = 256  # tokens per KV split in deterministic mode unless given
-_FAST_MIN_SPLIT_SIZE = 256  # fast mode never splits the context finer than this on its own
+_FAST_MAX_SPLITS = 32  # fast mode splits a request's context into at most this many runs on its own
 
 
 # --------------------------------------------------------------------------------------------------
@@ -230,9 +233,12 @@ def _paged_attention_kernel(
                 acc = acc * a[:, None] + acc_s * b[:, None]
                 m_i = m_new
         else:
-            kv_lo = split * split_size
+            size = split_size
+            if size == 0:  # the request's context in NUM_SPLITS runs of whole tiles (some may be empty)
+                size = tl.cdiv(tl.cdiv(seq_len, NUM_SPLITS), BLOCK_N) * BLOCK_N
+            kv_lo = split * size
             m_i, l_i, acc = _attend_kv_range(
-                q, m_i, l_i, acc, kv_lo, tl.minimum(kv_lo + split_size, ctx_hi),
+                q, m_i, l_i, acc, kv_lo, tl.minimum(kv_lo + size, ctx_hi),
                 q_pos, seq_len, bt_row_ptr, k_ptr, v_ptr, stride_kb, stride_ks, stride_vb, stride_vs,
                 block_size, qk_scale, offs_d, d_mask, BLOCK_N, IEEE_DOT)
 
@@ -307,8 +313,9 @@ def paged_attention(
     are not written. Query tokens with no context (seq_len 0, e.g. graph padding) get zeros.
 
     kv_split_size: tokens per KV split, a multiple of 16.
-      fast mode (default): None picks the split by shape (one split unless the grid is too small to fill
-        the device, as in small-batch long-context decode); an int forces that split.
+      fast mode (default): None splits the context when the grid is too small to fill the device (small
+        batches: up to 32 splits, never finer than one KV tile), each request's actual context cut into
+        equal runs of whole KV tiles by the kernel; an int forces splits of that many tokens.
       deterministic=True: the context is always reduced in splits of `kv_split_size` tokens (default
         256) from position 0, in order, with fixed tiles, so each query token's output is bitwise
         independent of batch size, batch position, chunking and prefill vs decode. Use the same
@@ -385,10 +392,11 @@ def paged_attention(
             split_size = kv_split_size
         else:
             num_ctas = num_reqs * triton.cdiv(max_query_len, block_q) * num_kv_heads
-            wanted = min(triton.cdiv(2 * _num_sms(query.device), num_ctas),
-                         triton.cdiv(max_seq_len, _FAST_MIN_SPLIT_SIZE))
-            split_size = triton.cdiv(triton.cdiv(max(max_seq_len, 1), max(wanted, 1)), block_n) * block_n
-        num_splits = max(1, triton.cdiv(max_seq_len, split_size))
+            split_size = 0  # the kernel cuts each request's context into num_splits runs
+            num_splits = max(1, min(triton.cdiv(2 * _num_sms(query.device), num_ctas),
+                                    triton.cdiv(max_seq_len, block_n), _FAST_MAX_SPLITS))
+        if split_size:
+            num_splits = max(1, triton.cdiv(max_seq_len, split_size))
         num_q_blocks = triton.cdiv(max_query_len, block_q)
 
     if num_splits > 1:

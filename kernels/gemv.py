@@ -9,15 +9,19 @@ once and computes its input on the fly from what those kernels would have read, 
     prologue "rms_norm" : s = x (+ residual); y = rms_norm(s) W^T (+ b)  returns (y, s)
     prologue "silu_mul" : y = (silu(g) * u) W^T (+ b)                  x [M, 2K] = (g | u)
 
-The prologues round as `kernels/norm.py` and `kernels/activation.py` do (the sum and the normalised row
-in the activation dtype, then the weight multiply; the SiLU, then the product), so the product's input is
-what the unfused kernels hand the GEMM, up to their own one-ulp agreement with the references. The dot
-products accumulate in float32 over K in a fixed order, each output element in one program.
+Numerics: the residual sum s is rounded to the activation dtype as `kernels/norm.py` rounds it (bitwise the
+same residual stream); the SiLU-and-mul input is rounded as `kernels/activation.py` rounds it. The RMSNorm
+is applied in float32 without its intermediate roundings: each product term is w_norm[k] * s[k] * W[n, k]
+and the row's 1 / rms multiplies the sums at the end, so x is read once. The dot products accumulate in
+float32 over K in a fixed order, each output element in one program: no atomics, the same bits every run.
+Against the unfused layers: float32 within 1e-5, bfloat16 within a few ulps of the output.
 
 Kernel structure: grid = (cdiv(N, BLOCK_N),); one program owns BLOCK_N output columns for all M rows
-(at most `MAX_ROWS`), walks K in BLOCK_K steps and reduces a [M, BLOCK_N, BLOCK_K] product per step. With
-"rms_norm" it first walks the rows once for their mean square (the rows are small and stay in cache), and
-program 0 writes the sum s. Tiles are chosen by shape so the grid covers the device twice or more.
+(at most `MAX_ROWS`), walks K in BLOCK_K steps and reduces a [M, BLOCK_N, BLOCK_K] product per step on the
+CUDA cores (the rows are few: the weight's bytes are the cost), program 0 writing the residual sum s as it
+goes. Tiles are chosen by shape: long K steps (16 KiB of weight per step at one row) and 4 or 8 columns per
+program, as measured fastest at one row by `bench/gemv.py`. Each extra row costs a weight-sized product
+more; past one or two rows a GEMM library is faster (the engine's default is one row).
 
 The plain-torch composition of the references is `fused_gemv_ref` (kernels/gemv_ref.py). Not here: more
 than MAX_ROWS rows (use a GEMM), split-K, deterministic (batch-invariant) mode, quantized weights.
@@ -53,30 +57,16 @@ def _gemv_kernel(
     n_mask = offs_n < N
     x_rows = x_ptr + offs_m[:, None].to(tl.int64) * stride_x  # [M_PAD, 1]
     r_rows = res_ptr + offs_m[:, None].to(tl.int64) * stride_r
+    w_rows = w_ptr + offs_n[:, None].to(tl.int64) * stride_w  # [BLOCK_N, 1]
     dtype = w_ptr.dtype.element_ty
 
-    rstd = tl.zeros([M_PAD], tl.float32)
-    if PROLOGUE == 1:  # the rows' mean squares, over the rounded sums; program 0 writes the sums
-        squares = tl.zeros([M_PAD], tl.float32)
-        for k0 in range(0, K, BLOCK_K):
-            kk = k0 + offs_k
-            mask = m_mask[:, None] & (kk[None, :] < K)
-            s = tl.load(x_rows + kk[None, :], mask=mask, other=0.0)
-            if HAS_RESIDUAL:
-                r = tl.load(r_rows + kk[None, :], mask=mask, other=0.0)
-                s = (s.to(tl.float32) + r.to(tl.float32)).to(dtype)
-                if pid == 0:
-                    tl.store(sum_ptr + offs_m[:, None].to(tl.int64) * stride_s + kk[None, :], s, mask=mask)
-            h = s.to(tl.float32)
-            squares += tl.sum(h * h, 1)
-        rstd = tl.math.rsqrt(squares / K + eps)
-
     acc = tl.zeros([M_PAD, BLOCK_N], tl.float32)
-    w_rows = w_ptr + offs_n[:, None].to(tl.int64) * stride_w  # [BLOCK_N, 1]
+    squares = tl.zeros([M_PAD], tl.float32)  # rms_norm: the rows' sums of squares
     for k0 in range(0, K, BLOCK_K):
         kk = k0 + offs_k
         k_mask = kk < K
         mask = m_mask[:, None] & k_mask[None, :]
+        w = tl.load(w_rows + kk[None, :], mask=n_mask[:, None] & k_mask[None, :], other=0.0)  # [BLOCK_N, BLOCK_K]
         if PROLOGUE == 2:
             g = tl.load(x_rows + kk[None, :], mask=mask, other=0.0)
             u = tl.load(x_rows + K + kk[None, :], mask=mask, other=0.0)
@@ -88,14 +78,18 @@ def _gemv_kernel(
             if PROLOGUE == 1:
                 if HAS_RESIDUAL:
                     r = tl.load(r_rows + kk[None, :], mask=mask, other=0.0)
-                    s = (s.to(tl.float32) + r.to(tl.float32)).to(dtype)
-                normed = (s.to(tl.float32) * rstd[:, None]).to(dtype)
-                nw = tl.load(nw_ptr + kk, mask=k_mask, other=0.0)
-                a = (nw.to(tl.float32)[None, :] * normed.to(tl.float32)).to(dtype).to(tl.float32)
+                    s = (s.to(tl.float32) + r.to(tl.float32)).to(dtype)  # the residual stream, rounded
+                    if pid == 0:
+                        tl.store(sum_ptr + offs_m[:, None].to(tl.int64) * stride_s + kk[None, :], s, mask=mask)
+                sf = s.to(tl.float32)
+                squares += tl.sum(sf * sf, 1)
+                nw = tl.load(nw_ptr + kk, mask=k_mask, other=0.0).to(tl.float32)
+                a = nw[None, :] * sf  # the row's 1 / rms multiplies the sums after the loop
             else:
                 a = s.to(tl.float32)
-        w = tl.load(w_rows + kk[None, :], mask=n_mask[:, None] & k_mask[None, :], other=0.0).to(tl.float32)
-        acc += tl.sum(a[:, None, :] * w[None, :, :], 2)  # [M_PAD, BLOCK_N]
+        acc += tl.sum(a[:, None, :] * w.to(tl.float32)[None, :, :], 2)  # [M_PAD, BLOCK_N]
+    if PROLOGUE == 1:
+        acc = acc * tl.math.rsqrt(squares / K + eps)[:, None]
     if HAS_BIAS:
         acc += tl.load(b_ptr + offs_n, mask=n_mask, other=0.0).to(tl.float32)[None, :]
     out = out_ptr + offs_m[:, None].to(tl.int64) * stride_o + offs_n[None, :]
@@ -119,15 +113,16 @@ def _num_sms(index: int | None) -> int:
 
 
 def pick_config(rows: int, n: int, k: int, device: torch.device) -> GemvConfig:
-    """Tiles by shape: K steps of up to 512 (16-byte loads per thread at 4 warps), and the most columns
-    per program that still gives a grid of at least two programs per SM."""
-    block_k = min(512, triton.next_power_of_2(max(k, 16)))
+    """Tiles by shape: K steps of up to 1024, 8 columns per program where that still gives two programs per
+    SM (else 4); as rows add registers (at most 8192 products per step), fewer columns, then shorter steps."""
+    block_k = min(1024, triton.next_power_of_2(max(k, 16)))
     want = 2 * _num_sms(device.index if device.type == "cuda" else None)
-    block_n = 64
-    while block_n > 2 and triton.cdiv(n, block_n) < want:
-        block_n //= 2
-    while block_n > 2 and triton.next_power_of_2(rows) * block_n * block_k > 16384:  # registers per step
-        block_n //= 2
+    block_n = 8 if triton.cdiv(n, 8) >= want else 4
+    while triton.next_power_of_2(rows) * block_n * block_k > 8192:
+        if block_n > 2:
+            block_n //= 2
+        else:
+            block_k //= 2
     return GemvConfig(block_n=block_n, block_k=block_k, num_warps=4)
 
 

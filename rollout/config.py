@@ -64,11 +64,11 @@ class EngineConfig:
     """Share full KV blocks between requests with the same prefix (always on for a prompt's n samples)."""
     enforce_eager: bool = False
     """Disable CUDA-graph capture of decode."""
-    fused_gemv_rows: int = 4
-    """CUDA, outside deterministic mode: forwards of at most this many tokens (decode at batch 1 to 4 by
-    default) run each layer's qkv, gate_up and down projections as fused Triton matrix-vector kernels with the
-    residual add + RMSNorm or the SiLU-and-mul before them folded in (kernels/gemv.py), instead of cuBLAS and
-    separate kernels. 0 turns them off; at most 8."""
+    fused_gemv_rows: int = 1
+    """CUDA, outside deterministic mode: forwards of at most this many tokens (batch-1 decode by default) run
+    every projection and the LM head as Triton matrix-vector kernels, the residual add + RMSNorm before qkv and
+    gate_up and the SiLU-and-mul before down folded in (kernels/gemv.py), instead of cuBLAS and separate
+    kernels. 0 turns them off; at most 8 (each extra row costs the kernels about a weight read more)."""
     seed: int = 0
     """Seeds the engine's generator for requests without their own seed."""
     tensor_parallel_size: int = 1

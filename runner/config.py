@@ -50,7 +50,7 @@ class RunnerConfig:
     kv_cache_bytes: int = 1 << 30
     gpu_memory_utilization: float = 0.9
     enforce_eager: bool = False
-    fused_gemv_rows: int = 4
+    fused_gemv_rows: int = 1
     seed: int = 0
     tensor_parallel_size: int = 1
     tp_sampling: str = "sharded"

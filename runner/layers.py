@@ -3,8 +3,10 @@
 `Linear` holds `weight [out, in]` and an optional `bias [out]` under the same names as `nn.Linear`, so
 checkpoint layouts are unchanged. In deterministic mode its forward uses a batch-invariant matmul (each
 row's reduction order fixed: `kernels/matmul.py` on CUDA, `kernels/matmul_ref.py` on the CPU); otherwise
-`F.linear`. A layer that LoRA adapters target gets a `lora` hook (runner/lora/runtime.py), which adds each
-token's adapter delta to the output in place. Not here: tensor-parallel sharding.
+`F.linear`. A forward of at most `gemv_rows` rows (the engine sets it on CUDA outside deterministic mode,
+`EngineConfig.fused_gemv_rows`) runs the Triton matrix-vector kernel `kernels.gemv.fused_gemv` instead. A layer
+that LoRA adapters target gets a `lora` hook (runner/lora/runtime.py), which adds each token's adapter delta to
+the output in place. Not here: tensor-parallel sharding.
 """
 
 from __future__ import annotations
@@ -31,6 +33,8 @@ def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, det
 
 
 class Linear(nn.Module):
+    gemv_rows = 0  # forwards of at most this many rows (x [T, in], no autograd) take kernels.gemv.fused_gemv
+
     def __init__(self, in_features: int, out_features: int, bias: bool = False) -> None:
         super().__init__()
         self.in_features, self.out_features = in_features, out_features
@@ -43,8 +47,18 @@ class Linear(nn.Module):
         self.deterministic = deterministic
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        out = linear(x, self.weight, self.bias, self.deterministic)
+        if self.takes_gemv(x):
+            from kernels.gemv import fused_gemv
+
+            out = fused_gemv(x, self.weight, self.bias)
+        else:
+            out = linear(x, self.weight, self.bias, self.deterministic)
         return out if self.lora is None else self.lora(out, x)
+
+    def takes_gemv(self, x: torch.Tensor) -> bool:
+        """Whether a forward of x runs the matrix-vector kernel (see `gemv_rows`)."""
+        return (x.dim() == 2 and 0 < x.shape[0] <= self.gemv_rows and not self.deterministic
+                and not torch.is_grad_enabled())
 
     def extra_repr(self) -> str:
         return f"in_features={self.in_features}, out_features={self.out_features}, bias={self.bias is not None}"

@@ -274,3 +274,19 @@ def test_cuda_graph_capture_of_decode():
     torch.cuda.synchronize()
     _assert_matches_ref(batch, out, reqs=range(63))
     assert torch.equal(out[63], torch.zeros_like(out[63]))
+
+
+@pytest.mark.parametrize("sms", [4, 64])
+def test_decode_splits_each_actual_context_under_a_loose_bound(monkeypatch, sms):
+    """Fast mode on a small grid splits the context on its own: the kernel cuts each request's actual context
+    into equal runs of whole tiles (some empty), however loose the max_seq_len bound (as in a CUDA graph
+    captured for max_model_len). More SMs -> more splits (up to 32)."""
+    import kernels.attention as attention
+
+    monkeypatch.setattr(attention, "_num_sms", lambda device: sms)
+    batch = Batch([1, 1, 1], [200, 17, 3], dtype=torch.float32, seed=4)
+    args = list(batch.args())
+    args[-1] = 4096  # max_seq_len: a graph's bound, far above the real contexts
+    bt = args[5]
+    args[5] = torch.nn.functional.pad(bt, (0, 4096 // batch.k_cache.shape[1] - bt.shape[1]))  # unread columns
+    _assert_matches_ref(batch, paged_attention(*args, block_n=16))

@@ -8,6 +8,7 @@ import torch
 from conftest import load_hf, variant_id
 from rollout import Engine, EngineConfig, SamplingParams
 
+DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 VARIANTS = [
     ("llama", {}),
     ("llama", {"tie_word_embeddings": True}),
@@ -128,27 +129,24 @@ def test_dummy_load_format_draws_weights_without_reading_a_checkpoint(ckpt_facto
 @pytest.mark.parametrize("family", ["llama", "qwen2", "qwen3", "qwen3_moe"])
 def test_fused_small_batch_kernels_follow_the_unfused_layers(ckpt_factory, family, monkeypatch):
     """Decode rows through the fused norm / activation + GEMV kernels (kernels/gemv.py, which the engine turns on
-    on CUDA; switched on here by hand, the kernels run in Triton's interpreter) give the tokens and, within 1e-4,
-    the logprobs of the unfused layers. The fused kernel must actually have run."""
-    import os
-
+    by default at one row; switched on here by hand for up to 4, on the CPU in Triton's interpreter) give the
+    tokens and, within 1e-4, the logprobs of the unfused layers. The fused kernel must actually have run."""
     import kernels.gemv
 
-    monkeypatch.setenv("TRITON_INTERPRET", os.environ.get("TRITON_INTERPRET", "1"))
     calls = []
     real = kernels.gemv.fused_gemv
-    monkeypatch.setattr(kernels.gemv, "fused_gemv", lambda *a, **kw: calls.append(kw.get("prologue")) or real(*a, **kw))
+    monkeypatch.setattr(kernels.gemv, "fused_gemv", lambda *a, **kw: calls.append(kw.get("prologue", "none")) or real(*a, **kw))
     path = ckpt_factory(family)
     prompts = [[3, 9, 27, 31, 5], [7, 7, 2]]
     params = SamplingParams(max_tokens=6, temperature=0.0, ignore_eos=True)
     outs = []
     for rows in (0, 4):
-        engine = Engine(EngineConfig(model=str(path), max_num_seqs=4))
+        engine = Engine(EngineConfig(model=str(path), max_num_seqs=4, device=DEVICE))
         engine.runner.model.set_gemv_rows(rows)
         outs.append([r.outputs[0] for r in engine.generate(prompts, params)])
         engine.close()
     kinds = set(calls)
-    assert kinds == ({"rms_norm"} if family == "qwen3_moe" else {"rms_norm", "silu_mul"})
+    assert kinds == ({"rms_norm", "none"} if family == "qwen3_moe" else {"rms_norm", "none", "silu_mul"})
     for ref, fused in zip(*outs):
         assert fused.token_ids == ref.token_ids
         torch.testing.assert_close(torch.tensor(fused.logprobs), torch.tensor(ref.logprobs), rtol=0, atol=1e-4)

@@ -170,10 +170,10 @@ class Attention(nn.Module):
 
     def forward(self, rope: Rotary, hidden, meta: AttentionMetadata | None) -> torch.Tensor:
         """Paged: hidden [T, H] with `meta`. Dense (training): hidden [B, T, H], meta None, causal per row."""
-        return self.attend(rope, self.qkv_proj(hidden), meta)
+        return self.o_proj(self.attend(rope, self.qkv_proj(hidden), meta))
 
     def attend(self, rope: Rotary, qkv: torch.Tensor, meta: AttentionMetadata | None) -> torch.Tensor:
-        """`forward` from the qkv projection's output qkv [..., Hq*D + 2*Hkv*D] on -> [..., H]."""
+        """`forward` between the projections: qkv [..., Hq*D + 2*Hkv*D] -> the heads' outputs [..., Hq*D]."""
         lead = qkv.shape[:-1]
         if meta is not None and not qkv.is_cuda and self.q_norm is None:
             return self._paged_torch(rope, qkv, meta)
@@ -196,17 +196,17 @@ class Attention(nn.Module):
             if self.deterministic and q.is_cuda:
                 dest = _linear_input(q.shape[0], self.q_size, q).view(q.shape)
             out = self.backend.attend(q, self.k_cache, self.v_cache, meta, self.scale, out=dest)
-        return self.o_proj(out.reshape(*lead, self.q_size))
+        return out.reshape(*lead, self.q_size)
 
     def _paged_torch(self, rope: Rotary, qkv: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor:
         """The paged CPU path: query and key heads rotated together, K/V stored and read through the backend.
-        qkv [T, Hq*D + 2*Hkv*D] -> [T, H]."""
+        qkv [T, Hq*D + 2*Hkv*D] -> [T, Hq*D]."""
         num_tokens, hq, hkv, d = qkv.shape[0], self.num_heads, self.num_kv_heads, self.head_dim
         qk = apply_rotary_heads(qkv[:, : self.q_size + self.kv_size].view(num_tokens, hq + hkv, d), *rope.cos_sin)
         v = qkv[:, self.q_size + self.kv_size :].view(num_tokens, hkv, d)
         self.backend.store(qk[:, hq:], v, self.k_cache, self.v_cache, meta)
         out = self.backend.attend(qk[:, :hq], self.k_cache, self.v_cache, meta, self.scale)
-        return self.o_proj(out.reshape(num_tokens, self.q_size))
+        return out.reshape(num_tokens, self.q_size)
 
     def _dense_attention(self, q, k, v) -> torch.Tensor:
         """q [B, T, Hq, D], k/v [B, T, Hkv, D] -> [B, T, Hq, D], causal, no cache."""
@@ -340,30 +340,41 @@ class DecoderLayer(nn.Module):
 
     def _forward_gemv(self, rope, hidden, residual, meta):
         """`forward` at a few tokens, hidden [T, H] with T <= gemv_rows: the fused kernels where they apply."""
-        from kernels.gemv import fused_gemv
-
         attn, mlp = self.self_attn, self.mlp
-        qkv_proj, norm = attn.qkv_proj, self.input_layernorm
-        if qkv_proj.lora is None:
-            qkv, residual = fused_gemv(hidden, qkv_proj.weight, qkv_proj.bias, prologue="rms_norm",
-                                       norm_weight=norm.weight, residual=residual, eps=norm.eps)
-            hidden = attn.attend(rope, qkv, meta)
+        norm = self.input_layernorm
+        if attn.qkv_proj.lora is None:
+            qkv, residual = gemv_linear(attn.qkv_proj, hidden, norm, residual)
         else:
             hidden, residual = (norm(hidden), hidden) if residual is None else norm(hidden, residual)
-            hidden = attn(rope, hidden, meta)
+            qkv = attn.qkv_proj(hidden)
+        hidden = attn.o_proj(attn.attend(rope, qkv, meta))
         norm = self.post_attention_layernorm
         if not isinstance(mlp, MLP) or mlp.gate_up_proj.lora is not None:
             hidden, residual = norm(hidden, residual)
             return self._feed_forward(hidden, meta), residual
-        gate_up, residual = fused_gemv(hidden, mlp.gate_up_proj.weight, None, prologue="rms_norm",
-                                       norm_weight=norm.weight, residual=residual, eps=norm.eps)
-        down = mlp.down_proj
-        if down.lora is not None:
+        gate_up, residual = gemv_linear(mlp.gate_up_proj, hidden, norm, residual)
+        if mlp.down_proj.lora is not None:
             return mlp.down(gate_up), residual
-        if down.tp is None:
-            return fused_gemv(gate_up, down.weight, down.bias, prologue="silu_mul"), residual
-        out = down.tp.all_reduce(fused_gemv(gate_up, down.weight, prologue="silu_mul"))
-        return (out if down.bias is None else out + down.bias), residual
+        return gemv_linear(mlp.down_proj, gate_up, silu_mul=True), residual
+
+
+def gemv_linear(linear: Linear, x: torch.Tensor, norm: RMSNorm | None = None, residual: torch.Tensor | None = None,
+                silu_mul: bool = False):
+    """`linear` of a few rows by `kernels.gemv.fused_gemv` with a prologue: `norm` of x [T, in] (+ `residual`;
+    returns (y, the residual sum)), or the SiLU-and-mul of x [T, 2 * in]. A row-parallel layer's partial sums
+    are all-reduced and its bias added once, as `RowParallelLinear` does (the norm only precedes column-parallel
+    layers)."""
+    from kernels.gemv import fused_gemv
+
+    if norm is not None:
+        return fused_gemv(x, linear.weight, linear.bias, prologue="rms_norm", norm_weight=norm.weight,
+                          residual=residual, eps=norm.eps)
+    tp = getattr(linear, "tp", None)
+    y = fused_gemv(x, linear.weight, linear.bias if tp is None else None, prologue="silu_mul")
+    if tp is None:
+        return y
+    y = tp.all_reduce(y)
+    return y if linear.bias is None else y + linear.bias
 
 
 class DecoderModel(nn.Module):
@@ -385,6 +396,7 @@ class DecoderForCausalLM(nn.Module):
         self.lm_head = None if cfg.tie_word_embeddings else ParallelLMHead(cfg.vocab_size, cfg.hidden_size, tp)
         self.register_buffer("cos_sin_cache", torch.empty(0), persistent=False)  # [max_pos, head_dim] f32
         self.deterministic = False
+        self.gemv_rows = 0  # set_gemv_rows
 
     def make_layer(self, cfg: ModelConfig, backend: AttentionBackend | None, tp: TPGroup | None,
                    index: int) -> DecoderLayer:
@@ -453,10 +465,11 @@ class DecoderForCausalLM(nn.Module):
         return hidden, (torch.cat(aux, dim=-1) if aux else None)
 
     def set_gemv_rows(self, rows: int) -> None:
-        """Paged forwards of at most `rows` tokens take the layers' fused small-batch kernels (CUDA inference in
-        fast mode only; `DecoderLayer`); 0 turns them off."""
-        for layer in self.model.layers:
-            layer.gemv_rows = rows
+        """Forwards of at most `rows` tokens take the fused small-batch kernels (`DecoderLayer`, `Linear`, the LM
+        head; the runner sets it for CUDA inference in fast mode only); 0 turns them off."""
+        for module in self.modules():  # this model (its LM head), its decoder layers, every Linear
+            if hasattr(module, "gemv_rows"):
+                module.gemv_rows = rows
 
     def set_deterministic(self, deterministic: bool) -> None:
         """Batch-invariant kernels everywhere (linears, LM head, norms, attention, MLP) when True: every
@@ -469,6 +482,10 @@ class DecoderForCausalLM(nn.Module):
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """hidden [N, hidden] -> logits [N, vocab] in the model dtype; under TP the rank's shard [N, vocab / P]."""
+        if 0 < hidden.shape[0] <= self.gemv_rows and not torch.is_grad_enabled() and hidden.is_contiguous():
+            from kernels.gemv import fused_gemv
+
+            return fused_gemv(hidden, self.lm_head_weight())
         return linear(hidden, self.lm_head_weight(), None, self.deterministic)
 
     def checkpoint_layout(self, tp_rank: int | None = None, tp_size: int | None = None) -> dict[str, CheckpointSlot]:

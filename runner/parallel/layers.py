@@ -95,7 +95,12 @@ class RowParallelLinear(Linear):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if self.tp is None:
             return super().forward(x)
-        y = self.tp.all_reduce(linear(x, self.weight, None, self.deterministic))
+        if self.takes_gemv(x):
+            from kernels.gemv import fused_gemv
+
+            y = self.tp.all_reduce(fused_gemv(x, self.weight))
+        else:
+            y = self.tp.all_reduce(linear(x, self.weight, None, self.deterministic))
         return y if self.bias is None else y + self.bias
 
     def checkpoint_layout(self, tp_rank: int, tp_size: int) -> dict[str, CheckpointSlot]:
