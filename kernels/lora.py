@@ -170,7 +170,8 @@ def _lora_shrink_kernel(x_ptr, a_ptr, part_ptr, y_ptr, order_ptr, tile_start_ptr
                 kmask = kk < k_hi
                 xt = tl.load(x_ptr + tok[:, None] * stride_xt + kk[None, :], mask=mmask[:, None] & kmask[None, :],
                              other=0.0)
-                at = tl.load(a_base + kk[:, None], mask=rmask[None, :] & kmask[:, None], other=0.0)  # [BLOCK_K, BLOCK_R]
+                at = tl.load(a_base + kk[:, None], mask=rmask[None, :] & kmask[:, None],
+                             other=0.0)  # [BLOCK_K, BLOCK_R]
                 acc = tl.dot(xt, at, acc, input_precision="ieee")
             if SPLITS == 1:
                 tl.store(y_ptr + tok[:, None] * stride_yt + r[None, :], acc, mask=mmask[:, None] & rmask[None, :])
