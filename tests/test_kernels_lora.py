@@ -166,9 +166,8 @@ def test_lora_batch_tiles_cover_each_adapter_token_once(num_slots, num_tokens):
     assert not batch.arrivals.any()
 
 
-@pytest.mark.parametrize("num_slots", [1, 3, 20])
-@pytest.mark.parametrize("num_tokens", [2, 17, 45])
-@pytest.mark.parametrize("in_features", [40, 1100])  # one shrink split; three
+@pytest.mark.parametrize(("num_slots", "num_tokens", "in_features"),  # shrink splits: one; three; sixteen (the most)
+                         [(s, t, k) for s in (1, 3, 20) for t in (2, 17, 45) for k in (40, 1100)] + [(3, 17, 9000)])
 def test_slot_counts_token_counts_and_tokens_without_an_adapter(num_slots, num_tokens, in_features):
     """Against the reference at several slot and token counts, with a share of tokens without an adapter (all of
     them in one case); one `lora_batch` serves several layers in a row (the shrink's counters are left at zero)."""
