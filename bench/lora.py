@@ -3,13 +3,19 @@ the batch, against the base model (an engine without LoRA) in the same run; and 
 milliseconds against a dense push of the base model. Prints one JSON line per measurement.
 
     python bench/lora.py --device cuda          # Llama-3.1-8B shape, bf16, one GPU
+    python bench/lora.py --device cuda --profile  # and per case the top kernels of one decode graph replay
     python bench/lora.py --quick                # CPU, a tiny Llama: a smoke test of the script
 
 The base weights are random (`EngineConfig(load_format="dummy")`; the model directory holds only config.json). One
 random adapter of every module (q/k/v/o/gate/up/down) is written once as a PEFT directory and loaded under
 `--loras` names (the kernels' cost does not depend on the values). The batch's requests take the distinct adapters
 round-robin. `overhead` = base tokens/s / LoRA tokens/s - 1 (the issue's target: <= 0.15 at rank 16); the LoRA
-engine with an all-base batch is reported too (its graphs run the LoRA kernels over tokens without an adapter).
+engine with an all-base batch is reported too (its decode steps replay the graphs captured without LoRA).
+
+`--profile` (CUDA): per case, one more batch is started and a few of its decode steps run, then the step's
+captured decode graph is replayed: its device time (`graph_replay_ms`, over 20 replays), the kernels it launches
+(`launches_per_step`) and the top kernels by device time per replay (`top_kernels_us_and_launches`, LoRA's are
+`_lora_*`), like bench/profile_decode.py. Those replays recompute the step in place (its KV rows rewritten).
 
 Pushes: the adapter through `TrainerBridge(engine, lora=...)`, dense (its first push) and as a patch after about 1%
 of its elements changed; the base as one dense push of every weight (`export_weights` -> `apply_weight_update`).
@@ -91,6 +97,41 @@ def timed_decode(engine, args, loras: list[str | None]) -> float:
     return sum(len(c.token_ids) for o in outs for c in o.outputs) / best
 
 
+def profile_graph(engine, args, loras: list[str | None], common: dict, **labels) -> None:
+    """The decode graph of a batch like `timed_decode`'s, mid-generation: device time, launches, top kernels."""
+    from rollout import SamplingParams
+
+    g = torch.Generator().manual_seed(1)
+    prompts = torch.randint(2, engine.model_config.vocab_size, (args.batch, args.prompt_len), generator=g).tolist()
+    for i, prompt in enumerate(prompts):
+        engine.add_request(prompt, SamplingParams(temperature=1.0, max_tokens=args.new_tokens, ignore_eos=True, seed=i,
+                                                  lora=loras[i % len(loras)]))
+    for _ in range(4):  # the prefill, then decode steps
+        engine.step()
+    graphs = engine.runner.graphs
+    key = (graphs.padded_size(args.batch), False, any(lora is not None for lora in loras))
+    assert key in graphs.graphs, (key, sorted(graphs.graphs))
+    graph = graphs.graphs[key]
+    sync(args.device)
+    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    start.record()
+    for _ in range(20):
+        graph.replay()
+    end.record()
+    sync(args.device)
+    with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CUDA]) as prof:
+        for _ in range(5):
+            graph.replay()
+        sync(args.device)
+    events = prof.key_averages()
+    top = sorted(((e.key, e.device_time_total / 5, e.count // 5) for e in events), key=lambda k: -k[1])[:args.top]
+    emit(kind="profile", graph=list(key), graph_replay_ms=round(start.elapsed_time(end) / 20, 4),
+         launches_per_step=sum(e.count for e in events) // 5,
+         top_kernels_us_and_launches=[(k[:60], round(t, 1), n) for k, t, n in top], **labels, **common)
+    while engine.has_unfinished_requests():
+        engine.step()
+
+
 def bench_adapter_push(engine, args, name: str, common: dict) -> None:
     """The adapter's first push (dense) and a patch after about 1% of its elements changed, via TrainerBridge."""
     from trainer_bridge import TrainerBridge
@@ -133,8 +174,13 @@ def main() -> None:
     ap.add_argument("--prompt-len", type=int, default=None)
     ap.add_argument("--new-tokens", type=int, default=None)
     ap.add_argument("--quick", action="store_true", help="a tiny Llama on the CPU")
+    ap.add_argument("--profile", action="store_true", help="per case, the device time and top kernels of one decode "
+                    "graph replay (CUDA)")
+    ap.add_argument("--top", type=int, default=14, help="kernels listed by --profile")
     args = ap.parse_args()
     cuda = args.device.startswith("cuda")
+    if args.profile and not cuda:
+        raise SystemExit("--profile needs --device cuda (it replays a captured decode graph)")
     args.dtype = args.dtype or ("bfloat16" if cuda and not args.quick else "float32")
     args.batch = args.batch or (8 if args.quick else 64)
     args.prompt_len = args.prompt_len or (16 if args.quick else 128)
@@ -154,6 +200,8 @@ def main() -> None:
         engine = make_engine(model_dir, args, max_loras=0)
         base_tps = timed_decode(engine, args, [None])
         emit(kind="decode", system="base", loras_loaded=0, distinct=0, tokens_per_s=round(base_tps, 1), **common)
+        if args.profile:
+            profile_graph(engine, args, [None], common, system="base", distinct=0)
         bench_base_push(engine, args, common)
         engine.close()
         del engine
@@ -170,6 +218,8 @@ def main() -> None:
             tps = timed_decode(engine, args, names[:k] if k else [None])
             emit(kind="decode", system="lora", loras_loaded=num_loras, distinct=k, tokens_per_s=round(tps, 1),
                  overhead=round(base_tps / tps - 1, 4), **common)
+            if args.profile:
+                profile_graph(engine, args, names[:k] if k else [None], common, system="lora", distinct=k)
         bench_adapter_push(engine, args, names[0], common)
         engine.close()
 

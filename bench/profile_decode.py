@@ -63,13 +63,13 @@ def profile(path: str, device: str, dtype: str, batch: int, prompt_len: int, ste
         start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
         start.record()
         for _ in range(20):
-            runner.graphs.graphs[(size, False)].replay()
+            runner.graphs.graphs[(size, False, False)].replay()
         end.record()
         sync()
         row["graph_replay_ms"] = round(start.elapsed_time(end) / 20, 4)
         with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CUDA]) as prof:
             for _ in range(5):
-                runner.graphs.graphs[(size, False)].replay()
+                runner.graphs.graphs[(size, False, False)].replay()
             sync()
         events = prof.key_averages()
         kernels = sorted(((e.key, e.device_time_total / 5, e.count // 5) for e in events), key=lambda x: -x[1])[:14]

@@ -9,7 +9,11 @@ KV slot -1, so they read nothing, write nothing and their outputs are ignored. T
 is sized for `max_model_len`, so one graph serves every context length.
 
 Each size has two variants: steps where no row truncates (top-k / top-p / min-p off, the RL default;
-captured at start-up) and steps where some row does (captured the first time one occurs).
+captured at start-up) and steps where some row does (captured the first time one occurs). A runner with LoRA
+slots doubles them: steps where some token has an adapter replay a graph that runs the LoRA kernels, steps
+where none has one replay a graph captured with the LoRA hooks off (the base model's step, at its cost); both
+no-truncation variants are captured at start-up, in the one memory pool. Without LoRA the `lora` key is always
+False.
 
 Not here: mixed prefill/decode steps and steps that want top-N logprobs — those run eagerly.
 """
@@ -53,8 +57,10 @@ class DecodeGraphs:
     def __init__(self, runner, sizes: list[int]) -> None:
         self.runner = runner
         self.sizes = sorted(sizes)
-        self.graphs: dict[tuple[int, bool], torch.cuda.CUDAGraph] = {}  # (size, truncation) -> graph
-        self.outputs: dict[tuple[int, bool], tuple[torch.Tensor, torch.Tensor]] = {}  # -> (tokens [P], logprobs [P])
+        self.graphs: dict[tuple[int, bool, bool], torch.cuda.CUDAGraph] = {}  # (size, truncation, lora) -> graph
+        # (size, truncation, lora) -> (tokens [P], logprobs [P])
+        self.outputs: dict[tuple[int, bool, bool], tuple[torch.Tensor, torch.Tensor]] = {}
+        self.lora_variants = (True, False) if runner.lora is not None else (False,)  # the `lora` keys captured
         self.pool = None
 
     @property
@@ -65,35 +71,41 @@ class DecodeGraphs:
         return next(s for s in self.sizes if s >= num_reqs)
 
     def capture(self) -> float:
-        """Capture every size, largest first (smaller graphs reuse its memory pool). Returns seconds."""
+        """Capture every size (with LoRA: both LoRA variants), largest first (smaller graphs reuse its memory
+        pool). Returns seconds."""
         start = time.perf_counter()
         self.runner.fill_padding_rows(0, self.max_size)
         self.runner.buffers.upload(self.max_size)
         torch.cuda.synchronize()
         for size in reversed(self.sizes):
-            self._capture_one(size, truncation=False)
+            for lora in self.lora_variants:
+                self._capture_one(size, truncation=False, lora=lora)
         torch.cuda.synchronize()
         elapsed = time.perf_counter() - start
-        logger.info("captured %d decode graphs (sizes %s) in %.1f s", len(self.sizes), self.sizes, elapsed)
+        logger.info("captured %d decode graphs (sizes %s) in %.1f s", len(self.graphs), self.sizes, elapsed)
         return elapsed
 
-    def _capture_one(self, size: int, truncation: bool) -> None:
+    def _capture_one(self, size: int, truncation: bool, lora: bool) -> None:
         """Capture one variant. The warm-up runs compute the step the buffers hold (during a run: the real
         step, so they rewrite the same KV values), which compiles the kernels outside the capture."""
-        graph, (tokens, logprobs) = capture(lambda: self.runner.decode_forward(size, truncation), self.pool)
+        graph, (tokens, logprobs) = capture(lambda: self.runner.decode_forward(size, truncation, lora), self.pool)
         if self.pool is None:
             self.pool = graph.pool()
-        self.graphs[(size, truncation)] = graph
-        self.outputs[(size, truncation)] = (tokens, logprobs)
+        self.graphs[(size, truncation, lora)] = graph
+        self.outputs[(size, truncation, lora)] = (tokens, logprobs)
 
-    def replay(self, size: int, truncation: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
-        if (size, truncation) not in self.graphs:
+    def replay(self, size: int, truncation: bool = False, lora: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
+        """Run the step the buffers hold; `lora`: some token of it has an adapter (a step with adapter tokens
+        must never take lora=False, which adds nothing)."""
+        assert lora in self.lora_variants, "lora=True needs a runner with LoRA slots"
+        key = (size, truncation, lora)
+        if key not in self.graphs:
             # the capture's warm-up runs overwrite `last_sampled`: the step's in-flight input tokens are
             # read from it first, so that the warm-ups and the replay all compute this step
             self.runner.resolve_placeholders(size)
-            self._capture_one(size, truncation)
-        self.graphs[(size, truncation)].replay()
-        return self.outputs[(size, truncation)]
+            self._capture_one(*key)
+        self.graphs[key].replay()
+        return self.outputs[key]
 
     def release(self) -> None:
         self.graphs.clear()

@@ -22,8 +22,9 @@ only rank 0 keeps a store (the router is replicated, so rank 0's choices are eve
 
 LoRA (`config.max_loras > 0`): `self.lora` is a `runner.lora.runtime.LoraRuntime` (adapter slots, hooked into the
 model's linears); each request's slot (`InputBatch.lora_slot`) is staged per token into `StepBuffers.lora_idx`, and
-every forward runs inside `self.lora.tokens(...)` (an eager step without adapter tokens with none; a decode graph
-always with the buffer, so it builds the step's tiles itself). Without LoRA none of it exists.
+every forward runs inside `self.lora.tokens(...)` (a step without adapter tokens with none: eagerly, or through the
+decode graphs captured with the hooks off; a step with them with the buffer, so a decode graph builds the step's
+tiles itself). Without LoRA none of it exists.
 
 Embedding prompts (`NewRequestData.prompt_embeds`): a step whose tokens include prompt positions of such a request
 (`StepInputs.embeds`, from runner/input_batch.py) runs eagerly and hands the model those tokens' indices and rows
@@ -340,6 +341,7 @@ class ModelRunner:
             self._upload_done.synchronize()
         b = self.buffers
         R = inputs.sample_rows.shape[0]
+        uses_lora = self.lora is not None and bool((self.input_batch.lora_slot[inputs.slots] >= 0).any())
         if (
             self.graphs is not None
             and inputs.max_query_len == 1
@@ -352,7 +354,7 @@ class ModelRunner:
             self._stage(inputs)
             self.fill_padding_rows(num_reqs, size)
             self._upload(inputs, size, in_graph=True)
-            tokens, logprobs = self.graphs.replay(size, any(uses))
+            tokens, logprobs = self.graphs.replay(size, any(uses), uses_lora)
             if routed is not None:
                 self.routed_launch(routed)
             return self._handle(inputs, tokens[:num_reqs], logprobs[:num_reqs], in_graph=True, routed=routed)
@@ -360,7 +362,6 @@ class ModelRunner:
         self._upload(inputs, num_reqs)
         meta = self._metadata(inputs)
         T = inputs.input_ids.shape[0]
-        uses_lora = self.lora is not None and bool((self.input_batch.lora_slot[inputs.slots] >= 0).any())
         extra = {} if inputs.embeds is None else {"embeds": self._prompt_embeds(inputs)}
         with self._adapters(T, uses_lora):
             hidden = self.model(b.input_ids[:T], b.positions[:T], meta, **extra)
@@ -493,11 +494,13 @@ class ModelRunner:
 
     # ---- CUDA graphs -----------------------------------------------------------------------------------
     @torch.inference_mode()
-    def decode_forward(self, size: int, truncation: bool = True) -> tuple[torch.Tensor, torch.Tensor]:
+    def decode_forward(self, size: int, truncation: bool = True,
+                       lora: bool = True) -> tuple[torch.Tensor, torch.Tensor]:
         """One pure-decode step over the first `size` rows of the step buffers (what a graph captures).
 
         truncation=False: no row uses top-k / top-p / min-p, so the sampler may take its split kernel. The
-        sampling tensors are views of the step buffers, so a captured graph reads each step's values."""
+        sampling tensors are views of the step buffers, so a captured graph reads each step's values.
+        lora=False: the LoRA hooks add nothing (a step where no token has an adapter)."""
         b = self.buffers
         meta = AttentionMetadata(
             query_start_loc=b.query_start_loc[: size + 1],
@@ -508,7 +511,7 @@ class ModelRunner:
             max_seq_len=self.max_model_len,
             deterministic=self.config.deterministic,
         )
-        with self._adapters(size):  # with LoRA the tiles of the step's slots are built inside the graph
+        with self._adapters(size, lora):  # with LoRA the tiles of the step's slots are built inside the graph
             hidden = self.model(self._decode_input_ids(size), b.positions[:size], meta)
         logits = self.model.compute_logits(hidden)
         tokens, logprobs, _ = self.sampler(logits, b.sampling(size, None if truncation else NO_TRUNCATION))

@@ -37,7 +37,7 @@ def test_graph_replay_is_bitwise_equal_to_eager_step(bf16_model, top_p):
     for _ in range(6):  # prefill, then a few decode steps (the first truncated one captures its graph)
         engine.step()
     truncation = top_p < 1.0
-    assert (runner.graphs.padded_size(5), truncation) in runner.graphs.graphs
+    assert (runner.graphs.padded_size(5), truncation, False) in runner.graphs.graphs
     # the buffers now hold a real decode step: replay the captured graph and run the same step eagerly
     size = runner.graphs.padded_size(5)
     in_flight = runner.last_sampled.clone()  # the step's placeholder inputs; both runs overwrite it

@@ -1,6 +1,7 @@
 """LoRA in the engine on CUDA (skipped without CUDA), float32 on a tiny random Llama with real PEFT adapters: the
 decode graphs (captured once, before any adapter is loaded) give what eager steps give for a batch mixing the base
-and two adapters, and what peft gives; an adapter swapped under the same name and an adapter push are served by
+and two adapters, and what peft gives, also when the adapter requests finish first and the last steps replay the
+graphs captured without LoRA; an adapter swapped under the same name and an adapter push are served by
 the same graphs (the slots are written in place); the Triton path's logits match peft's."""
 
 from __future__ import annotations
@@ -48,6 +49,23 @@ def test_graphs_serve_mixed_adapters_swaps_and_pushes(setup):
     assert [o.outputs[0].token_ids for o in got] == [o.outputs[0].token_ids for o in want]
     for g, w in zip(got, want):
         assert g.outputs[0].logprobs == pytest.approx(w.outputs[0].logprobs, abs=1e-4)
+    # adapter requests finishing first: the last decode steps replay the graphs captured without LoRA
+    replayed, plain = [], graphs.runner.graphs.replay
+
+    def recording(size, truncation=False, lora=False):
+        replayed.append(lora)
+        return plain(size, truncation, lora)
+
+    graphs.runner.graphs.replay = recording
+    short = [SamplingParams(temperature=0, max_tokens=4 if lora else 10, ignore_eos=True, lora=lora) for lora in loras]
+    try:
+        got_short = graphs.generate(prompts, short)
+    finally:
+        del graphs.runner.graphs.replay
+    assert True in replayed and False in replayed, replayed
+    assert replayed == sorted(replayed, reverse=True)  # LoRA while adapter requests run, then without
+    assert ([o.outputs[0].token_ids for o in got_short] ==
+            [o.outputs[0].token_ids for o in eager.generate(prompts, short)])
     models = {None: load_hf(base), "x": peft_model(base, adapters["a"]), "y": peft_model(base, adapters["b"])}
     for prompt, lora, out in zip(prompts, loras, got):
         assert out.outputs[0].token_ids == hf_greedy(models[lora], prompt, 8), lora

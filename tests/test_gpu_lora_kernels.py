@@ -1,7 +1,7 @@
 """The Triton LoRA kernels on CUDA in bfloat16 at real shapes (skipped without CUDA): against the torch
-reference, a token's bits independent of its batch (decode and prefill column blocks, other adapters around
-it), and a CUDA graph of the whole step's LoRA work (tile plan + fused shrink/expand) replaying bitwise what
-eager computes, also after the slot assignment and the inputs change.
+reference, a token's bits independent of its batch (decode and prefill tile groups, other adapters around
+it), and a CUDA graph of the whole step's LoRA work (tile plan + shrink and expand) replaying bitwise what
+eager computes, also after the slot assignment and the inputs change (no adapter token at all; one adapter for all).
 
 Tolerance against the reference (bfloat16): the kernel and the reference sum y in float32 in different
 orders, so y's rounding to bfloat16 may differ by one ulp (2**-8 relative) in any of its entries, and the
@@ -86,9 +86,11 @@ def test_graph_replay_equals_eager_bitwise_across_slot_changes(num_tokens):
     x, base, idx = _inputs(g, num_tokens, 4096, sum(QKV), 8)
     out = torch.empty_like(base)
 
-    def step():
+    def step():  # two layers over one tile plan (the shrink's arrival counters are reused)
         out.copy_(base)
-        add_lora(out, x, A, B, lora_batch(idx, 8), scaling, slices=QKV)
+        batch = lora_batch(idx, 8)
+        add_lora(out, x, A, B, batch, scaling, slices=QKV)
+        add_lora(out, x, A, B, batch, scaling, slices=QKV)
 
     stream = torch.cuda.Stream()
     stream.wait_stream(torch.cuda.current_stream())
@@ -98,12 +100,18 @@ def test_graph_replay_equals_eager_bitwise_across_slot_changes(num_tokens):
     graph = torch.cuda.CUDAGraph()
     with torch.cuda.graph(graph):
         step()
-    for trial in range(3):
+    for trial in range(5):
         if trial:  # new inputs and a new slot assignment in the same buffers
             idx.copy_(torch.randint(-1, 8, (num_tokens,), generator=g, dtype=torch.int32))
             x.copy_(torch.randn(num_tokens, 4096, generator=g))
             A[trial].mul_(-1)  # an adapter swapped in place
+        if trial == 3:
+            idx.fill_(-1)  # no adapter token: no tile
+        if trial == 4:
+            idx.fill_(5)  # one adapter: every tile of one slot
         graph.replay()
         replayed = out.clone()
-        eager = add_lora(base.clone(), x, A, B, idx, scaling, slices=QKV)
+        eager = add_lora(add_lora(base.clone(), x, A, B, idx, scaling, slices=QKV), x, A, B, idx, scaling,
+                         slices=QKV)
         assert torch.equal(replayed, eager), trial
+        assert not (idx < 0).all() or torch.equal(replayed, base)

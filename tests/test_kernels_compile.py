@@ -134,8 +134,8 @@ def _launch_every_kernel() -> None:
 
 
 def _launch_lora_kernels(g: torch.Generator, h: torch.dtype) -> None:
-    """Decode: shrink with split-K partials read by the expand (fused q|k|v slices); prefill (wider column
-    blocks): a plain shrink, and an expand that replaces."""
+    """The one-launch tile plan; a shrink with split-K partials (summed by each tile's last split) and the expand
+    over fused q|k|v slices; a plain shrink (one split), and an expand that replaces."""
     from kernels.lora import add_lora, lora_expand, lora_shrink
 
     S, r, width = 3, 8, 600  # width > one shrink split

@@ -15,7 +15,7 @@ import torch
 if not torch.cuda.is_available():
     os.environ.setdefault("TRITON_INTERPRET", "1")
 
-from kernels.lora import BLOCK_M, add_lora, lora_batch, lora_expand, lora_shrink  # noqa: E402
+from kernels.lora import BLOCK_M, add_lora, lora_batch, lora_expand, lora_shrink, max_tiles  # noqa: E402
 from kernels.lora_ref import add_lora_ref, lora_expand_ref, lora_shrink_ref  # noqa: E402
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
@@ -127,7 +127,7 @@ def test_zero_padding_to_r_max_changes_no_bit():
                        add_lora(base.clone(), x, A32, B32, idx, scaling, slices=slices))
 
 
-@pytest.mark.parametrize("num_tokens", [37, 70])  # decode's column blocks; prefill's
+@pytest.mark.parametrize("num_tokens", [37, 70])  # different tile groups per launch
 def test_each_token_gets_the_bits_it_gets_alone(num_tokens):
     g = torch.Generator().manual_seed(num_tokens)
     A, B, scaling = _stacks(g, 1100, (16, 8, 8), 8, ranks=(8, 5, 8, 1))
@@ -139,22 +139,57 @@ def test_each_token_gets_the_bits_it_gets_alone(num_tokens):
         assert torch.equal(batch[t:t + 1], alone), t
 
 
-def test_lora_batch_tiles_cover_each_adapter_token_once():
-    g = torch.Generator().manual_seed(5)
-    n = 53
-    idx = torch.randint(-1, S, (n,), generator=g, dtype=torch.int32)
-    idx[:20] = 2  # a slot with more than one tile
-    idx[20] = S + 3  # out of range: no adapter
-    batch = lora_batch(idx.to(DEVICE), S)
-    assert batch.tile_len.shape[0] == -(-n // BLOCK_M) + min(S + 1, n)
+@pytest.mark.parametrize("num_slots", [1, 4, 37])
+@pytest.mark.parametrize("num_tokens", [1, 16, 53])
+def test_lora_batch_tiles_cover_each_adapter_token_once(num_slots, num_tokens):
+    g = torch.Generator().manual_seed(num_slots * 100 + num_tokens)
+    idx = torch.randint(-1, num_slots, (num_tokens,), generator=g, dtype=torch.int64)
+    idx[:20] = num_slots - 1  # a slot with more than one tile when there are more than 16 tokens
+    idx[-1] = num_slots + 3  # out of range: no adapter
+    batch = lora_batch(idx.to(DEVICE), num_slots)
+    assert batch.tile_len.shape[0] == max_tiles(num_tokens, num_slots)
+    used = int(batch.num_tiles[0])
+    key = torch.where((idx >= 0) & (idx < num_slots), idx, num_slots)
+    assert batch.order.tolist() == torch.argsort(key, stable=True).tolist()  # by slot, stable, no adapter last
     seen = []
-    for start, length, slot in zip(batch.tile_start.tolist(), batch.tile_len.tolist(), batch.tile_slot.tolist()):
-        assert 0 <= length <= BLOCK_M
+    for j, (start, length, slot) in enumerate(zip(batch.tile_start.tolist(), batch.tile_len.tolist(),
+                                                   batch.tile_slot.tolist())):
+        if j >= used:
+            assert (length, slot) == (0, -1)
+            continue
+        assert 1 <= length <= BLOCK_M and 0 <= slot < num_slots
         tokens = batch.order[start:start + length].tolist()
-        expect = -1 if slot < 0 else slot
-        assert all((idx[t].item() if 0 <= idx[t].item() < S else -1) == expect for t in tokens)
+        assert all(idx[t].item() == slot for t in tokens)
         seen += tokens
-    assert sorted(seen) == list(range(n))  # every token in exactly one tile (no-adapter tokens in the -1 tiles)
+    assert sorted(seen) == [t for t in range(num_tokens) if 0 <= idx[t] < num_slots]  # each adapter token once
+    assert used == sum(-(-int((idx == s).sum()) // BLOCK_M) for s in range(num_slots))
+    assert not batch.arrivals.any()
+
+
+@pytest.mark.parametrize(("num_slots", "num_tokens", "in_features"),  # shrink splits: one; three; sixteen (the most)
+                         [(s, t, k) for s in (1, 3, 20) for t in (2, 17, 45) for k in (40, 1100)] + [(3, 17, 9000)])
+def test_slot_counts_token_counts_and_tokens_without_an_adapter(num_slots, num_tokens, in_features):
+    """Against the reference at several slot and token counts, with a share of tokens without an adapter (all of
+    them in one case); one `lora_batch` serves several layers in a row (the shrink's counters are left at zero)."""
+    g = torch.Generator().manual_seed(num_slots * 1000 + num_tokens + in_features)
+    slices = (16, 8, 8)
+    A = (torch.randn(num_slots, 24, in_features, generator=g) / in_features**0.5).to(DEVICE)
+    B = torch.randn(num_slots, 32, 8, generator=g).to(DEVICE)
+    scaling = (torch.rand(num_slots, generator=g) + 0.5).to(DEVICE)
+    idx = torch.randint(-1, num_slots, (num_tokens,), generator=g, dtype=torch.int32)
+    idx[: num_tokens // 3] = -1
+    for case in (idx, torch.full_like(idx, -1)):
+        case = case.to(DEVICE)
+        batch = lora_batch(case, num_slots)
+        for layer in range(2):
+            x = torch.randn(num_tokens, in_features, generator=g).to(DEVICE)
+            base = torch.randn(num_tokens, 32, generator=g).to(DEVICE)
+            ours = add_lora(base.clone(), x, A, B, batch, scaling, slices=slices)
+            torch.testing.assert_close(ours, add_lora_ref(base.clone(), x, A, B, case, scaling, slices=slices),
+                                       rtol=1e-5, atol=1e-5)
+            assert torch.equal(ours[case < 0], base[case < 0])
+            assert torch.equal(ours, add_lora(base.clone(), x, A, B, case, scaling, slices=slices)), layer
+            assert not batch.arrivals.any()
 
 
 def test_empty_batch_and_bad_arguments():

@@ -211,6 +211,64 @@ def test_chunked_prefill_and_preemption_with_adapters(base, adapters, engine):
         assert g.outputs[0].logprobs == pytest.approx(w.outputs[0].logprobs, abs=1e-5)
 
 
+class _EagerGraphs:
+    """`runner.cuda_graph.DecodeGraphs` on the CPU: its replay path with each "graph" a `decode_forward` run
+    eagerly, recording the (size, truncation, lora) keys replayed."""
+
+    def __new__(cls, runner):
+        from runner.cuda_graph import DecodeGraphs, capture_sizes
+
+        class Graphs(DecodeGraphs):
+            def _capture_one(self, size, truncation, lora):
+                key = (size, truncation, lora)
+                graphs = self
+
+                class Eager:
+                    def replay(self):
+                        graphs.outputs[key] = runner.decode_forward(*key)
+
+                self.graphs[key], self.outputs[key] = Eager(), None
+
+            def replay(self, size, truncation=False, lora=False):
+                self.replayed.append((size, truncation, lora))
+                return super().replay(size, truncation, lora)
+
+        graphs = Graphs(runner, capture_sizes(runner.max_decode_rows))
+        graphs.replayed = []
+        return graphs
+
+
+def test_decode_graphs_without_adapter_tokens_take_the_variant_without_lora(base, adapters, engine):
+    """Decode steps with an adapter token replay the LoRA variant, steps without one the variant with the hooks off
+    (the graph path's selection, run eagerly on the CPU); the tokens equal the eager engine's."""
+    graphed = Engine(config(base))
+    for name in ("a", "b"):
+        graphed.load_lora(name, str(adapters[name]))
+    runner = graphed.runner
+    runner.graphs = _EagerGraphs(runner)
+    assert runner.graphs.lora_variants == (True, False)
+    loras = ["a", None, "b", None]
+    lengths = [3, 9, 5, 9]  # the adapter requests finish first: the last decode steps have base tokens only
+    params = [SamplingParams(temperature=0, max_tokens=n, ignore_eos=True, lora=lora) for lora, n in zip(loras, lengths)]
+    got = graphed.generate(PROMPTS, params)
+    want = engine.generate(PROMPTS, params)
+    assert [o.outputs[0].token_ids for o in got] == [o.outputs[0].token_ids for o in want]
+    for g, w in zip(got, want):
+        assert g.outputs[0].logprobs == pytest.approx(w.outputs[0].logprobs, abs=1e-5)
+    replayed = runner.graphs.replayed
+    # decode steps: 2 with all four requests, 2 with three (b still running), 4 with the two base requests
+    assert [lora for _, _, lora in replayed] == [True] * 4 + [False] * 4, replayed
+    assert [size for size, _, _ in replayed] == [4] * 4 + [2] * 4
+    base_only = graphed.generate(PROMPTS[:2], GREEDY)
+    assert [lora for _, _, lora in replayed[8:]] == [False] * (GREEDY.max_tokens - 1)
+    assert [o.outputs[0].token_ids for o in base_only] == [o.outputs[0].token_ids
+                                                          for o in engine.generate(PROMPTS[:2], GREEDY)]
+    without = _EagerGraphs(Engine(EngineConfig(model=str(base), dtype="float32", num_kv_blocks=32)).runner)
+    assert without.lora_variants == (False,)
+    with pytest.raises(AssertionError, match="needs a runner with LoRA"):
+        without.replay(1, False, True)
+
+
 def test_delta_outputs_fold_into_the_final_one(engine):
     params = SamplingParams(n=2, temperature=1.0, max_tokens=6, seed=3, lora="b", output_kind=RequestOutputKind.DELTA)
     engine.add_request(PROMPTS[1], params, request_id="delta-b")

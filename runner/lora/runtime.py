@@ -5,10 +5,11 @@ per-token slot assignment, and the weight-update target of one slot.
 `LoraHook` on every fused linear of every decoder layer that has slots (`qkv_proj`, `o_proj`, `gate_up_proj`,
 `down_proj`; `runner.layers.Linear.lora`). A forward that serves adapters runs inside `runtime.tokens(idx)`:
 idx [T] holds each token's slot (-1: the base model), turned once per forward into the `kernels.lora.LoraBatch`
-every hook of the forward shares (on CUDA; inside a captured decode graph that is part of the graph, so a
-replay re-sorts the tokens of each step's idx), and each hook adds `add_lora` (CUDA) / `add_lora_ref` (CPU) of
-its layer's stack to the base output. Outside `tokens` (or with idx None) the hooks add nothing, so scoring and
-the profile run see the base model unless they ask. A row-parallel layer (o_proj, down_proj) adds its delta
+every hook of the forward shares (on CUDA, one launch; inside a captured decode graph that is part of the graph,
+so a replay re-sorts the tokens of each step's idx), and each hook adds `add_lora` (CUDA) / `add_lora_ref` (CPU)
+of its layer's stack to the base output. Outside `tokens` (or with idx None) the hooks add nothing, so scoring and
+the profile run see the base model unless they ask, and a step without adapter tokens costs what the base
+model's does (the runner's decode graphs have a variant captured that way, runner/cuda_graph.py). A row-parallel layer (o_proj, down_proj) adds its delta
 to its own output, which without tensor parallelism is the whole sum; the engine refuses LoRA under tensor
 parallelism, whose shards of A and B the slots do not hold.
 
