@@ -1,4 +1,4 @@
-"""Weight-sync benchmark: dense vs sparse patch vs rank-local IPC, on Qwen2.5 shapes. JSON lines.
+"""Weight-sync benchmark: dense vs sparse patch vs rank-local IPC, on Qwen2.5 shapes and Qwen3-8B's. JSON lines.
 
 ::
 
@@ -23,7 +23,7 @@ on the data (``nonzero``, also inside boolean indexing; ``masked_select``). ``--
 multi-tensor gather / scatter kernels on the CPU too (run it with TRITON_INTERPRET=1), so that the CPU
 counts show the CUDA path's structure.
 
-Usage: python bench/weight_sync.py [--model 0.5b|1.5b|records] [--device cpu|cuda] [--quick] [--profile [--batched-scatter]]
+Usage: python bench/weight_sync.py [--model 0.5b|1.5b|8b|records] [--device cpu|cuda] [--quick] [--profile [--batched-scatter]]
 """
 
 import argparse
@@ -46,30 +46,40 @@ MODELS = {
     # hidden, layers, heads, kv heads, head_dim, intermediate, vocab (tied embeddings)
     "0.5b": (896, 24, 14, 2, 64, 4864, 151936),
     "1.5b": (1536, 28, 12, 2, 128, 8960, 151936),
+    "8b": (4096, 36, 32, 8, 128, 12288, 151936),  # Qwen3-8B: untied LM head, q/k norms, no biases (QWEN3_LAYOUT)
     "quick": (64, 2, 4, 2, 16, 128, 1000),
     "records": (64, 24, 4, 2, 16, 512, 4000),  # the 0.5B model's 290 records, tiny: a session's host overhead
 }
 
 
+QWEN3_LAYOUT = {"8b"}
+
+
 def qwen2_shapes(model: str) -> dict[str, tuple[int, ...]]:
+    """Checkpoint names -> shapes: Qwen2's layout (tied embedding, q/k/v biases), or Qwen3's for QWEN3_LAYOUT."""
     hidden, layers, heads, kv_heads, head_dim, inter, vocab = MODELS[model]
+    qwen3 = model in QWEN3_LAYOUT
     shapes: dict[str, tuple[int, ...]] = {"model.embed_tokens.weight": (vocab, hidden), "model.norm.weight": (hidden,)}
+    if qwen3:
+        shapes["lm_head.weight"] = (vocab, hidden)
     for i in range(layers):
         p = f"model.layers.{i}."
         shapes |= {
             p + "input_layernorm.weight": (hidden,),
             p + "post_attention_layernorm.weight": (hidden,),
             p + "self_attn.q_proj.weight": (heads * head_dim, hidden),
-            p + "self_attn.q_proj.bias": (heads * head_dim,),
             p + "self_attn.k_proj.weight": (kv_heads * head_dim, hidden),
-            p + "self_attn.k_proj.bias": (kv_heads * head_dim,),
             p + "self_attn.v_proj.weight": (kv_heads * head_dim, hidden),
-            p + "self_attn.v_proj.bias": (kv_heads * head_dim,),
             p + "self_attn.o_proj.weight": (hidden, heads * head_dim),
             p + "mlp.gate_proj.weight": (inter, hidden),
             p + "mlp.up_proj.weight": (inter, hidden),
             p + "mlp.down_proj.weight": (hidden, inter),
         }
+        if qwen3:
+            shapes |= {p + "self_attn.q_norm.weight": (head_dim,), p + "self_attn.k_norm.weight": (head_dim,)}
+        else:
+            shapes |= {p + f"self_attn.{n}_proj.bias": (h * head_dim,) for n, h in (("q", heads), ("k", kv_heads),
+                                                                                    ("v", kv_heads))}
     return shapes
 
 
@@ -297,7 +307,7 @@ def count_round(specs, w0, w1, device: torch.device, batched_scatter: bool | Non
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--model", choices=["0.5b", "1.5b", "records"], default="0.5b",
+    parser.add_argument("--model", choices=["0.5b", "1.5b", "8b", "records"], default="0.5b",
                         help="records: the 0.5B layout's 290 parameters with tiny tensors (per-record host overhead)")
     parser.add_argument("--device", choices=["cpu", "cuda"], default="cpu")
     parser.add_argument("--quick", action="store_true", help="tiny shapes, a smoke test")

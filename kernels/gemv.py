@@ -126,6 +126,18 @@ def pick_config(rows: int, n: int, k: int, device: torch.device) -> GemvConfig:
     return GemvConfig(block_n=block_n, block_k=block_k, num_warps=4)
 
 
+# Largest weight (bytes) whose product takes its layer before it as a prologue: measured at one row on an H200
+# (`bench/gemv.py`), the fused RMSNorm wins on small weights (Qwen2.5-0.5B's qkv: 3.1 us against 6.1 us for the
+# norm kernel + cuBLAS) and loses a few percent on large ones (the row's extra loads per weight tile), where a
+# separate norm kernel + the plain kernel is used; the SiLU-and-mul breaks even near 100 MB (8B's down).
+PROLOGUE_MAX_WEIGHT_BYTES = {"rms_norm": 8 << 20, "silu_mul": 16 << 20}
+
+
+def fuses_prologue(prologue: str, weight: torch.Tensor) -> bool:
+    """Whether `weight` [N, K] is small enough for `prologue` to pay inside the product (see above)."""
+    return weight.numel() * weight.element_size() <= PROLOGUE_MAX_WEIGHT_BYTES[prologue]
+
+
 def fused_gemv(
     x: torch.Tensor,  # [M, K], or [M, 2K] (gate | up) for "silu_mul"
     weight: torch.Tensor,  # [N, K]

@@ -7,7 +7,8 @@ bitwise the reference's (the kernel is compiled without multiply-add fusion); fl
 ~1 ulp.
 
 `rotary_store_kv` also writes the rotated key and the value into the paged KV cache in the same launch
-(the engine's decode and prefill path: one kernel per layer instead of two).
+(the engine's decode and prefill path: one kernel per layer instead of two), optionally after each head's
+RMSNorm (Qwen3's q_norm / k_norm: one kernel instead of four).
 
 Not here: partial rotary (rotary_dim < head_dim), the GPT-J interleaved layout, building the cache
 (see `rope_inv_freq` / `build_cos_sin_cache` in the reference module).
@@ -24,7 +25,7 @@ _DTYPES = (torch.float16, torch.bfloat16, torch.float32)
 
 @triton.jit
 def _rotate_heads(src_ptr, dst_ptr, stride_t, stride_h, stride_dt, stride_dh, token, num_heads, half, cos, sin,
-                  H_PAD: tl.constexpr, HALF_PAD: tl.constexpr):
+                  norm_ptr, eps, H_PAD: tl.constexpr, HALF_PAD: tl.constexpr, NORM: tl.constexpr):
     offs_h = tl.arange(0, H_PAD)
     offs_d = tl.arange(0, HALF_PAD)
     mask = (offs_h[:, None] < num_heads) & (offs_d[None, :] < half)  # [H_PAD, HALF_PAD]
@@ -32,6 +33,14 @@ def _rotate_heads(src_ptr, dst_ptr, stride_t, stride_h, stride_dt, stride_dh, to
     x1 = tl.load(src, mask=mask, other=0.0)
     x2 = tl.load(src + half, mask=mask, other=0.0)
     dtype = x1.dtype
+    if NORM:  # each head's RMSNorm first, rounded as kernels/norm.py rounds (normalised, then the weight multiply)
+        h1 = x1.to(tl.float32)
+        h2 = x2.to(tl.float32)
+        rstd = tl.math.rsqrt((tl.sum(h1 * h1, 1) + tl.sum(h2 * h2, 1)) / (2 * half) + eps)[:, None]  # [H_PAD, 1]
+        w1 = tl.load(norm_ptr + offs_d, mask=offs_d < half, other=0.0).to(tl.float32)[None, :]
+        w2 = tl.load(norm_ptr + half + offs_d, mask=offs_d < half, other=0.0).to(tl.float32)[None, :]
+        x1 = (w1 * (h1 * rstd).to(dtype).to(tl.float32)).to(dtype)
+        x2 = (w2 * (h2 * rstd).to(dtype).to(tl.float32)).to(dtype)
     a1 = x1.to(tl.float32)
     a2 = x2.to(tl.float32)
     # out1 = x1 * cos + (-x2) * sin; out2 = x2 * cos + x1 * sin; every product and sum rounded to dtype
@@ -49,10 +58,13 @@ def _rotary_kernel(
     num_q_heads, num_kv_heads, half,
     v_ptr, k_cache_ptr, v_cache_ptr, slot_ptr, stride_vt, stride_vh, stride_slot,
     stride_kcb, stride_kcs, stride_kch, stride_vcb, stride_vcs, stride_vch, block_size, head_dim,
+    q_norm_ptr, k_norm_ptr, eps,
     HQ_PAD: tl.constexpr, HK_PAD: tl.constexpr, HALF_PAD: tl.constexpr, STORE: tl.constexpr, D_PAD: tl.constexpr,
+    NORM: tl.constexpr,
 ):
     """Rotate one token's query and key heads. STORE: the rotated key and the value go straight to the
-    token's KV-cache slot (skipped for a negative slot) instead of to k_out (`rotary_store_kv`)."""
+    token's KV-cache slot (skipped for a negative slot) instead of to k_out (`rotary_store_kv`). NORM: each
+    query and key head is RMS-normalised (weights q_norm / k_norm [D]) before its rotation."""
     token = tl.program_id(0).to(tl.int64)
     pos = tl.load(pos_ptr + token).to(tl.int64)
     offs_d = tl.arange(0, HALF_PAD)
@@ -61,14 +73,14 @@ def _rotary_kernel(
     cos = tl.load(cache_ptr + pos * stride_cache + offs_d, mask=d_mask, other=0.0).to(dtype).to(tl.float32)
     sin = tl.load(cache_ptr + pos * stride_cache + half + offs_d, mask=d_mask, other=0.0).to(dtype).to(tl.float32)
     _rotate_heads(q_ptr, q_out_ptr, stride_qt, stride_qh, stride_qot, stride_qoh, token, num_q_heads, half, cos[None, :], sin[None, :],
-                  HQ_PAD, HALF_PAD)
+                  q_norm_ptr, eps, HQ_PAD, HALF_PAD, NORM)
     if STORE:
         slot = tl.load(slot_ptr + token * stride_slot).to(tl.int64)
         if slot >= 0:
             block, offset = slot // block_size, slot % block_size
             k_dst = k_cache_ptr + block * stride_kcb + offset * stride_kcs
             _rotate_heads(k_ptr, k_dst, stride_kt, stride_kh, 0, stride_kch, token, num_kv_heads, half, cos[None, :],
-                          sin[None, :], HK_PAD, HALF_PAD)
+                          sin[None, :], k_norm_ptr, eps, HK_PAD, HALF_PAD, NORM)
             offs_h = tl.arange(0, HK_PAD)
             offs_v = tl.arange(0, D_PAD)
             mask = (offs_h[:, None] < num_kv_heads) & (offs_v[None, :] < head_dim)  # [HK_PAD, D_PAD]
@@ -77,7 +89,7 @@ def _rotary_kernel(
             tl.store(v_dst, v, mask=mask)
     else:
         _rotate_heads(k_ptr, k_out_ptr, stride_kt, stride_kh, stride_kot, stride_koh, token, num_kv_heads, half, cos[None, :],
-                      sin[None, :], HK_PAD, HALF_PAD)
+                      sin[None, :], k_norm_ptr, eps, HK_PAD, HALF_PAD, NORM)
 
 
 def _check_rotary(query: torch.Tensor, key: torch.Tensor, positions: torch.Tensor, cos_sin_cache: torch.Tensor) -> None:
@@ -101,8 +113,9 @@ def _check_rotary(query: torch.Tensor, key: torch.Tensor, positions: torch.Tenso
         raise ValueError("query, key, cos_sin_cache must be contiguous in their last dimension, positions contiguous")
 
 
-def _launch(query, key, q_out, k_out, positions, cos_sin_cache, store=None) -> None:
-    """The rotary kernel over every token; `store` = (value, k_cache, v_cache, slot_mapping) or None."""
+def _launch(query, key, q_out, k_out, positions, cos_sin_cache, store=None, norms=None) -> None:
+    """The rotary kernel over every token; `store` = (value, k_cache, v_cache, slot_mapping) or None; `norms` =
+    (q_norm weight [D], k_norm weight [D], eps) or None."""
     num_tokens, num_q_heads, head_dim = query.shape
     if not num_tokens:
         return
@@ -116,8 +129,10 @@ def _launch(query, key, q_out, k_out, positions, cos_sin_cache, store=None) -> N
         num_q_heads, key.shape[1], head_dim // 2,
         value, k_cache, v_cache, slots, value.stride(0), value.stride(1), slots.stride(0), *cache_strides,
         k_cache.shape[1] if store is not None else 1, head_dim,
+        *(norms[:2] if norms is not None else (query, query)), float(norms[2]) if norms is not None else 0.0,
         HQ_PAD=triton.next_power_of_2(num_q_heads), HK_PAD=triton.next_power_of_2(key.shape[1]),
         HALF_PAD=triton.next_power_of_2(head_dim // 2), STORE=store is not None, D_PAD=triton.next_power_of_2(head_dim),
+        NORM=norms is not None,
         enable_fp_fusion=False,  # a fused multiply-add would round once where the reference rounds twice
     )
 
@@ -148,13 +163,22 @@ def rotary_store_kv(
     k_cache: torch.Tensor,  # [num_blocks, block_size, Hkv, D]
     v_cache: torch.Tensor,  # [num_blocks, block_size, Hkv, D]
     slot_mapping: torch.Tensor,  # [T] int32/int64, any stride; negative = not stored
+    *,
+    norms: tuple[torch.Tensor, torch.Tensor, float] | None = None,  # (q_norm [D], k_norm [D], eps): Qwen3's
 ) -> torch.Tensor:
     """`apply_rotary` and `kernels.attention.store_kv` in one launch: the query is rotated in place and
     returned; the rotated key and the value are written to their cache slots (bitwise what the two
-    kernels write), and `key` itself is left as it was."""
+    kernels write), and `key` itself is left as it was. With `norms`, each query and key head is first
+    RMS-normalised with its weight (Qwen3's q_norm / k_norm), as `kernels.norm.rms_norm` rounds it (within its
+    one-ulp agreement: the mean of squares is summed in another order)."""
     from kernels.attention import check_store_kv
 
     _check_rotary(query, key, positions, cos_sin_cache)
     check_store_kv(key, value, k_cache, v_cache, slot_mapping)
-    _launch(query, key, query, key, positions, cos_sin_cache, (value, k_cache, v_cache, slot_mapping))
+    if norms is not None:
+        head_dim = query.shape[-1]
+        for name, w in zip(("q_norm", "k_norm"), norms[:2]):
+            if w.shape != (head_dim,) or w.dtype != query.dtype or w.device != query.device or w.stride(0) != 1:
+                raise ValueError(f"{name} must be a contiguous [{head_dim}] {query.dtype} tensor on {query.device}")
+    _launch(query, key, query, key, positions, cos_sin_cache, (value, k_cache, v_cache, slot_mapping), norms)
     return query

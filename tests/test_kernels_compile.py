@@ -78,6 +78,7 @@ def _launch_every_kernel() -> None:
     slots = torch.tensor([0, 1, 2, -1])
     apply_rotary(q, k, positions, cache)
     rotary_store_kv(q.clone(), k, v, positions, cache, k_cache, v_cache, slots)
+    rotary_store_kv(q.clone(), k, v, positions, cache, k_cache, v_cache, slots, norms=(torch.ones(D, dtype=h),) * 2 + (1e-6,))
     store_kv(k.contiguous(), v.contiguous(), k_cache, v_cache, slots)
     block_tables = torch.arange(16, dtype=torch.int32).view(2, 8)
     for q_lens, deterministic, split in (([1, 1], False, None), ([3, 1], False, None), ([1, 1], False, 16),
@@ -90,6 +91,12 @@ def _launch_every_kernel() -> None:
     rms_norm(x, w, 1e-6)
     fused_add_rms_norm(x, r, w, 1e-6)
     silu_and_mul(torch.randn(T, 64, generator=g).to(h))
+    from kernels.gemv import fused_gemv  # small-batch projections: each prologue, a bias, one and several rows
+
+    wt = torch.randn(24, 32, generator=g).to(h)
+    fused_gemv(x[:1], wt, torch.zeros(24, dtype=h))
+    fused_gemv(x[:2], wt, prologue="rms_norm", norm_weight=w, residual=r[:2])
+    fused_gemv(torch.randn(4, 64, generator=g).to(h), wt, prologue="silu_mul")
     logits = torch.randn(3, 50, generator=g).to(h)
     temp = torch.tensor([0.0, 1.0, 0.7])
     seeds, pos = torch.tensor([1, 2, 3]), torch.tensor([0, 5, 9])

@@ -159,3 +159,31 @@ def test_paged_model_step_through_the_fused_kernel_matches_the_torch_path(ckpt_f
     for a, b in zip(torch_path, kernel_path):
         assert a.outputs[0].token_ids == b.outputs[0].token_ids
         torch.testing.assert_close(torch.tensor(b.outputs[0].logprobs), torch.tensor(a.outputs[0].logprobs), atol=1e-4, rtol=0)
+
+
+@pytest.mark.parametrize("dtype,head_dim", [(torch.float32, 32), (torch.float16, 16)] +
+                         ([(torch.bfloat16, 128)] if CUDA else []))
+def test_fused_rotary_store_with_head_norms(dtype, head_dim):
+    """norms=(q_norm, k_norm, eps): each head RMS-normalised before its rotation, against rms_norm_ref then
+    rotary + store (float32 within 1e-5; float16 / bfloat16 within two ulps: the mean of squares is summed in
+    another order, which can move the normalised value by one ulp, and the rotation's roundings by one more)."""
+    from kernels.norm_ref import rms_norm_ref
+
+    query, key, positions, cache = _case(7, 4, 2, head_dim, dtype, seed=5)
+    gen = torch.Generator().manual_seed(6)
+    value = torch.randn(7, 2, head_dim, generator=gen).to(dtype).to(DEVICE)
+    q_w, k_w = (torch.randn(head_dim, generator=gen).to(dtype).to(DEVICE) for _ in range(2))
+    slot_mapping = torch.arange(7, device=DEVICE)
+    k_cache = torch.zeros(2, 4, 2, head_dim, dtype=dtype, device=DEVICE)
+    v_cache = torch.zeros_like(k_cache)
+    q = rotary_store_kv(query.clone(), key, value, positions, cache, k_cache, v_cache, slot_mapping,
+                        norms=(q_w, k_w, 1e-6))
+    q_ref, k_ref = apply_rotary_ref(rms_norm_ref(query, q_w, 1e-6), rms_norm_ref(key, k_w, 1e-6), positions, cache)
+    rtol = {torch.float32: 1e-5, torch.float16: 2.0**-9, torch.bfloat16: 2.0**-6}[dtype]
+    torch.testing.assert_close(q.float(), q_ref.float(), rtol=rtol, atol=1e-5 if dtype == torch.float32 else 1e-2)
+    torch.testing.assert_close(k_cache.view(-1, 2, head_dim)[:7].float(), k_ref.float(), rtol=rtol,
+                               atol=1e-5 if dtype == torch.float32 else 1e-2)
+    assert torch.equal(v_cache.view(-1, 2, head_dim)[:7], value)
+    with pytest.raises(ValueError, match="k_norm"):
+        rotary_store_kv(query.clone(), key, value, positions, cache, k_cache, v_cache, slot_mapping,
+                        norms=(q_w, k_w[:-2], 1e-6))

@@ -119,12 +119,14 @@ class Rotary:
         return q2.view(*lead, *q.shape[-2:]), k2.view(*lead, *k.shape[-2:])
 
     def apply_and_store(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor,
-                        v_cache: torch.Tensor, slot_mapping: torch.Tensor) -> torch.Tensor:
+                        v_cache: torch.Tensor, slot_mapping: torch.Tensor, norms=None) -> torch.Tensor:
         """Kernel path, paged [T, H, D] inputs: q rotated in place and returned; the rotated k and v go to
-        their cache slots (`kernels.rotary.rotary_store_kv`), bitwise what `apply` + the store would write."""
+        their cache slots (`kernels.rotary.rotary_store_kv`), bitwise what `apply` + the store would write;
+        `norms` (q_norm weight, k_norm weight, eps): the heads RMS-normalised first, in the same launch."""
         from kernels.rotary import rotary_store_kv
 
-        return rotary_store_kv(q, k, v, self.positions, self.cos_sin_cache, k_cache, v_cache, slot_mapping)
+        return rotary_store_kv(q, k, v, self.positions, self.cos_sin_cache, k_cache, v_cache, slot_mapping,
+                               norms=norms)
 
 
 class Attention(nn.Module):
@@ -181,14 +183,17 @@ class Attention(nn.Module):
         q = q.reshape(*lead, self.num_heads, self.head_dim)
         k = k.reshape(*lead, self.num_kv_heads, self.head_dim)
         v = v.reshape(*lead, self.num_kv_heads, self.head_dim)
-        if self.q_norm is not None:
+        # the engine on CUDA in fast mode: the q / k norms go into the rotary + KV-store kernel
+        fuse_norms = self.q_norm is not None and meta is not None and rope.cos_sin is None and not self.deterministic
+        if self.q_norm is not None and not fuse_norms:
             q, k = self.q_norm(q), self.k_norm(k)
         if meta is None:
             q, k = rope.apply(q, k)
             out = self._dense_attention(q, k, v)
         else:
             if rope.cos_sin is None:  # CUDA: one launch rotates q and writes the rotated k and v to the cache
-                q = rope.apply_and_store(q, k, v, self.k_cache, self.v_cache, meta.slot_mapping)
+                norms = (self.q_norm.weight, self.k_norm.weight, self.q_norm.eps) if fuse_norms else None
+                q = rope.apply_and_store(q, k, v, self.k_cache, self.v_cache, meta.slot_mapping, norms)
             else:
                 q, k = rope.apply(q, k)
                 self.backend.store(k, v, self.k_cache, self.v_cache, meta)
@@ -339,21 +344,29 @@ class DecoderLayer(nn.Module):
         return self.mlp(hidden)
 
     def _forward_gemv(self, rope, hidden, residual, meta):
-        """`forward` at a few tokens, hidden [T, H] with T <= gemv_rows: the fused kernels where they apply."""
+        """`forward` at a few tokens, hidden [T, H] with T <= gemv_rows: the norm or activation before a projection
+        fused into its kernel where that pays (`kernels.gemv.fuses_prologue`); every Linear takes the plain
+        matrix-vector kernel on its own (`Linear.gemv_rows`)."""
+        from kernels.gemv import fuses_prologue
+
         attn, mlp = self.self_attn, self.mlp
         norm = self.input_layernorm
-        if attn.qkv_proj.lora is None:
+        if attn.qkv_proj.lora is None and fuses_prologue("rms_norm", attn.qkv_proj.weight):
             qkv, residual = gemv_linear(attn.qkv_proj, hidden, norm, residual)
         else:
             hidden, residual = (norm(hidden), hidden) if residual is None else norm(hidden, residual)
             qkv = attn.qkv_proj(hidden)
         hidden = attn.o_proj(attn.attend(rope, qkv, meta))
         norm = self.post_attention_layernorm
-        if not isinstance(mlp, MLP) or mlp.gate_up_proj.lora is not None:
+        if not isinstance(mlp, MLP):
             hidden, residual = norm(hidden, residual)
             return self._feed_forward(hidden, meta), residual
-        gate_up, residual = gemv_linear(mlp.gate_up_proj, hidden, norm, residual)
-        if mlp.down_proj.lora is not None:
+        if mlp.gate_up_proj.lora is None and fuses_prologue("rms_norm", mlp.gate_up_proj.weight):
+            gate_up, residual = gemv_linear(mlp.gate_up_proj, hidden, norm, residual)
+        else:
+            hidden, residual = norm(hidden, residual)
+            gate_up = mlp.gate_up_proj(hidden)
+        if mlp.down_proj.lora is not None or not fuses_prologue("silu_mul", mlp.down_proj.weight):
             return mlp.down(gate_up), residual
         return gemv_linear(mlp.down_proj, gate_up, silu_mul=True), residual
 
