@@ -18,7 +18,8 @@ captured decode graph is replayed: its device time (`graph_replay_ms`, over 20 r
 `_lora_*`), like bench/profile_decode.py. Those replays recompute the step in place (its KV rows rewritten).
 
 Pushes: the adapter through `TrainerBridge(engine, lora=...)`, dense (its first push) and as a patch after about 1%
-of its elements changed; the base as one dense push of every weight (`export_weights` -> `apply_weight_update`).
+of its elements changed, after the same two pushes of another adapter untimed; the base as one dense push of every
+weight (`export_weights` -> `apply_weight_update`), the second of two.
 """
 
 from __future__ import annotations
@@ -132,8 +133,9 @@ def profile_graph(engine, args, loras: list[str | None], common: dict, **labels)
         engine.step()
 
 
-def bench_adapter_push(engine, args, name: str, common: dict) -> None:
-    """The adapter's first push (dense) and a patch after about 1% of its elements changed, via TrainerBridge."""
+def bench_adapter_push(engine, args, name: str, common: dict, report: bool = True) -> None:
+    """The adapter's first push (dense) and a patch after about 1% of its elements changed, via TrainerBridge;
+    `report=False`: the same pushes untimed (a warm-up that compiles the push kernels)."""
     from trainer_bridge import TrainerBridge
 
     bridge = TrainerBridge(engine, lora=name, snapshot_device=args.device)
@@ -146,15 +148,18 @@ def bench_adapter_push(engine, args, name: str, common: dict) -> None:
             idx = torch.randint(0, flat.numel(), (max(1, flat.numel() // 100),), generator=g, device=args.device)
             flat[idx] += 0.001
         result = bridge.push_weights(weights)
-        emit(kind="lora_push", mode=mode, tensors=len(weights), payload_bytes=result.nbytes,
-             tensor_bytes=result.dense_nbytes, num_patch=result.num_patch, encode_ms=round(1e3 * result.encode_s, 2),
-             apply_ms=round(1e3 * result.apply_s, 2), lora_version=result.lora_version, **common)
+        if report:
+            emit(kind="lora_push", mode=mode, tensors=len(weights), payload_bytes=result.nbytes,
+                 tensor_bytes=result.dense_nbytes, num_patch=result.num_patch, encode_ms=round(1e3 * result.encode_s, 2),
+                 apply_ms=round(1e3 * result.apply_s, 2), lora_version=result.lora_version, **common)
 
 
 def bench_base_push(engine, args, common: dict) -> None:
-    """Every base weight as one dense push (the live tensors written onto themselves: same bytes, same work)."""
+    """Every base weight as one dense push (the live tensors written onto themselves: same bytes, same work),
+    timed the second time (the first compiles the push kernels)."""
     records = engine.export_weights()
     nbytes = sum(r.tensor.numel() * r.tensor.element_size() for r in records)
+    engine.apply_weight_update(engine.policy_version + 1, records)
     sync(args.device)
     t = time.perf_counter()
     engine.apply_weight_update(engine.policy_version + 1, records)
@@ -220,6 +225,8 @@ def main() -> None:
                  overhead=round(base_tps / tps - 1, 4), **common)
             if args.profile:
                 profile_graph(engine, args, names[:k] if k else [None], common, system="lora", distinct=k)
+        if len(names) > 1:
+            bench_adapter_push(engine, args, names[1], common, report=False)
         bench_adapter_push(engine, args, names[0], common)
         engine.close()
 
