@@ -14,6 +14,10 @@ $(STAMP): pyproject.toml
 	# the CPU wheel of torch lies on disk; install it before the project so nothing pulls a CUDA build
 	$(VPY) -m pip install -q torch==2.13.0
 	$(VPY) -m pip install -q -e '.[test,gpu,ray,wandb,nixl,server,demo]'
+	# verl for its plugin's tests, without its training stack (whose pins would move transformers): the modules the
+	# plugin's imports need (docs/INTEGRATIONS.md)
+	$(VPY) -m pip install -q --no-deps verl==0.9.1 tensordict==0.10.0 omegaconf hydra-core antlr4-python3-runtime==4.9.3 \
+		codetiming pyvers cloudpickle orjson cachetools
 	touch $(STAMP)
 
 install: $(STAMP)

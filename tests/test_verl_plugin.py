@@ -201,3 +201,31 @@ def test_server_answers_verls_agent_loop_and_takes_sparse_pushes(tmp_path):
     finally:
         ray.shutdown()
         local.close()
+
+
+def test_routing_replay_returns_the_experts_of_every_input_position(ckpt_factory):
+    """With verl's rollout.enable_rollout_routing_replay the server's TokenOutput carries routed_experts as vLLM's
+    does: int32 [prompt + response - 1, MoE layers, top_k], the same experts a local engine reports for the same
+    seeded request. A dense model is refused at start-up, naming the flag."""
+    import numpy as np
+
+    path = ckpt_factory("qwen3_moe")
+    server = plugin.EngineServer({"model": str(path), "max_num_seqs": 4}, rollout_mode="hybrid", replica_rank=0,
+                                 prompt_length=16, response_length=6, routing_replay=True)
+    prompt = [3, 9, 27, 31, 5]
+    try:
+        out = asyncio.run(server.generate(prompt, {"temperature": 1.0, "seed": 3, "logprobs": True}, "r0"))
+    finally:
+        server.engine.close()
+    engine = Engine(EngineConfig(model=str(path), max_num_seqs=4))
+    ref = engine.generate([prompt], SamplingParams(max_tokens=6, temperature=1.0, seed=3, logprobs=True,
+                                                   return_routed_experts=True))[0].outputs[0]
+    shape = engine.routed_experts_shape
+    engine.close()
+    assert out.token_ids == list(ref.token_ids)
+    assert out.routed_experts.dtype == np.int32
+    assert out.routed_experts.shape == (len(prompt) + len(out.token_ids) - 1, *shape)
+    assert np.array_equal(out.routed_experts, np.asarray(ref.routed_experts))
+    with pytest.raises(ValueError, match="enable_rollout_routing_replay"):
+        plugin.EngineServer({"model": str(ckpt_factory("llama"))}, rollout_mode="hybrid", replica_rank=0,
+                            prompt_length=16, response_length=6, routing_replay=True)

@@ -23,7 +23,12 @@ rollout config (dtype, max_model_len, max_num_seqs, max_num_batched_tokens, gpu_
 caching, enforce_eager, seed, tensor_model_parallel_size) and any `EngineConfig` field from
 `rollout.engine_kwargs.rollout_engine`.
 
-Not here: multimodal inputs, LoRA adapters, `repetition_penalty != 1`, prompt logprobs, routing replay, replicas
+Routing replay (R3, verl's `rollout.enable_rollout_routing_replay`): every request asks for its routed experts and
+`TokenOutput.routed_experts` carries them as vLLM's server does, an int32 numpy array [prompt + response - 1,
+num_moe_layers, top_k] (each input position's experts; verl's agent loops slice it to the sequence); refused at
+start-up for a dense model.
+
+Not here: multimodal inputs, LoRA adapters, `repetition_penalty != 1`, prompt logprobs, replicas
 over several nodes, data or pipeline parallel rollout, the delta checkpoint-engine wire format, an HTTP address
 (the replica's `server_address` is an id for verl's load balancer; agent loops that speak OpenAI over HTTP to it
 do not work). Importing this module imports verl and Ray; nothing else in the project imports it.
@@ -40,6 +45,7 @@ import warnings
 from pathlib import Path
 from typing import Any
 
+import numpy as np
 import torch
 from verl.workers.rollout import base as _verl_rollout_base
 from verl.workers.rollout.base import BaseRollout
@@ -66,11 +72,12 @@ _SAMPLING_KEYS = {"temperature", "top_p", "top_k", "min_p", "seed", "stop", "sto
 _HANDLED_KEYS = {"logprobs", "repetition_penalty", "max_tokens", "max_new_tokens"}  # turned into fields by hand
 
 
-def sampling_params_from_verl(params: dict[str, Any], *, max_tokens: int) -> SamplingParams:
+def sampling_params_from_verl(params: dict[str, Any], *, max_tokens: int, return_routed_experts: bool = False) -> SamplingParams:
     """The SamplingParams of one verl `generate` call. `params` is what the agent loop sends (temperature, top_p,
     top_k with -1 for all, repetition_penalty, logprobs as a bool, optionally stop_token_ids, seed, ...) without
     the length keys, which the caller turned into `max_tokens`. ValueError names a key this engine does not offer."""
-    fields: dict[str, Any] = {"max_tokens": max_tokens, "logprobs": bool(params.get("logprobs", False))}
+    fields: dict[str, Any] = {"max_tokens": max_tokens, "logprobs": bool(params.get("logprobs", False)),
+                              "return_routed_experts": return_routed_experts}
     for key, value in params.items():
         if key == "logprobs":
             continue
@@ -114,12 +121,18 @@ class EngineServer:
     """The body of a replica's Ray actor: one AsyncEngine, with the calls verl makes on a rollout server."""
 
     def __init__(self, engine_config: dict, *, rollout_mode: str, replica_rank: int, prompt_length: int,
-                 response_length: int, free_cache_engine: bool = True, num_threads: int | None = None) -> None:
+                 response_length: int, free_cache_engine: bool = True, num_threads: int | None = None,
+                 routing_replay: bool = False) -> None:
         from rollout.async_engine import AsyncEngine
 
         if num_threads is not None:
             torch.set_num_threads(num_threads)
         self.engine = AsyncEngine(from_mapping(EngineConfig, engine_config, f"rollout.engine_kwargs.{NAME}"))
+        if routing_replay and self.engine.engine.routed_experts_shape is None:
+            self.engine.close()
+            raise ValueError(f"rollout.enable_rollout_routing_replay: {NAME} returns routed experts for MoE models "
+                             "only (with EngineConfig.enable_return_routed_experts on); this model has none")
+        self.routing_replay = routing_replay  # every request returns its routed experts (TokenOutput.routed_experts)
         self.rollout_mode = RolloutMode(rollout_mode)
         self.replica_rank = replica_rank
         self.prompt_length, self.response_length = prompt_length, response_length
@@ -155,7 +168,8 @@ class EngineServer:
         if room < 1:
             raise ValueError(f"prompt of {len(prompt_ids)} tokens leaves no room within max_model_len="
                              f"{self.engine.engine.max_model_len}")
-        sampling = sampling_params_from_verl(params, max_tokens=max(1, min(int(max_tokens), room)))
+        sampling = sampling_params_from_verl(params, max_tokens=max(1, min(int(max_tokens), room)),
+                                             return_routed_experts=self.routing_replay)
 
         while not self._open.is_set():
             if self._rejecting:
@@ -170,8 +184,9 @@ class EngineServer:
         sample = out.outputs[0]
         extra = {"global_steps": self.global_steps, "num_cached_tokens": out.num_cached_prompt_tokens,
                  "policy_versions": list(sample.policy_versions)}
+        routed = None if sample.routed_experts is None else np.asarray(sample.routed_experts, dtype=np.int32)
         return TokenOutput(token_ids=list(sample.token_ids), log_probs=list(sample.logprobs) if sampling.logprobs else None,
-                           stop_reason=_STOP_REASONS.get(sample.finish_reason, sample.finish_reason),
+                           routed_experts=routed, stop_reason=_STOP_REASONS.get(sample.finish_reason, sample.finish_reason),
                            num_preempted=sample.num_preemptions, extra_fields=extra)
 
     def _aborted(self) -> TokenOutput:
@@ -320,6 +335,7 @@ class EngineReplica(RolloutReplica):
             rollout_mode=self.rollout_mode.value, replica_rank=self.replica_rank,
             prompt_length=self.config.prompt_length, response_length=self.config.response_length,
             free_cache_engine=self.config.free_cache_engine, num_threads=None if self.workers else 1,
+            routing_replay=bool(getattr(self.config, "enable_rollout_routing_replay", False)),
         )
         await server.policy_version.remote()  # the engine is loaded (or its error raises here)
         self.servers = [server]
