@@ -115,8 +115,8 @@ class EngineConfig:
     are unfinished. Costs a copy of the base weights of every `lora_target_modules` module of every decoder
     layer (default: all seven of a dense model, about the size of its decoder layers' linear weights), allocated
     at start-up on the model's device so the KV cache is sized with it counted; a push recomputes the merged
-    weights of the modules it touched from that copy, and an unload restores the base bitwise.
-    `max_lora_rank` (the slots' size) does not apply."""
+    weights of the modules it touched from that copy, and an unload restores the base bitwise (`export_weights`
+    and the checksums see the weights as they are: merged). `max_lora_rank` (the slots' size) does not apply."""
     async_scheduling: bool | None = None
     """Schedule and stage step t+1 while step t runs on the device (tokens of t reach t+1 on the device);
     hides the host's per-step work behind the GPU's. Not with speculative decoding. None (the default)

@@ -3,10 +3,10 @@ random Llama and Qwen2 checkpoints with real PEFT adapters (random, non-zero B):
 merge, logits and greedy equal peft's and the same adapter's in slot mode, with no slots or hooks in the runner;
 pushes (dense, patch, one tensor) recompute exactly the modules they wrote and then equal peft's updated adapter;
 refused pushes change no weight; unload restores every base weight bitwise (also in bfloat16, where subtracting
-the delta back would not); a base request, a base push and a second merged load are refused while an adapter is
-merged, as are a load while base requests run and an unload while the adapter's run; the prefix cache does not
-hand blocks the base computed before the merge to the adapter's requests; the server serves the merged adapter
-and refuses the base."""
+the delta back would not), across a deep sleep too; a base request, a base push and a second merged load are
+refused while an adapter is merged, as are a merge while base requests run (or a base update is staged) and an
+unload while the adapter's run; the prefix cache does not hand blocks the base computed before the merge to the
+adapter's requests; the server serves the merged adapter and refuses the base."""
 
 from __future__ import annotations
 
@@ -299,6 +299,25 @@ def test_a_push_mid_request_is_recorded_per_token(base, adapters):
     assert spans.lora_versions == [0, 0, 0, 1, 1, 1] and spans.policy_versions == [0, 0, 0, 1, 1, 1]
 
 
+def test_sleep_keeps_the_merged_weights_and_unload_still_restores(base, adapters):
+    engine = Engine(config(base))
+    before = weights(engine)
+    engine.load_lora("a", str(adapters["a"]))
+    want = [o.token_ids for o in greedy(engine, PROMPTS, "a")]
+    engine.sleep(2)  # the weights move to host memory and back: new storage
+    with pytest.raises(ValueError, match="sleeps"):
+        engine.unload_lora("a")
+    engine.wake_up()
+    assert [o.token_ids for o in greedy(engine, PROMPTS, "a")] == want
+    engine.unload_lora("a")  # writes into the parameters' new storage
+    assert_engine_holds(engine, before)
+    engine.sleep(2)
+    with pytest.raises(ValueError, match="sleeps"):
+        engine.load_lora("a", str(adapters["a"]))
+    engine.wake_up()
+    assert engine.list_loras() == [] and not changed(engine, before)
+
+
 def test_config_checks_and_target_modules(base, adapters):
     for kw in ({}, {"max_loras": 2}):
         with pytest.raises(ValueError, match="lora_merged.*max_loras=1"):
@@ -349,7 +368,8 @@ def test_server_serves_the_merged_adapter_and_refuses_the_base(tmp_path):
         body = {"prompt": ids, "max_tokens": 8, "temperature": 0, "ignore_eos": True, "return_token_ids": True}
         out = http.post("/v1/completions", json={**body, "model": "sql"}).json()["choices"][0]
         assert out["token_ids"] == want and out["lora_versions"] == [0] * 8
-        for extra in ({}, {"prompt_logprobs": 0}, {"max_tokens": 0, "echo": True, "logprobs": 0}):  # the last: scoring only
+        scoring_only = {"max_tokens": 0, "echo": True, "logprobs": 0}  # runner/scoring.py, no request
+        for extra in ({}, {"prompt_logprobs": 0}, scoring_only):
             r = http.post("/v1/completions", json={**body, "model": "base", **extra})
             assert r.status_code == 400 and "merged" in r.text, (extra, r.text)
         r = http.post("/v1/load_lora_adapter", json={"lora_name": "other", "lora_path": str(sql)})

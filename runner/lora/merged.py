@@ -17,7 +17,8 @@ rounds the delta before adding it, here only the sum is rounded). Every write is
 parameters, so captured CUDA graphs stay valid. A push (`target()`, a `weight_updates.WeightTarget` over A / B in
 PEFT's names) marks the modules it wrote, and `fold_written()` recomputes exactly those from the base copy;
 `clear()` copies the base back, bitwise, whatever pushes happened in between (nothing is ever subtracted). A
-fold holds one float32 [out, in] temporary at a time.
+fold holds one float32 [out, in] temporary at a time. Live views are taken at each use (a level-2 sleep moves
+the parameters' storage); the base copy and A / B stay on the device while the engine sleeps.
 
 Not here: which name is loaded, versions, the refusals around requests and base updates (rollout/loras.py);
 tensor-parallel shards (the engine refuses LoRA under tensor parallelism).
