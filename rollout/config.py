@@ -102,7 +102,21 @@ class EngineConfig:
     lora_target_modules: tuple[str, ...] | None = None
     """Which checkpoint modules get adapter slots (q_proj, k_proj, v_proj, o_proj, gate_proj, up_proj,
     down_proj; a fused layer gets slots for all of its modules); None: every one the model supports (MoE models:
-    the attention projections). An adapter of another module is refused at load."""
+    the attention projections). An adapter of another module is refused at load. In merged mode: the modules
+    whose base weights are kept (see `lora_merged`)."""
+    lora_merged: bool = False
+    """Merged mode: one adapter at a time, folded into the base weights (W = W_base + scaling * B @ A, computed in
+    float32 from a kept copy of the base and rounded once to the weights' dtype, so bfloat16 weights are the
+    merged weights rounded to bfloat16), so its requests run the plain model path at full speed: no slots, no
+    LoRA kernels, no per-token adapter index, the graphs of a plain engine. Same API as slot mode
+    (`Engine.load_lora` / `unload_lora` / `apply_lora_update`, `SamplingParams(lora=name)`), with these rules:
+    needs max_loras=1; while an adapter is merged the base weights are not served (a request with
+    `SamplingParams.lora=None` and a base weight update are refused), and a load is refused while base requests
+    are unfinished. Costs a copy of the base weights of every `lora_target_modules` module of every decoder
+    layer (default: all seven of a dense model, about the size of its decoder layers' linear weights), allocated
+    at start-up on the model's device so the KV cache is sized with it counted; a push recomputes the merged
+    weights of the modules it touched from that copy, and an unload restores the base bitwise (`export_weights`
+    and the checksums see the weights as they are: merged). `max_lora_rank` (the slots' size) does not apply."""
     async_scheduling: bool | None = None
     """Schedule and stage step t+1 while step t runs on the device (tokens of t reach t+1 on the device);
     hides the host's per-step work behind the GPU's. Not with speculative decoding. None (the default)
@@ -161,6 +175,9 @@ class EngineConfig:
             raise ValueError("EngineConfig.max_loras > 0 does not support tensor_parallel_size > 1 yet")
         if self.max_loras and self.speculative is not None:
             raise ValueError("EngineConfig.max_loras > 0 does not support speculative decoding yet")
+        if self.lora_merged and self.max_loras != 1:
+            raise ValueError(f"EngineConfig.lora_merged holds one adapter at a time: it needs max_loras=1, got "
+                             f"max_loras={self.max_loras}")
         if self.async_scheduling and self.speculative is not None:
             raise ValueError("async_scheduling does not support speculative decoding yet")
         if self.async_scheduling is None:
@@ -171,6 +188,8 @@ class EngineConfig:
         """The fields the runner reads, as the runner's own config; `model_dir`: the directory `model` resolved
         to (rollout.model_files.resolve_model), where the runner reads the checkpoint (default: `model`)."""
         fields = {f.name: getattr(self, f.name) for f in dataclasses.fields(RunnerConfig)}
+        if self.lora_merged:  # the merged adapter is in the weights: the runner has no slots and no hooks
+            fields["max_loras"] = 0
         if model_dir is not None:
             fields["model"] = model_dir
         return RunnerConfig(**fields)

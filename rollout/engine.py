@@ -94,6 +94,11 @@ class Engine:
         timer.mark("config_tokenizer")
         self.executor = make_executor(config.runner_config(model_dir), self.model_config, self.max_model_len)
         self.runner = self.executor.driver  # rank 0's ModelRunner
+        self._loras = None  # EngineLoras when config.max_loras > 0; before the KV sizing, which counts what it holds
+        if config.max_loras:
+            from rollout.loras import EngineLoras
+
+            self._loras = EngineLoras(self, config.max_loras, merged=config.lora_merged)
         timer.mark("runner_init", load=self.runner.load_seconds)  # around the load: CUDA context, buffers, TP ranks
         rpc = self.executor.collective_rpc
         num_blocks = min(rpc("determine_num_kv_blocks"))  # each rank measures its own memory
@@ -116,11 +121,6 @@ class Engine:
         self._ids = itertools.count()
         self._sleep = SleepState(self.collective_rpc, self.kv_manager.reset_prefix_cache)
         self._weights = EngineWeights(self)
-        self._loras = None  # EngineLoras when config.max_loras > 0
-        if config.max_loras:
-            from rollout.loras import EngineLoras
-
-            self._loras = EngineLoras(self, config.max_loras)
         self._inflight = None  # async scheduling: (SchedulerOutput, StepHandle) launched, not yet collected
         self._drained: list[Request] = []  # requests that got tokens in a drain, reported by the next step
         self.spec_controller = None  # SpecController (auto-off) when speculating
@@ -358,6 +358,8 @@ class Engine:
         if self.config.gc_freeze:
             gc.unfreeze()  # first: the release's collection must reach objects frozen at start-up
         self._weights = None  # its weight sink reaches the weights
+        if self._loras is not None:
+            self._loras.release()  # merged mode's base copy
         self.executor.release()
         self.executor = self.runner = None
         if self.config.gc_freeze:
@@ -463,13 +465,15 @@ class Engine:
         """Load the PEFT adapter directory `path` (adapter_config.json + adapter_model.safetensors) into a free
         adapter slot under `name`, for requests with `SamplingParams(lora=name)`. Checked in full (against the
         model, `max_lora_rank` and `lora_target_modules`) before the slot is written; a ValueError otherwise, and
-        when the name is taken or every slot is in use. Between steps; running requests go on."""
+        when the name is taken or every slot is in use. Between steps; running requests go on. With
+        `EngineConfig.lora_merged` the adapter is folded into the base weights instead (no rank limit), refused
+        while one is merged or base requests are unfinished (rollout/loras.py)."""
         return self._lora_manager().load(name, path)
 
     def unload_lora(self, name: str) -> None:
-        """Free `name`'s slot (zeroed). Refused (ValueError) while any unfinished request uses the adapter: finish
-        or abort them first. A later `load_lora` under the same name is a new adapter (no prefix-cache blocks of the
-        old one are reused)."""
+        """Free `name`'s slot (zeroed; merged mode: the base weights written back bitwise). Refused (ValueError)
+        while any unfinished request uses the adapter: finish or abort them first. A later `load_lora` under the
+        same name is a new adapter (no prefix-cache blocks of the old one are reused)."""
         self._lora_manager().unload(name)
 
     def list_loras(self) -> list["LoraInfo"]:
@@ -595,11 +599,10 @@ class Engine:
         if embeds is not None and embeds.num_tokens >= self.max_model_len:
             raise ValueError(f"prompt_embeds has {embeds.num_tokens} rows (prompt positions); max_model_len="
                              f"{self.max_model_len} leaves no room to generate")
-        if params.lora is not None:
-            if self._loras is None:
-                raise ValueError("SamplingParams.lora: this engine serves no LoRA adapters "
-                                 "(EngineConfig.max_loras is 0)")
-            self._loras.get(params.lora, "SamplingParams.lora")
+        if params.lora is not None and self._loras is None:
+            raise ValueError("SamplingParams.lora: this engine serves no LoRA adapters (EngineConfig.max_loras is 0)")
+        if self._loras is not None:
+            self._loras.check_request(params.lora)  # merged mode: no base requests while an adapter is merged
         if params.return_routed_experts:
             refusal = self.routed_experts_refusal()
             if refusal is not None:

@@ -177,4 +177,6 @@ class EngineWeights:
             e._sleep.check_awake("weight update", "weights")
         except ValueError as err:
             raise WeightUpdateError(str(err)) from None
+        if e._loras is not None:
+            e._loras.check_base_update()  # not while a LoRA adapter is merged into the base weights
         return e.policy_version

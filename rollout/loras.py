@@ -20,6 +20,14 @@ between steps (the step in flight is finished first), and on success the engine'
 version by one. Each adapter keeps the policy version its every version started at (`history`), so a token's
 adapter version follows from the policy version it was sampled under (`CompletionOutput.lora_versions`).
 
+Merged mode (`EngineConfig.lora_merged`, max_loras=1): the one loaded adapter is folded into the base weights
+(runner/lora/merged.py) instead of a slot, and its requests run the plain model path (their slot is -1). The
+names, load ids, prefix-cache keys, versions and pushes are as above (a push recomputes the merged weights of the
+modules it wrote); in addition, while an adapter is merged the base weights are not served: a base request
+(`SamplingParams.lora=None`) and a base weight update (`EngineWeights._begin`) are refused, and a load is refused
+while base requests are unfinished or a base update is staged. An unload writes the base back bitwise, so prefix-
+cache blocks of base requests from before the merge (keyed without the adapter) are valid again.
+
 Not here: the slots and kernels (runner/lora/, kernels/lora.py), validation of the records (weight_updates/),
 the HTTP endpoints (rollout/server.py). One process only: the engine refuses LoRA under tensor parallelism.
 """
@@ -45,12 +53,14 @@ class LoraInfo:
     path: str
     """The adapter directory it was loaded from."""
     slot: int
-    """Its device slot (0 .. max_loras - 1)."""
+    """Its device slot (0 .. max_loras - 1); -1 when merged."""
     rank: int
     modules: tuple[str, ...]
     """The checkpoint modules it adapts (q_proj, ...)."""
     version: int
     """0 at load, + 1 per push (`Engine.apply_lora_update`)."""
+    merged: bool = False
+    """Folded into the base weights (`EngineConfig.lora_merged`) rather than held in a slot."""
 
 
 @dataclass(eq=False, kw_only=True, slots=True)
@@ -59,7 +69,7 @@ class LoadedLora:
 
     name: str
     path: str
-    slot: int
+    slot: int  # -1: merged into the base weights
     load_id: int  # distinct for every load of this engine
     rank: int
     modules: tuple[str, ...]
@@ -81,18 +91,49 @@ class LoadedLora:
 
     def info(self) -> LoraInfo:
         return LoraInfo(name=self.name, path=self.path, slot=self.slot, rank=self.rank, modules=self.modules,
-                        version=self.version)
+                        version=self.version, merged=self.slot < 0)
 
 
 class EngineLoras:
-    """The adapters of an engine with `EngineConfig.max_loras` slots (see the module docstring)."""
+    """The adapters of an engine with `EngineConfig.max_loras` slots, or with its one adapter merged into the base
+    weights (`merged`; see the module docstring). Built before the KV cache is sized: in merged mode the base copy
+    it allocates is then counted."""
 
-    def __init__(self, engine: "Engine", max_loras: int) -> None:
+    def __init__(self, engine: "Engine", max_loras: int, *, merged: bool = False) -> None:
         self._engine = engine
         self.max_loras = max_loras
         self.loaded: dict[str, LoadedLora] = {}  # by name, in load order
         self._load_ids = itertools.count()
         self._receivers: dict[int, "WeightReceiver"] = {}  # load id -> the receiver of its pushes
+        self.merged = None  # runner.lora.merged.MergedLora in merged mode
+        if merged:
+            from runner.lora.merged import MergedLora
+
+            assert max_loras == 1, max_loras
+            self.merged = MergedLora(engine.runner.weights, engine.model_config,
+                                     target_modules=engine.config.lora_target_modules)
+
+    def check_request(self, name: str | None) -> None:
+        """ValueError (naming SamplingParams.lora) unless a request of adapter `name` (None: the base) may be
+        added now."""
+        if name is not None:
+            self.get(name, "SamplingParams.lora")
+        elif self.merged is not None and self.loaded:
+            raise ValueError(f"SamplingParams.lora=None asks for the base model, whose weights are not served while "
+                             f"adapter {self._merged_name()!r} is merged into them (EngineConfig.lora_merged): name "
+                             f"the adapter, or unload it first")
+
+    def check_base_update(self) -> None:
+        """ValueError unless the base weights may be updated now (not while an adapter is merged into them)."""
+        if self.merged is not None and self.loaded:
+            from weight_updates import WeightUpdateError
+
+            raise WeightUpdateError(f"a base weight update while adapter {self._merged_name()!r} is merged into the "
+                                    f"base weights (EngineConfig.lora_merged) would mix the two: unload it first "
+                                    f"(push the adapter with apply_lora_update)")
+
+    def _merged_name(self) -> str:
+        return next(iter(self.loaded))
 
     def get(self, name: str, field_name: str = "lora") -> LoadedLora:
         """The loaded adapter `name`; a ValueError naming `field_name` when there is none."""
@@ -107,6 +148,8 @@ class EngineLoras:
             raise ValueError(f"lora_name must be a non-empty string, got {name!r}")
         if name in self.loaded:
             raise ValueError(f"lora_name: an adapter named {name!r} is loaded already; unload it first")
+        if self.merged is not None:
+            return self._load_merged(name, str(path))
         used = {lora.slot for lora in self.loaded.values()}
         free = [slot for slot in range(self.max_loras) if slot not in used]
         if not free:
@@ -119,6 +162,29 @@ class EngineLoras:
         self.loaded[name] = lora
         return lora.info()
 
+    def _load_merged(self, name: str, path: str) -> LoraInfo:
+        e = self._engine
+        if self.loaded:
+            raise ValueError(f"lora_name: adapter {self._merged_name()!r} is merged (EngineConfig.lora_merged holds "
+                             f"one adapter at a time): unload it first")
+        e._sleep.check_awake("load_lora (merged into the weights)", "weights")
+        if e._weights.staged is not None:
+            raise ValueError("load_lora while a base weight update is staged: publish or drop it first (merged "
+                             "mode writes the base weights)")
+        e._drain()  # a request that ends in the step in flight no longer needs the base weights
+        base = sum(1 for req in e.scheduler.requests.values() if req.lora is None)
+        if base:
+            raise ValueError(f"lora_name: merging {name!r} into the base weights (EngineConfig.lora_merged) while "
+                             f"{base} base request(s) (SamplingParams.lora=None) are unfinished: finish or abort "
+                             f"them first")
+        from runner.lora.adapters import read_adapter
+
+        rank, modules = self.merged.load(read_adapter(path, e.model_config, name=name))
+        lora = LoadedLora(name=name, path=path, slot=-1, load_id=next(self._load_ids), rank=rank,
+                          modules=tuple(modules), history=[(e.policy_version, 0)])
+        self.loaded[name] = lora
+        return lora.info()
+
     def unload(self, name: str) -> None:
         lora = self.get(name, "lora_name")
         e = self._engine
@@ -127,7 +193,11 @@ class EngineLoras:
         if users:
             raise ValueError(f"lora_name: adapter {name!r} is used by {users} unfinished request(s); finish or abort "
                              f"them first")
-        e.collective_rpc("lora.clear", lora.slot)
+        if self.merged is not None:
+            e._sleep.check_awake("unload_lora (merged into the weights)", "weights")
+            self.merged.clear()
+        else:
+            e.collective_rpc("lora.clear", lora.slot)
         del self.loaded[name]
         self._receivers.pop(lora.load_id, None)
 
@@ -141,11 +211,17 @@ class EngineLoras:
         if e._weights.staged is not None:
             raise ValueError("a LoRA update while a base weight update is staged: publish or drop it first")
         e._drain()  # tokens of the step in flight were sampled with the old adapter
+        if self.merged is not None:
+            e._sleep.check_awake("apply_lora_update (merged into the weights)", "weights")
         session = self._receiver(lora).session()
         session.start(lora.version + 1 if version is None else version)
         session.add(updates)
         session.prepare()
-        session.commit()
+        try:
+            session.commit()
+        finally:
+            if self.merged is not None:  # what the commit wrote (or wrote back after a failed read-back)
+                self.merged.fold_written()
         result = session.publish()
         policy_version = e.policy_version + 1
         lora.version = result.version
@@ -158,6 +234,12 @@ class EngineLoras:
         if receiver is None:
             from weight_updates import WeightReceiver
 
-            target = self._engine.runner.lora.target(lora.slot)
+            target = self.merged.target() if self.merged is not None else self._engine.runner.lora.target(lora.slot)
             receiver = self._receivers[lora.load_id] = WeightReceiver(target, version=lora.version)
         return receiver
+
+    def release(self) -> None:
+        """Free what the adapters hold outside the runner (merged mode's base copy); the engine closes."""
+        if self.merged is not None:
+            self.merged.release()
+        self._receivers.clear()

@@ -328,6 +328,9 @@ def _score_prompt(engine, token_ids: list[int], num_top: int, lora: str | None =
             raise APIError(404, f"the model {lora!r} does not exist (its LoRA adapter was unloaded)", param="model",
                            code="model_not_found")
         slot = slots[lora]
+    elif any(info.merged for info in engine.list_loras()):  # EngineConfig.lora_merged: slot -1 is the adapter's
+        raise APIError(400, "the base model is not served while a LoRA adapter is merged into its weights "
+                            "(EngineConfig.lora_merged): name the adapter in `model`", param="model")
     pool = engine.kv_manager.pool
     need = -(-len(token_ids) // engine.config.block_size)
     if need > pool.num_free_blocks:

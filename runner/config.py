@@ -37,7 +37,9 @@ class SpeculativeConfig:
 
 @dataclass(kw_only=True, slots=True, frozen=True)
 class RunnerConfig:
-    """The runner's part of EngineConfig; every field means what the EngineConfig field of its name means."""
+    """The runner's part of EngineConfig; every field means what the EngineConfig field of its name means, except
+    `max_loras`, which is 0 in LoRA's merged mode (`EngineConfig.lora_merged`: no slots, the adapter is folded
+    into the weights, rollout/loras.py)."""
 
     model: str  # checkpoint directory
     device: str = "cpu"
