@@ -12,6 +12,11 @@
 #                                     one or two per call), extra arguments in $SCALE_ARGS (e.g. --with-32b)
 #   bash bench/gpu_round.sh first     a session's first call (< 10 min): GPU tests, weight sync (0.5B and 1.5B
 #                                     shapes), decode-step profile (batch 256 also with cuBLASLt)
+#   bash bench/gpu_round.sh verify    every test that runs on the GPU (all CUDA-gated tests), in two pytest
+#                                     processes of at most 270 s each, into $OUT/verify.log alone (the device
+#                                     tool returns at most 8 files)
+#   bash bench/gpu_round.sh measure   the real-size figures: bench/scale.py at 8B and 0.5B, bench/moe.py,
+#                                     bench/lora.py --profile, into four JSON-lines files and one log
 # Logs and JSON lines go under $OUT (default ./gpu_out).
 set -uo pipefail
 OUT=${OUT:-gpu_out}
@@ -66,6 +71,20 @@ case "${1:-tests}" in
       timeout 540 python3 bench/scale.py --shapes "$shape" ${SCALE_ARGS:-} > "$OUT/scale_$shape.jsonl" 2> "$OUT/scale_$shape.err"
       cat "$OUT/scale_$shape.jsonl"; grep -i -A3 "error\|traceback" "$OUT/scale_$shape.err" | tail -20
     done
+    ;;
+  verify)
+    for group in "tests/test_gpu_*.py" "tests/test_kernels_*.py tests/test_models.py tests/test_prompt_embeds.py \
+        tests/test_weight_updates.py tests/test_weight_updates_ipc.py tests/test_loader.py"; do
+      timeout 270 python3 -m pytest -q -p no:cacheprovider $group 2>&1 | tail -c 4000 >> "$OUT/verify.log"
+    done
+    grep -E "passed|failed|error" "$OUT/verify.log"
+    ;;
+  measure)
+    timeout 200 python3 bench/scale.py --shapes qwen3-8b --repeats 1 --hf-batches "" > "$OUT/scale8b.jsonl" 2>> "$OUT/measure.log"
+    timeout 60 python3 bench/scale.py --shapes qwen2.5-0.5b --hf-batches "" --no-grpo --no-load > "$OUT/scale05.jsonl" 2>> "$OUT/measure.log"
+    timeout 180 python3 bench/moe.py --device cuda --hf-batches 1 > "$OUT/moe.jsonl" 2>> "$OUT/measure.log"
+    timeout 130 python3 bench/lora.py --device cuda --profile > "$OUT/lora.jsonl" 2>> "$OUT/measure.log"
+    grep -i -B2 -A3 "error\|traceback" "$OUT/measure.log" | tail -20
     ;;
   tp)
     export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1
