@@ -5,7 +5,8 @@
 
 Per (model shape, projection, rows) one row: `ref_us` for the unfused path the engine runs otherwise (the
 norm or activation kernel, then cuBLAS through `F.linear`), `fused_us` for `fused_gemv` with its default
-tiles, `best_us` / `best` for the fastest tile choice of the sweep, and each one's `gbps` = weight bytes /
+tiles and the prologue inside, `split_us` for the norm or activation kernel followed by the plain `fused_gemv`
+(the engine's path for weights above `kernels.gemv.PROLOGUE_MAX_WEIGHT_BYTES`), `best_us` / `best` for the fastest tile choice of the sweep, and each one's `gbps` = weight bytes /
 time (the weights dominate the bytes at these row counts). Times come from a CUDA graph of many calls
 that walk through enough weight copies to exceed the L2 cache (as a decode step does: every weight is
 read once per step), so they hold no launch gaps a graph replay would not have. The copy bandwidth
@@ -94,6 +95,16 @@ def bench_case(shape, proj, n, k, prologue, has_bias, rows, dtype, sweep) -> dic
             h = x
         return torch.nn.functional.linear(h, w, bias)
 
+    def split(i):  # the engine's path for weights too large for a fused prologue: the kernel, then the plain GEMV
+        w = weights[i % copies]
+        if prologue == "rms_norm":
+            h, _ = fused_add_rms_norm(x, residual, norm_w, 1e-6)
+        elif prologue == "silu_mul":
+            h = silu_and_mul(x)
+        else:
+            h = x
+        return fused_gemv(h, w, bias)
+
     def fused(cfg):
         kw = dict(norm_weight=norm_w, residual=residual) if prologue == "rms_norm" else {}
         return lambda i: fused_gemv(x, weights[i % copies], bias, prologue=prologue, config=cfg, **kw)
@@ -103,6 +114,7 @@ def bench_case(shape, proj, n, k, prologue, has_bias, rows, dtype, sweep) -> dic
     torch.testing.assert_close(out.float(), ref(0).float(), rtol=2e-2, atol=2e-2)
     row = {"shape": shape, "proj": proj, "rows": rows, "n": n, "k": k, "prologue": prologue,
            "ref_us": round(graph_us(ref, calls), 2), "fused_us": round(graph_us(fused(None), calls), 2),
+           "split_us": round(graph_us(split, calls), 2),
            "default": list(vars_of(pick_config(rows, n, k, x.device)))}
     if sweep:
         timed = []
@@ -113,7 +125,7 @@ def bench_case(shape, proj, n, k, prologue, has_bias, rows, dtype, sweep) -> dic
             timed.append((graph_us(fused(cfg), calls), (bn, bkk, nw)))
         best_us, best = min(timed)
         row.update(best_us=round(best_us, 2), best=list(best))
-    for key in ("ref_us", "fused_us", "best_us"):
+    for key in ("ref_us", "fused_us", "split_us", "best_us"):
         if key in row:
             row[key.replace("_us", "_gbps")] = round(wbytes / row[key] / 1e3, 1)
     return row
