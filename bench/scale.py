@@ -17,8 +17,9 @@ the run's dtype (an 8192^3 matmul on CUDA). Then per shape:
   longest workload + 16, everything else the defaults), `Engine.startup_times` (config/tokenizer, load,
   runner_init, profile = KV sizing, kv_alloc, graph_capture): `start` "first" for the run's engine (its Triton
   kernels compiled then, unless earlier runs on the machine compiled them), and on CUDA "restart": the same
-  engine built again in a fresh process after the workloads (kernels in Triton's on-disk cache, checkpoint in
-  the page cache), as every later start on the machine is.
+  engine built again in a fresh process after the workloads (kernels in Triton's on-disk cache), as every later
+  start on the machine is; `load_parts`: the load's allocation, fill, and the chunked reader's file reads and
+  waits for copies (`ModelRunner.load_stats`).
 - `generate`, system "engine": decode at batch 1, 64, 256 (prompt 128 + 256 new tokens) and the GRPO shape (32
   prompts x n=16, prompt 256, 512 new); temperature 1, every new token forced (EOS ignored); best of two
   timed calls after an untimed warm-up, each call with prompts of its own (no prefix-cache hits across calls;
@@ -154,18 +155,20 @@ class Plan:
     chunk_bytes: int
 
 
-def restart_times(config) -> dict[str, float]:
-    """`Engine.startup_times` of the same engine built again in a fresh process: what every start after the first
-    on a machine costs (the compiled Triton kernels are in their on-disk cache, the checkpoint in the page cache)."""
+def restart_times(config) -> tuple[dict[str, float], dict[str, float]]:
+    """`Engine.startup_times` and the runner's `load_stats` of the same engine built again in a fresh process: what
+    every start after the first on a machine costs (the compiled Triton kernels are in their on-disk cache)."""
     fields = {f.name: getattr(config, f.name) for f in dataclasses.fields(config)
               if f.name in ("model", "device", "dtype", "max_num_seqs", "max_model_len", "load_format")}
     code = ("import json, sys; from rollout import Engine, EngineConfig; "
-            "e = Engine(EngineConfig(**json.loads(sys.argv[1]))); print(json.dumps(e.startup_times)); e.close()")
+            "e = Engine(EngineConfig(**json.loads(sys.argv[1]))); "
+            "print(json.dumps([e.startup_times, e.runner.load_stats])); e.close()")
     root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
     env = dict(os.environ, PYTHONPATH=os.pathsep.join(p for p in (root, os.environ.get("PYTHONPATH")) if p))
     done = subprocess.run([sys.executable, "-c", code, json.dumps(fields)], env=env, capture_output=True, text=True,
                           timeout=300, check=True)
-    return json.loads(done.stdout.strip().splitlines()[-1])
+    times, parts = json.loads(done.stdout.strip().splitlines()[-1])
+    return times, parts
 
 
 def run_shape(shape: str, plan: Plan, device: str, dtype: str, ceilings: tuple[float, float], workdir,
@@ -204,7 +207,8 @@ def run_shape(shape: str, plan: Plan, device: str, dtype: str, ceilings: tuple[f
         startup = dict(num_kv_blocks=engine.num_kv_blocks, max_num_seqs=max_rows, max_model_len=max_len,
                        num_graphs=0 if graphs is None else len(graphs.sizes), weights="dummy" if dummy else "checkpoint",
                        **common)
-        emit(kind="startup", start="first", **{k: round(v, 3) for k, v in engine.startup_times.items()}, **startup)
+        emit(kind="startup", start="first", **{k: round(v, 3) for k, v in engine.startup_times.items()},
+             load_parts={k: round(v, 3) for k, v in engine.runner.load_stats.items()}, **startup)
         engine_tps = {}
         for name, prompts, n, prompt_len, new in workloads:
             tps, secs = time_generate(engine, device, prompts, prompt_len, new, n=n, repeats=plan.repeats,
@@ -220,8 +224,9 @@ def run_shape(shape: str, plan: Plan, device: str, dtype: str, ceilings: tuple[f
         del engine
         release_memory()
         if device.startswith("cuda"):
-            times = restart_times(config)
-            emit(kind="startup", start="restart", **{k: round(v, 3) for k, v in times.items()}, **startup)
+            times, parts = restart_times(config)
+            emit(kind="startup", start="restart", **{k: round(v, 3) for k, v in times.items()},
+                 load_parts={k: round(v, 3) for k, v in parts.items()}, **startup)
         if dummy or not plan.hf_batches:
             return identical
         model = load_hf(d, device, dtype)

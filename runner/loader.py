@@ -100,7 +100,7 @@ READERS = ("auto", "chunked", "tensorwise")
 def load_model(
     model_dir: str | Path, cfg: ModelConfig, dtype: torch.dtype, device: torch.device, backend, max_position: int,
     deterministic: bool = False, tp=None, random_seed: int | None = None, reader: str = "auto",
-    chunk_bytes: int = 256 << 20, read_threads: int = 4,
+    chunk_bytes: int = 256 << 20, read_threads: int = 4, stats: dict[str, float] | None = None,
 ) -> CausalLM:
     """Build the registered class of `cfg.architecture` on meta, allocate once on `device` in `dtype`, fill
     from the checkpoint, check completeness. On a CUDA device the weights are in place when it returns.
@@ -113,16 +113,24 @@ def load_model(
     "tensorwise" (`_load_tensorwise`: tensor by tensor from memory-mapped safetensors slices), "auto": chunked
     on CUDA (an 8B checkpoint in 1.6 s against 3.0 s tensor-wise, page cache warm, `bench/scale.py`), tensor-wise
     on the CPU (where the chunks would be one more copy). Both fill the same parameters bitwise.
+    `stats`, when given, is filled with seconds: "allocate" (the parameters on the device), "fill" (reading and
+    copying them in), and for the chunked reader "fill_read" (files into the host buffers) and "fill_wait"
+    (waiting for the copies to the device to free a buffer).
     """
     if reader not in READERS:
         raise ValueError(f"reader must be one of {READERS}, got {reader!r}")
     _, model_cls = ModelRegistry.resolve([cfg.architecture])
     if is_expert_parallel(tp) and not hasattr(model_cls, "sparse_blocks"):
         raise ValueError(f"EngineConfig.expert_parallel needs a Mixture-of-Experts model; {cfg.architecture} is dense")
+    start = time.perf_counter()
     with torch.device("meta"):
         model = model_cls(cfg, backend, tp)
     model = model.to(dtype=dtype).to_empty(device=device)
     model.init_rotary(max_position, device)
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+    stats = {} if stats is None else stats
+    stats["allocate"] = time.perf_counter() - start
     weights = CheckpointWeights(model)
     if random_seed is not None:
         fill_random(weights, random_seed)
@@ -134,18 +142,20 @@ def load_model(
     start = time.perf_counter()
     with torch.no_grad():
         if chunked:
-            loaded, nbytes = _load_chunked(model_dir, cfg, weights, chunk_bytes, read_threads)
+            loaded, nbytes = _load_chunked(model_dir, cfg, weights, chunk_bytes, read_threads, stats)
         else:
             loaded, nbytes = _load_tensorwise(model_dir, cfg, weights)
     if weights.device.type == "cuda":
         torch.cuda.synchronize(weights.device)
     seconds = time.perf_counter() - start
+    stats["fill"] = seconds
     missing = sorted(set(weights.layout) - loaded)
     if missing:
         more = f" (+{len(missing) - 5} more)" if len(missing) > 5 else ""
         raise ValueError(f"checkpoint {model_dir} is missing tensor(s) {missing[:5]}{more}")
-    logger.info("loaded %d tensors (%.2f GB) in %.2f s (%.2f GB/s, %s reader)", len(loaded), nbytes / 1e9, seconds,
-                nbytes / 1e9 / max(seconds, 1e-9), "chunked" if chunked else "tensorwise")
+    logger.info("loaded %d tensors (%.2f GB) in %.2f s (%.2f GB/s, %s reader; %s)", len(loaded), nbytes / 1e9, seconds,
+                nbytes / 1e9 / max(seconds, 1e-9), "chunked" if chunked else "tensorwise",
+                ", ".join(f"{k} {v:.2f} s" for k, v in stats.items()))
     model.set_deterministic(deterministic)
     model.eval()
     return model
@@ -162,7 +172,7 @@ def _check_tensor(file: Path, name: str, dtype: str, shape: tuple[int, ...], slo
 
 def _load_tensorwise(model_dir, cfg: ModelConfig, weights: "CheckpointWeights") -> tuple[set[str], int]:
     """Copy each checkpoint tensor (the rank's slice of it) from its memory-mapped safetensors slice into its slot.
-    Returns the names loaded and the bytes read."""
+    Returns the names loaded and the bytes read; adds "fill_read" and "fill_wait" (`ChunkStager`) to `stats`."""
     loaded: set[str] = set()
     nbytes = 0
     for file, name, lazy in checkpoint_tensors(model_dir, cfg.tie_word_embeddings):
@@ -181,7 +191,7 @@ def _load_tensorwise(model_dir, cfg: ModelConfig, weights: "CheckpointWeights") 
 
 
 def _load_chunked(model_dir, cfg: ModelConfig, weights: "CheckpointWeights", chunk_bytes: int,
-                  read_threads: int) -> tuple[set[str], int]:
+                  read_threads: int, stats: dict[str, float]) -> tuple[set[str], int]:
     """Every file's needed bytes in chunks of `chunk_bytes` through a `ChunkStager` (runner/safetensors_io.py);
     each tensor straight into its slot when the slot is a contiguous tensor of the checkpoint's dtype holding
     the bytes read (a whole tensor, or a rank's rows), else through a device staging tensor (dtype conversion,
@@ -211,6 +221,7 @@ def _load_chunked(model_dir, cfg: ModelConfig, weights: "CheckpointWeights", chu
     with ChunkStager(weights.device, chunk_bytes=chunk_bytes, read_threads=read_threads) as stager:
         for file, targets in plans:
             nbytes += stager.read_file(file, targets)
+    stats.update(fill_read=stager.read_seconds, fill_wait=stager.wait_seconds)
     return loaded, nbytes
 
 

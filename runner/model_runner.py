@@ -125,9 +125,12 @@ class ModelRunner:
         self.block_size = config.block_size
         self.backend = AttentionBackend(self.device)
         start = time.perf_counter()
+        self.load_stats: dict[str, float] = {}
+        """The load's parts in seconds (`load_model`'s `stats`: allocate, fill, and the chunked reader's fill_read /
+        fill_wait)."""
         self.model = load_model(
             config.model, model_config, self.dtype, self.device, self.backend, max_model_len, config.deterministic, tp,
-            random_seed=config.seed if config.load_format == "dummy" else None,
+            random_seed=config.seed if config.load_format == "dummy" else None, stats=self.load_stats,
         )
         self.load_seconds = time.perf_counter() - start
         """Seconds the weight load took (`load_model`: on CUDA until the weights are in place)."""

@@ -25,6 +25,7 @@ import contextlib
 import json
 import math
 import os
+import time
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
@@ -199,6 +200,10 @@ class ChunkStager:
         self._pool = ThreadPoolExecutor(read_threads) if read_threads > 1 else None
         self._read_threads = read_threads
         self._read_part = read_part_bytes  # a chunk's reads are split over the threads in parts of at least this
+        self.read_seconds = 0.0
+        """Time spent reading files into the host buffers (page cache or disk), over every `read_file`."""
+        self.wait_seconds = 0.0
+        """Time spent waiting for a buffer's copies to the device to finish before reading into it again."""
 
     def __enter__(self) -> "ChunkStager":
         return self
@@ -228,7 +233,9 @@ class ChunkStager:
                         reads[-1][2] += n
                     else:
                         reads.append([start, at, n])
+                t = time.perf_counter()
                 self._read(fd, file, self._views[i], [tuple(r) for r in reads])
+                self.read_seconds += time.perf_counter() - t
                 with self._copying():
                     for target, offset, at, n in chunk:
                         target.receive(buffer[at : at + n], offset)
@@ -244,7 +251,9 @@ class ChunkStager:
         i = self._next
         self._next = (i + 1) % len(self.buffers)
         if self._events[i] is not None:
+            t = time.perf_counter()
             self._events[i].synchronize()
+            self.wait_seconds += time.perf_counter() - t
         return i, self.buffers[i]
 
     def _read(self, fd: int, file: Path, view: memoryview, reads: list[tuple[int, int, int]]) -> None:

@@ -254,3 +254,16 @@ def test_checkpoint_drawn_on_cuda_loads_the_same_with_both_readers(tmp_path):
                            for r in ("tensorwise", "chunked"))
     _assert_bitwise_equal(tensorwise, chunked)
     _assert_holds_checkpoint(chunked, _checkpoint(path))
+
+
+def test_load_reports_its_parts(hf_checkpoints):
+    """`load_model(stats=...)` fills the load's parts: allocation and fill for both readers, and for the chunked
+    one its file reads and its waits (no device copies to wait for on the CPU: zero), each within the fill."""
+    for reader in ("tensorwise", "chunked"):
+        stats: dict[str, float] = {}
+        _load(hf_checkpoints[0], torch.float32, reader, stats=stats)
+        assert stats["allocate"] > 0 and stats["fill"] > 0
+        if reader == "chunked":
+            assert 0 < stats["fill_read"] <= stats["fill"] and stats["fill_wait"] == 0.0
+        else:
+            assert "fill_read" not in stats
