@@ -1,9 +1,12 @@
 """KV block pool with a hash-chained prefix cache, and per-request block bookkeeping.
 
 Blocks hold `block_size` tokens. A full block computed under the current weights is registered under
-the key (hash of the previous block's key, its token ids); in the first block's key the request's extra
-keys (`Request.cache_keys`: its cache salt, its LoRA adapter's load) stand in for the parent, so they are
-part of every block's chain. Two requests with the same prefix and the same extra keys map to the same
+the key (its chain digest, its token ids): the digest is SHA-256 over the previous block's digest and this
+block's token ids, and the first block's parent is a digest of the request's extra keys
+(`Request.cache_keys`: its cache salt, its LoRA adapter's load, an embedding prompt's bytes), so they are
+part of every block's chain. A key names its whole prefix: Python's `hash()` would not (its 64 bits can be
+made to collide on purpose, so one client's crafted prompt could be served another's cached KV, as in vLLM's
+CVE-2025-25183). Two requests with the same prefix and the same extra keys map to the same
 blocks, so the n samples of one prompt hold the prompt's full blocks once; requests with different extra
 keys share no block. Freed blocks keep their key and go to the back of an LRU free queue; allocation takes
 from the front, evicting the key, so the most recently used cached blocks survive longest.
@@ -17,11 +20,23 @@ samples as n requests) then share its blocks as one request's n samples do.
 
 from __future__ import annotations
 
+import hashlib
+from array import array
 from collections import OrderedDict
 
 from rollout.request import Request
 
-BlockKey = tuple  # (previous block's key hash | the request's cache_keys or None for block 0, tuple of token ids)
+BlockKey = tuple  # (SHA-256 digest of the chain up to and including this block: 32 bytes, tuple of its token ids)
+
+
+def chain_digest(parent: bytes, tokens: tuple[int, ...]) -> bytes:
+    """The digest of a block whose chain so far digests to `parent`: SHA-256 of parent + the tokens as int64."""
+    return hashlib.sha256(parent + array("q", tokens).tobytes()).digest()
+
+
+def root_digest(cache_keys: tuple | None) -> bytes:
+    """The parent digest of a request's first block: SHA-256 of its extra keys' repr (plain tuples of str / int)."""
+    return hashlib.sha256(repr(cache_keys or ()).encode()).digest()
 
 
 class BlockPool:
@@ -98,10 +113,15 @@ class KVCacheManager:
     def _keys(self, req: Request, num_blocks: int) -> list[BlockKey]:
         """The chain keys of the request's first `num_blocks` full blocks (memoised on the request)."""
         keys, bs = req.block_keys, self.block_size
+        first = req.group.members[0] if req.group is not None and req.group.members else req
+        if first is not req and len(keys) < num_blocks:  # a prompt's samples share its full blocks' keys
+            shared = min(num_blocks, req.num_prompt_tokens // bs, len(first.block_keys))
+            keys.extend(first.block_keys[len(keys) : shared])
         while len(keys) < num_blocks:
             i = len(keys)
-            parent = hash(keys[-1]) if keys else (req.cache_keys or None)
-            keys.append((parent, tuple(req.token_ids[i * bs : (i + 1) * bs])))
+            parent = keys[-1][0] if keys else root_digest(req.cache_keys)
+            tokens = tuple(req.token_ids[i * bs : (i + 1) * bs])
+            keys.append((chain_digest(parent, tokens), tokens))
         return keys[:num_blocks]
 
     def lookup_prefix(self, req: Request) -> list[int]:

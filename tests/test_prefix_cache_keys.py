@@ -120,3 +120,36 @@ def test_engine_salts_the_prefix_cache_without_changing_outputs(engine):
     group = run("c", n=3)  # a fresh salt: the first sample computes the prompt, the other two share it
     assert group.num_cached_prompt_tokens == 2 * 32
     assert all(c.token_ids == first.outputs[0].token_ids for c in group.outputs)
+
+
+def test_block_keys_are_sha256_chains_over_the_whole_prefix():
+    """A block's key is (SHA-256 over its parent's digest and its tokens as int64, its tokens), the first block's
+    parent the digest of the extra keys' repr: it names the whole prefix, so prompts that differ only before a
+    block never share it (Python's hash() chain could be made to collide). Computed here independently."""
+    import hashlib
+    from array import array
+
+    kv = KVCacheManager(64, BLOCK)
+    tail = [7, 7, 7, 7]
+    a = salted_group("a", "s", prompt=[2, 3, 4, 5] + tail + [9]).members[0]
+    b = salted_group("b", "s", prompt=[2, 3, 4, 6] + tail + [9]).members[0]
+    keys_a, keys_b = kv._keys(a, 2), kv._keys(b, 2)
+    digest = hashlib.sha256(repr((("cache_salt", "s"),)).encode()).digest()
+    for i, key in enumerate(keys_a):
+        tokens = tuple(a.token_ids[i * BLOCK : (i + 1) * BLOCK])
+        digest = hashlib.sha256(digest + array("q", tokens).tobytes()).digest()
+        assert key == (digest, tokens)
+    assert keys_a[1][1] == keys_b[1][1] and keys_a[1] != keys_b[1]  # same tokens, different prefix: different key
+
+
+def test_samples_share_their_prompt_keys_and_compute_their_own_after_it():
+    """A prompt's samples take the first sample's keys of the prompt's full blocks (computed once), and their own
+    keys for blocks that hold generated tokens."""
+    kv = KVCacheManager(64, BLOCK)
+    first, second = salted_group("g", None, n=2).members
+    prompt_keys = kv._keys(first, 3)  # PROMPT: 3 full blocks
+    assert kv._keys(second, 3) == prompt_keys and second.block_keys[0] is prompt_keys[0]
+    first.token_ids += [40, 41]
+    second.token_ids += [50, 51]
+    assert kv._keys(first, 4)[3] != kv._keys(second, 4)[3]
+    assert kv._keys(second, 4)[3][1] == (14, 15, 50, 51)
