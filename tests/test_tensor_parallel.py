@@ -267,11 +267,11 @@ def test_tp_engine_reloads_weights_from_disk(tp_model_dir, tmp_path, single_thre
         assert [o.outputs[0].token_ids for o in engine.generate(prompts, greedy)] == expected
 
 
-def test_tp_small_batch_kernels_follow_the_unfused_layers(engine_1, tp_model_dir, single_thread, monkeypatch):
+def test_tp_small_batch_kernels_follow_the_unfused_layers(tp_model_dir, single_thread, monkeypatch):
     """Under TP the batch-1 path (`set_gemv_rows`, which the runner turns on for CUDA; here on both ranks through
     collective_rpc, the kernels in Triton's interpreter): the column-parallel qkv / gate_up with the norm folded in,
     the row-parallel o / down (SiLU-and-mul folded in) all-reduced, the vocab-parallel LM head. Greedy decodes of
-    one prompt at a time equal the single-process engine's tokens, logprobs within 1e-4."""
+    one prompt at a time equal the same TP engine's without them (prefix cache off), logprobs within 1e-4."""
     import os
 
     if os.environ.get("TRITON_INTERPRET") != "1":
@@ -281,12 +281,13 @@ def test_tp_small_batch_kernels_follow_the_unfused_layers(engine_1, tp_model_dir
     calls = []  # rank 0's launches (rank 1 runs in its worker process)
     real = kernels.gemv.fused_gemv
     monkeypatch.setattr(kernels.gemv, "fused_gemv", lambda *a, **kw: calls.append(kw.get("prologue", "none")) or real(*a, **kw))
-    engine = Engine(tp_config(tp_model_dir, tensor_parallel_size=2))
+    engine = Engine(tp_config(tp_model_dir, tensor_parallel_size=2, enable_prefix_caching=False))
     try:
-        assert engine.collective_rpc("model.set_gemv_rows", 1) == [None, None]
         greedy = SamplingParams(temperature=0.0, max_tokens=5, ignore_eos=True, logprobs=True)
-        for prompt in PROMPTS[:2]:
-            ref = engine_1.generate([prompt], greedy)[0].outputs[0]
+        refs = [engine.generate([prompt], greedy)[0].outputs[0] for prompt in PROMPTS[:2]]
+        assert calls == []
+        assert engine.collective_rpc("model.set_gemv_rows", 1) == [None, None]
+        for prompt, ref in zip(PROMPTS[:2], refs):
             out = engine.generate([prompt], greedy)[0].outputs[0]
             assert out.token_ids == ref.token_ids
             torch.testing.assert_close(torch.tensor(out.logprobs), torch.tensor(ref.logprobs), rtol=0, atol=1e-4)
