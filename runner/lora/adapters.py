@@ -28,8 +28,8 @@ import torch
 from runner.model_config import ModelConfig
 
 LORA_MODULES = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
-_PARENT = {"q_proj": "self_attn", "k_proj": "self_attn", "v_proj": "self_attn", "o_proj": "self_attn",
-           "gate_proj": "mlp", "up_proj": "mlp", "down_proj": "mlp"}
+PARENT_MODULE = {"q_proj": "self_attn", "k_proj": "self_attn", "v_proj": "self_attn", "o_proj": "self_attn",
+                 "gate_proj": "mlp", "up_proj": "mlp", "down_proj": "mlp"}  # module -> the decoder-layer block holding it
 _TENSOR = re.compile(r"base_model\.model\.model\.layers\.(\d+)\.(\w+)\.(\w+)\.lora_([AB])\.weight")
 CONFIG_FILE, WEIGHTS_FILE = "adapter_config.json", "adapter_model.safetensors"
 
@@ -70,8 +70,8 @@ def lora_scaling(lora_alpha: float, r: int, use_rslora: bool) -> float:
 
 def peft_tensor_name(layer: int, module: str, which: str) -> str:
     """PEFT's name of the A (`which` = "A") or B tensor of `module` in decoder layer `layer`."""
-    assert module in _PARENT and which in ("A", "B"), (module, which)
-    return f"base_model.model.model.layers.{layer}.{_PARENT[module]}.{module}.lora_{which}.weight"
+    assert module in PARENT_MODULE and which in ("A", "B"), (module, which)
+    return f"base_model.model.model.layers.{layer}.{PARENT_MODULE[module]}.{module}.lora_{which}.weight"
 
 
 def lora_module_shapes(cfg: ModelConfig) -> dict[str, tuple[int, int]]:
@@ -134,7 +134,7 @@ def adapter_from_peft(name: str, config: dict, tensors: dict[str, torch.Tensor],
     where = f"{source}: tensor"
     for tensor_name, tensor in tensors.items():
         match = _TENSOR.fullmatch(tensor_name)
-        if match is None or match[3] not in _PARENT or match[2] != _PARENT[match[3]]:
+        if match is None or match[3] not in PARENT_MODULE or match[2] != PARENT_MODULE[match[3]]:
             raise ValueError(f"{where} {tensor_name!r} is not the lora_A / lora_B weight of one of {LORA_MODULES}")
         layer, module = int(match[1]), match[3]
         if module not in shapes:

@@ -28,7 +28,7 @@ from __future__ import annotations
 
 import torch
 
-from runner.lora.adapters import _PARENT, LORA_MODULES, LoraAdapter, lora_module_shapes, peft_tensor_name
+from runner.lora.adapters import PARENT_MODULE, LORA_MODULES, LoraAdapter, lora_module_shapes, peft_tensor_name
 from runner.lora.runtime import LoraSlotTarget
 from runner.model_config import ModelConfig
 
@@ -53,7 +53,7 @@ class MergedLora:
         self._base: dict[tuple[int, str], torch.Tensor] = {}  # (layer, module) -> its base copy [out, in]
         for layer in range(model_config.num_layers):
             for module in self.modules:
-                name = self._names[(layer, module)] = f"model.layers.{layer}.{_PARENT[module]}.{module}.weight"
+                name = self._names[(layer, module)] = f"model.layers.{layer}.{PARENT_MODULE[module]}.{module}.weight"
                 view = weights.view(name)
                 assert tuple(view.shape) == shapes[module], (layer, module, tuple(view.shape))
                 self._base[(layer, module)] = torch.empty_like(view)
