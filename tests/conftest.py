@@ -189,3 +189,13 @@ def replace_sampled_tokens(engine, token_of) -> None:
         return out
 
     engine.runner.collect = collect
+
+
+def perturb_lora(model, seed: int, fraction: float) -> None:
+    """Move a random `fraction` of every lora_A / lora_B entry of the peft `model` by 0.3 * N(0, 1), in place."""
+    g = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if ".lora_" in name:
+                keep = torch.rand(p.shape, generator=g) >= fraction
+                p.add_(torch.where(keep, 0.0, 0.3 * torch.randn(p.shape, generator=g)))

@@ -14,7 +14,7 @@ import peft
 import pytest
 import torch
 
-from conftest import load_hf, make_checkpoint
+from conftest import load_hf, make_checkpoint, perturb_lora
 from rollout import Engine, EngineConfig, RequestOutputKind, SamplingParams
 from runner.lora import LORA_MODULES
 from trainer_bridge import TrainerBridge
@@ -285,27 +285,17 @@ def test_delta_outputs_fold_into_the_final_one(engine):
 
 
 # ---- pushes ---------------------------------------------------------------------------------------------------
-def _perturb(model, seed, fraction):
-    """Move a random `fraction` of every lora_A / lora_B entry of `model` (in place)."""
-    g = torch.Generator().manual_seed(seed)
-    with torch.no_grad():
-        for name, p in model.named_parameters():
-            if ".lora_" in name:
-                keep = torch.rand(p.shape, generator=g) >= fraction
-                p.add_(torch.where(keep, 0.0, 0.3 * torch.randn(p.shape, generator=g)))
-
-
 def test_adapter_pushes_then_greedy_equals_peft_merged(base, adapters):
     engine = Engine(config(base))
     engine.load_lora("a", str(adapters["a"]))
     trainer = peft_model(base, adapters["a"])  # the trainer's copy, as it was loaded
     bridge = TrainerBridge(engine, lora="a")
     assert set(bridge.specs) == set(engine.lora_specs("a")) and len(bridge.specs) == 2 * 7 * 2
-    _perturb(trainer, seed=0, fraction=1.0)
+    perturb_lora(trainer, seed=0, fraction=1.0)
     first = bridge.push_weights(trainer)  # a PeftModel: its lora tensors only, named with ".default"
     assert first.num_dense == len(bridge.specs) and first.num_patch == 0
     assert first.lora_version == 1 and first.version == 1 == engine.policy_version
-    _perturb(trainer, seed=1, fraction=0.05)
+    perturb_lora(trainer, seed=1, fraction=0.05)
     second = bridge.push_weights(trainer)
     assert second.num_patch > 0 and second.nbytes < first.nbytes and second.lora_version == 2
     merged = copy.deepcopy(trainer).merge_and_unload()
@@ -346,7 +336,7 @@ def test_a_version_change_mid_request_is_recorded_per_token(base, adapters):
     for _ in range(3):
         for out in engine.step():
             outs[out.request_id] = out
-    _perturb(trainer, seed=2, fraction=1.0)
+    perturb_lora(trainer, seed=2, fraction=1.0)
     bridge.push_weights(trainer)
     while engine.has_unfinished_requests():
         for out in engine.step():

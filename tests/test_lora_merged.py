@@ -16,7 +16,7 @@ import peft
 import pytest
 import torch
 
-from conftest import assert_engine_holds, load_hf, make_checkpoint
+from conftest import assert_engine_holds, load_hf, make_checkpoint, perturb_lora
 from rollout import Engine, EngineConfig, SamplingParams
 from runner.lora import LORA_MODULES
 from trainer_bridge import TrainerBridge
@@ -120,26 +120,16 @@ def test_a_merged_adapter_equals_peft_and_slot_mode(base, adapters, slot_engine,
         assert out.logprobs == pytest.approx(slot.logprobs, abs=1e-4)
 
 
-def _perturb(model, seed, fraction):
-    """Move a random `fraction` of every lora_A / lora_B entry of `model` (in place)."""
-    g = torch.Generator().manual_seed(seed)
-    with torch.no_grad():
-        for n, p in model.named_parameters():
-            if ".lora_" in n:
-                keep = torch.rand(p.shape, generator=g) >= fraction
-                p.add_(torch.where(keep, 0.0, 0.3 * torch.randn(p.shape, generator=g)))
-
-
 def test_pushes_refold_the_modules_they_write(base, adapters):
     engine = Engine(config(base))
     engine.load_lora("a", str(adapters["a"]))
     trainer = peft_model(base, adapters["a"])
     bridge = TrainerBridge(engine, lora="a")
     assert len(bridge.specs) == 2 * 7 * 2
-    _perturb(trainer, seed=0, fraction=1.0)
+    perturb_lora(trainer, seed=0, fraction=1.0)
     first = bridge.push_weights(trainer)
     assert first.num_dense == len(bridge.specs) and first.lora_version == 1 == engine.policy_version
-    _perturb(trainer, seed=1, fraction=0.05)
+    perturb_lora(trainer, seed=1, fraction=0.05)
     second = bridge.push_weights(trainer)
     assert second.num_patch > 0 and second.lora_version == 2 and engine.list_loras()[0].version == 2
     merged = copy.deepcopy(trainer).merge_and_unload()
@@ -194,7 +184,7 @@ def test_unload_restores_the_base_bitwise(base, adapters, dtype):
     trainer = peft_model(base, adapters["a"])
     bridge = TrainerBridge(engine, lora="a")
     for seed in range(3):  # pushes in between: each refold starts again from the kept base
-        _perturb(trainer, seed=seed, fraction=0.5)
+        perturb_lora(trainer, seed=seed, fraction=0.5)
         bridge.push_weights(trainer)
     assert len(changed(engine, before)) == 2 * 7
     engine.unload_lora("a")
@@ -290,7 +280,7 @@ def test_a_push_mid_request_is_recorded_per_token(base, adapters):
     for _ in range(3):
         for out in engine.step():
             outs[out.request_id] = out
-    _perturb(trainer, seed=2, fraction=1.0)
+    perturb_lora(trainer, seed=2, fraction=1.0)
     bridge.push_weights(trainer)
     while engine.has_unfinished_requests():
         for out in engine.step():
