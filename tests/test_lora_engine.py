@@ -35,7 +35,7 @@ def peft_model(base_dir, adapter_dir):
     return peft.PeftModel.from_pretrained(load_hf(base_dir), adapter_dir).eval()
 
 
-def hf_greedy(model, prompt, n):
+def hf_greedy(model, prompt, n=8):
     with torch.no_grad():
         out = model.generate(torch.tensor([prompt]), max_new_tokens=n, do_sample=False, eos_token_id=None,
                              pad_token_id=0)

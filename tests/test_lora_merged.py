@@ -12,37 +12,16 @@ from __future__ import annotations
 
 import copy
 
-import peft
 import pytest
 import torch
 
 from conftest import assert_engine_holds, load_hf, make_checkpoint, perturb_lora
 from rollout import Engine, EngineConfig, SamplingParams
-from runner.lora import LORA_MODULES
+from test_lora_engine import hf_greedy, peft_model, write_adapter
 from trainer_bridge import TrainerBridge
 
 PROMPTS = [[5, 9, 13, 2, 7], [40, 41, 42, 43, 44, 45, 46, 47, 48, 49, 50], [100, 3], list(range(3, 30))]
 GREEDY = dict(temperature=0, max_tokens=8, ignore_eos=True)
-
-
-def write_adapter(base_dir, out_dir, *, seed, **lora_kwargs):
-    """A PEFT adapter of `base_dir` with random A and B (B not zero-initialised) saved to `out_dir`."""
-    torch.manual_seed(seed)
-    lora_kwargs.setdefault("target_modules", list(LORA_MODULES))
-    pm = peft.get_peft_model(load_hf(base_dir), peft.LoraConfig(init_lora_weights=False, **lora_kwargs))
-    pm.save_pretrained(out_dir)
-    return out_dir
-
-
-def peft_model(base_dir, adapter_dir):
-    return peft.PeftModel.from_pretrained(load_hf(base_dir), adapter_dir).eval()
-
-
-def hf_greedy(model, prompt, n=8):
-    with torch.no_grad():
-        out = model.generate(torch.tensor([prompt]), max_new_tokens=n, do_sample=False, eos_token_id=None,
-                             pad_token_id=0)
-    return out[0, len(prompt):].tolist()
 
 
 def config(path, **kw) -> EngineConfig:
