@@ -9,7 +9,7 @@ import threading
 import time
 from pathlib import Path
 
-from conftest import replace_sampled_tokens
+from conftest import make_checkpoint, replace_sampled_tokens
 from rollout.async_engine import AsyncEngine
 from rollout.server import bind, build_app, uvicorn_server
 from rollout.server_config import ServerConfig
@@ -65,6 +65,13 @@ def write_chat_tokenizer(path: Path, vocab_size: int) -> None:
     (path / "tokenizer_config.json").write_text(json.dumps({
         "chat_template": CHATML_TEMPLATE, "eos_token": "<|im_end|>", "pad_token": "<|endoftext|>",
         "tokenizer_class": "PreTrainedTokenizerFast"}))
+
+
+def chat_checkpoint(root: Path, *, seed: int, vocab_size: int = 320) -> Path:
+    """A tiny random Qwen2 checkpoint with the ChatML tokenizer (`chat_model_dir`), in root / "chat"."""
+    src = make_checkpoint(root / "src", "qwen2", vocab_size=vocab_size, seed=seed)
+    (root / "chat").mkdir()
+    return chat_model_dir(src, root / "chat", vocab_size)
 
 
 def chat_model_dir(src: Path, dst: Path, vocab_size: int) -> Path:

@@ -435,10 +435,9 @@ KEY, NAME, VOCAB = "sk-lora-31", "tiny-base", 320
 
 @pytest.fixture(scope="module")
 def chat_dir(tmp_path_factory):
-    from server_harness import chat_model_dir
+    from server_harness import chat_checkpoint
 
-    src = make_checkpoint(tmp_path_factory.mktemp("lora_server_src"), "qwen2", vocab_size=VOCAB, seed=11)
-    return chat_model_dir(src, tmp_path_factory.mktemp("lora_server_chat"), VOCAB)
+    return chat_checkpoint(tmp_path_factory.mktemp("lora_server"), seed=11, vocab_size=VOCAB)
 
 
 @pytest.fixture(scope="module")

@@ -313,14 +313,12 @@ def test_config_checks_and_target_modules(base, adapters):
 def test_server_serves_the_merged_adapter_and_refuses_the_base(tmp_path):
     pytest.importorskip("fastapi")
     httpx = pytest.importorskip("httpx")
-    from server_harness import LiveServer, chat_model_dir
+    from server_harness import LiveServer, chat_checkpoint
 
     from rollout import AsyncEngine
     from rollout.server_config import ServerConfig
 
-    src = make_checkpoint(tmp_path / "src", "qwen2", vocab_size=320, seed=11)
-    (tmp_path / "chat").mkdir()
-    chat = chat_model_dir(src, tmp_path / "chat", 320)
+    chat = chat_checkpoint(tmp_path, seed=11)
     sql = write_adapter(chat, tmp_path / "sql", seed=1, r=4, lora_alpha=8)
     local = Engine(config(chat))
     ids = local.tokenizer.encode("what is the weather in Paris today?")

@@ -19,8 +19,8 @@ openai = pytest.importorskip("openai")
 httpx = pytest.importorskip("httpx")
 pytest.importorskip("fastapi")
 
-from conftest import load_hf, make_checkpoint, perturbed_checkpoint  # noqa: E402
-from server_harness import LiveServer, ScriptedTokens, chat_model_dir  # noqa: E402
+from conftest import load_hf, perturbed_checkpoint  # noqa: E402
+from server_harness import LiveServer, ScriptedTokens, chat_checkpoint  # noqa: E402
 
 from rollout import AsyncEngine, Engine, EngineConfig, SamplingParams  # noqa: E402
 from rollout.server_config import ServerConfig  # noqa: E402
@@ -36,8 +36,7 @@ CALL_TEXT = '<tool_call>\n{"name": "get_weather", "arguments": {"city": "Paris"}
 
 @pytest.fixture(scope="module")
 def model_dir(tmp_path_factory):
-    src = make_checkpoint(tmp_path_factory.mktemp("openai_src"), "qwen2", vocab_size=VOCAB, seed=11)
-    return chat_model_dir(src, tmp_path_factory.mktemp("openai_chat"), VOCAB)
+    return chat_checkpoint(tmp_path_factory.mktemp("openai"), seed=11, vocab_size=VOCAB)
 
 
 def engine_config(path, **kw) -> EngineConfig:

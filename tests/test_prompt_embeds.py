@@ -274,10 +274,9 @@ KEY, NAME, VOCAB = "sk-embeds-4", "tiny-embeds", 320
 
 @pytest.fixture(scope="module")
 def chat_dir(tmp_path_factory):
-    from server_harness import chat_model_dir
+    from server_harness import chat_checkpoint
 
-    src = make_checkpoint(tmp_path_factory.mktemp("embeds_server_src"), "qwen2", vocab_size=VOCAB, seed=13)
-    return chat_model_dir(src, tmp_path_factory.mktemp("embeds_server_chat"), VOCAB)
+    return chat_checkpoint(tmp_path_factory.mktemp("embeds_server"), seed=13, vocab_size=VOCAB)
 
 
 @pytest.fixture(scope="module")

@@ -20,8 +20,7 @@ import pytest
 httpx = pytest.importorskip("httpx")
 pytest.importorskip("fastapi")
 
-from conftest import make_checkpoint  # noqa: E402
-from server_harness import LiveServer, chat_model_dir  # noqa: E402
+from server_harness import LiveServer, chat_checkpoint  # noqa: E402
 
 from rollout import AsyncEngine, Engine, EngineConfig, SamplingParams  # noqa: E402
 from rollout.server_config import ServerConfig  # noqa: E402
@@ -33,8 +32,7 @@ KINDS = ["completion", "completion_stream", "chat", "chat_stream", "generate", "
 
 @pytest.fixture(scope="module")
 def model_dir(tmp_path_factory):
-    src = make_checkpoint(tmp_path_factory.mktemp("load_src"), "qwen2", vocab_size=320, seed=21)
-    return chat_model_dir(src, tmp_path_factory.mktemp("load_chat"), 320)
+    return chat_checkpoint(tmp_path_factory.mktemp("load"), seed=21)
 
 
 def engine_config(path) -> EngineConfig:
