@@ -81,6 +81,19 @@ def random_prompts(vocab: int, batch: int, prompt_len: int, seed: int = 0) -> li
     return torch.randint(2, vocab, (batch, prompt_len), generator=g).tolist()
 
 
+def best_of(device: str, run, repeats: int = 2):
+    """(the last result, fewest seconds) of `repeats` timed calls `run(r)`, r = 0 .. repeats - 1, each between device
+    syncs."""
+    best, result = float("inf"), None
+    for r in range(repeats):
+        sync(device)
+        t = time.perf_counter()
+        result = run(r)
+        sync(device)
+        best = min(best, time.perf_counter() - t)
+    return result, best
+
+
 def time_generate(engine, device, batch, prompt_len, new_tokens, n=1, repeats=2, fresh_prompts=False):
     """(new tokens per second, seconds) of the best of `repeats` timed `generate` calls of `batch` random prompts
     x `n` samples, every new token forced, after an untimed warm-up on the same shapes (so that Triton's
@@ -92,14 +105,8 @@ def time_generate(engine, device, batch, prompt_len, new_tokens, n=1, repeats=2,
     vocab = engine.model_config.vocab_size
     params = SamplingParams(n=n, temperature=1.0, max_tokens=new_tokens, ignore_eos=True, seed=1)
     engine.generate(random_prompts(vocab, batch, prompt_len), SamplingParams(n=n, max_tokens=8, ignore_eos=True))
-    best = float("inf")
-    for r in range(repeats):
-        prompts = random_prompts(vocab, batch, prompt_len, seed=r + 1 if fresh_prompts else 0)
-        sync(device)
-        t = time.perf_counter()
-        outs = engine.generate(prompts, params)
-        sync(device)
-        best = min(best, time.perf_counter() - t)
+    batches = [random_prompts(vocab, batch, prompt_len, seed=r + 1 if fresh_prompts else 0) for r in range(repeats)]
+    outs, best = best_of(device, lambda r: engine.generate(batches[r], params), repeats)
     tokens = sum(len(c.token_ids) for o in outs for c in o.outputs)
     return tokens / best, best
 

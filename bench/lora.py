@@ -35,7 +35,7 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 import torch  # noqa: E402
 
-from bench.generate import emit, release_memory, sync  # noqa: E402
+from bench.generate import best_of, emit, release_memory, sync  # noqa: E402
 
 LLAMA_8B = dict(
     architectures=["LlamaForCausalLM"], model_type="llama", vocab_size=128256, hidden_size=4096,
@@ -88,13 +88,7 @@ def timed_decode(engine, args, loras: list[str | None]) -> float:
     params = [SamplingParams(temperature=1.0, max_tokens=args.new_tokens, ignore_eos=True, seed=i,
                              lora=loras[i % len(loras)]) for i in range(args.batch)]
     engine.generate(prompts, [SamplingParams(max_tokens=4, ignore_eos=True, lora=p.lora) for p in params])
-    best = float("inf")
-    for _ in range(2):
-        sync(args.device)
-        t = time.perf_counter()
-        outs = engine.generate(prompts, params)
-        sync(args.device)
-        best = min(best, time.perf_counter() - t)
+    outs, best = best_of(args.device, lambda _: engine.generate(prompts, params))
     return sum(len(c.token_ids) for o in outs for c in o.outputs) / best
 
 

@@ -34,7 +34,7 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 import torch  # noqa: E402
 
-from bench.generate import copy_bandwidth, emit, release_memory, sync  # noqa: E402
+from bench.generate import best_of, copy_bandwidth, emit, release_memory, sync  # noqa: E402
 
 QWEN3_30B_A3B = dict(
     architectures=["Qwen3MoeForCausalLM"], model_type="qwen3_moe", vocab_size=151936, hidden_size=2048,
@@ -93,14 +93,7 @@ def timed_generate(engine, args, batch: int, routed: bool):
     params = SamplingParams(temperature=1.0, max_tokens=args.new_tokens, ignore_eos=True, seed=1,
                             return_routed_experts=routed)
     engine.generate(prompts, SamplingParams(max_tokens=8, ignore_eos=True, return_routed_experts=routed))
-    best, outs = float("inf"), None
-    for _ in range(2):
-        sync(args.device)
-        t = time.perf_counter()
-        outs = engine.generate(prompts, params)
-        sync(args.device)
-        best = min(best, time.perf_counter() - t)
-    return outs, best
+    return best_of(args.device, lambda _: engine.generate(prompts, params))
 
 
 def bench_hf(path, args, batch, new_tokens):
