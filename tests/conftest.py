@@ -199,3 +199,23 @@ def perturb_lora(model, seed: int, fraction: float) -> None:
             if ".lora_" in name:
                 keep = torch.rand(p.shape, generator=g) >= fraction
                 p.add_(torch.where(keep, 0.0, 0.3 * torch.randn(p.shape, generator=g)))
+
+
+def rank_local_expert_patch(engine, one, model) -> None:
+    """Adopt `engine`'s weights into the trainer `model` (a TrainingModel of a two-rank MoE), move entries of two
+    experts (rank 1's columns of layer 1 expert 4's down_proj, rank 0's row of layer 0 expert 1's up_proj) and push
+    them through `TrainerBridge(engine, rank_local=True)`: a patch (no dense record, under 4 KiB) after which the
+    engine's weights equal the model's; the engine's expert weights then go to the single-process engine `one`."""
+    from trainer_bridge import TrainerBridge
+
+    bridge = TrainerBridge(engine, rank_local=True)
+    assert bridge.adopt_engine_weights(model) == len(model.checkpoint_state())
+    with torch.no_grad():
+        model.checkpoint_state()["model.layers.1.mlp.experts.4.down_proj.weight"][:4, 20:] += 0.5  # rank 1's columns
+        model.checkpoint_state()["model.layers.0.mlp.experts.1.up_proj.weight"][3] -= 0.5  # rank 0's row
+    result = bridge.push_weights(model)
+    assert result.num_dense == 0 and result.nbytes < 4096
+    exported = {r.name: r.tensor for r in engine.export_weights()}
+    for name, t in model.checkpoint_state().items():
+        assert torch.equal(exported[name], t), name
+    one.apply_weight_update(1, [r for r in engine.export_weights() if ".experts." in r.name])

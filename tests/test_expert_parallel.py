@@ -16,7 +16,7 @@ from types import SimpleNamespace
 import pytest
 import torch
 
-from conftest import single_thread, tp_config  # noqa: F401 (fixture)
+from conftest import rank_local_expert_patch, single_thread, tp_config  # noqa: F401 (fixture)
 from rollout import Engine, EngineConfig, SamplingParams
 from runner.loader import load_model
 from runner.model_config import ModelConfig
@@ -130,17 +130,7 @@ def test_qwen2_moe_ep2_equals_one_process_and_takes_dense_and_rank_local_pushes(
         exported = {r.name: r.tensor for r in engine.export_weights()}
         for name, t in model.checkpoint_state().items():
             assert torch.equal(exported[name], t), name
-        bridge = TrainerBridge(engine, rank_local=True)
-        assert bridge.adopt_engine_weights(model) == len(model.checkpoint_state())
-        with torch.no_grad():
-            model.checkpoint_state()["model.layers.1.mlp.experts.4.down_proj.weight"][:4, 20:] += 0.5  # rank 1's
-            model.checkpoint_state()["model.layers.0.mlp.experts.1.up_proj.weight"][3] -= 0.5  # rank 0's
-        result = bridge.push_weights(model)
-        assert result.num_dense == 0 and result.nbytes < 4096
-        exported = {r.name: r.tensor for r in engine.export_weights()}
-        for name, t in model.checkpoint_state().items():
-            assert torch.equal(exported[name], t), name
-        one.apply_weight_update(1, [r for r in engine.export_weights() if ".experts." in r.name])
+        rank_local_expert_patch(engine, one, model)
         tokens = _greedy(one)
         assert tokens != ref_tokens  # the pushes changed the model's output
         assert _greedy(engine) == tokens

@@ -8,7 +8,7 @@ import pytest
 import torch
 from safetensors.torch import save_file
 
-from conftest import assert_engine_holds, load_hf, single_thread, tp_config  # noqa: F401 (fixture)
+from conftest import assert_engine_holds, load_hf, rank_local_expert_patch, single_thread, tp_config  # noqa: F401 (fixture)
 from rollout import Engine, EngineConfig, SamplingParams
 from runner.testing import write_random_checkpoint
 from trainer_bridge import TrainerBridge
@@ -161,17 +161,6 @@ def test_tensor_parallel_moe_equals_one_process_and_takes_rank_local_pushes(tmp_
         assert engine.runner.weights.view("model.layers.0.mlp.experts.2.gate_proj.weight").shape == (16, 64)
         assert (engine.collective_rpc("full_sequence_logits", ids)[0] - ref).abs().max().item() < 1e-5
         assert _greedy(engine) == ref_tokens
-        bridge = TrainerBridge(engine, rank_local=True)
-        model = TrainingModel.from_pretrained(path)
-        assert bridge.adopt_engine_weights(model) == len(model.checkpoint_state())
-        with torch.no_grad():
-            model.checkpoint_state()["model.layers.1.mlp.experts.4.down_proj.weight"][:4, 20:] += 0.5  # rank 1's columns
-            model.checkpoint_state()["model.layers.0.mlp.experts.1.up_proj.weight"][3] -= 0.5  # rank 0's row
-        result = bridge.push_weights(model)
-        assert result.num_dense == 0 and result.nbytes < 4096
-        exported = {r.name: r.tensor for r in engine.export_weights()}
-        for name, t in model.checkpoint_state().items():
-            assert torch.equal(exported[name], t), name
-        one.apply_weight_update(1, [r for r in engine.export_weights() if ".experts." in r.name])
+        rank_local_expert_patch(engine, one, TrainingModel.from_pretrained(path))
         assert _greedy(engine) == _greedy(one)
     one.close()
