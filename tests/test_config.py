@@ -107,3 +107,11 @@ def test_yaml_that_is_not_a_mapping_or_not_text_is_refused(tmp_path):
         load_yaml(tmp_path / "absent.yaml")
     path.write_text("")
     assert load_yaml(path) == {}
+
+
+@pytest.mark.parametrize("rows", [-1, 9, True, 1.0])
+def test_fused_gemv_rows_is_an_integer_from_0_to_8(rows):
+    with pytest.raises(ValueError, match=r"EngineConfig.fused_gemv_rows must be an integer in \[0, 8\]"):
+        EngineConfig(model="m", fused_gemv_rows=rows)
+    for ok in (0, 1, 8):
+        assert EngineConfig(model="m", fused_gemv_rows=ok).runner_config().fused_gemv_rows == ok
