@@ -5,6 +5,7 @@ device time of one captured decode graph, on a random model of a real shape. Pri
     python bench/profile_decode.py --batch 256 --blas cublaslt   # the GEMMs through another BLAS backend
     python bench/profile_decode.py --shape qwen3-30b-a3b --batch 1  # MoE (random weights drawn on the device)
     python bench/profile_decode.py --shape qwen3-8b --batch 1 --fused-gemv-rows 0 --fused-gemv-rows 4  # 8B, dummy weights
+    python bench/profile_decode.py --shape qwen3-8b --batch 1 --pdl off --pdl on  # without / with kernels/pdl.py
 """
 
 from __future__ import annotations
@@ -27,8 +28,11 @@ from runner.testing import MODEL_SHAPES, write_config, write_random_checkpoint  
 
 
 def profile(path: str, device: str, dtype: str, batch: int, prompt_len: int, steps: int, eager: bool,
-            deterministic: bool = False, load_format: str = "safetensors", fused_gemv_rows: int | None = None) -> dict:
+            deterministic: bool = False, load_format: str = "safetensors", fused_gemv_rows: int | None = None,
+            programmatic_launch: bool | None = None) -> dict:
     extra = {} if fused_gemv_rows is None else {"fused_gemv_rows": fused_gemv_rows}
+    if programmatic_launch is not None:
+        extra["programmatic_launch"] = programmatic_launch
     engine = Engine(EngineConfig(model=path, device=device, dtype=dtype, max_num_seqs=batch,
                                  max_model_len=prompt_len + steps + 64, enforce_eager=eager,
                                  deterministic=deterministic, async_scheduling=False, load_format=load_format, **extra))
@@ -56,7 +60,8 @@ def profile(path: str, device: str, dtype: str, batch: int, prompt_len: int, ste
         times["update_ms"] += t3 - t2
     total = time.perf_counter() - t_all
     row = {k: round(v / steps * 1e3, 4) for k, v in times.items()}
-    row.update(batch=batch, eager=eager, deterministic=deterministic, fused_gemv_rows=engine.config.fused_gemv_rows, step_ms=round(total / steps * 1e3, 4),
+    row.update(batch=batch, eager=eager, deterministic=deterministic, fused_gemv_rows=engine.config.fused_gemv_rows,
+               programmatic_launch=engine.config.programmatic_launch, step_ms=round(total / steps * 1e3, 4),
                tokens_per_s=round(batch * steps / total, 1))
     if device.startswith("cuda") and runner.graphs is not None:
         size = runner.graphs.padded_size(batch)
@@ -93,6 +98,8 @@ def main() -> None:
                     help="torch.backends.cuda.preferred_blas_library for the run (default: torch's choice)")
     ap.add_argument("--fused-gemv-rows", type=int, action="append",
                     help="EngineConfig.fused_gemv_rows; repeat to profile each (default: the engine's)")
+    ap.add_argument("--pdl", choices=["on", "off"], action="append",
+                    help="EngineConfig.programmatic_launch; repeat to profile each (default: the engine's)")
     args = ap.parse_args()
     if args.blas:
         torch.backends.cuda.preferred_blas_library(args.blas)
@@ -114,9 +121,10 @@ def main() -> None:
             write_random_checkpoint(d, family=family, dtype=args.dtype, std=0.02, **spec)
         for b in args.batch or [1, 64]:
             for rows in args.fused_gemv_rows or [None]:
-                row = profile(d, args.device, args.dtype, b, args.prompt_len, args.steps, args.eager,
-                              args.deterministic, load_format, rows)
-                print(json.dumps({**row, "blas": args.blas or "default"}), flush=True)
+                for pdl in args.pdl or [None]:
+                    row = profile(d, args.device, args.dtype, b, args.prompt_len, args.steps, args.eager,
+                                  args.deterministic, load_format, rows, None if pdl is None else pdl == "on")
+                    print(json.dumps({**row, "blas": args.blas or "default"}), flush=True)
 
 
 if __name__ == "__main__":

@@ -36,6 +36,8 @@ import torch
 import triton
 import triton.language as tl
 
+from kernels.pdl import pdl_trigger, pdl_wait, use_pdl
+
 _DTYPES = (torch.float16, torch.bfloat16, torch.float32)
 MAX_ROWS = 8  # rows of x one launch serves; more rows belong to a GEMM
 PROLOGUES = ("none", "rms_norm", "silu_mul")
@@ -47,8 +49,9 @@ def _gemv_kernel(
     M, N, K, stride_x, stride_r, stride_w, stride_o, stride_s, eps,
     PROLOGUE: tl.constexpr,  # 0 none, 1 rms_norm, 2 silu_mul
     HAS_RESIDUAL: tl.constexpr, HAS_BIAS: tl.constexpr,
-    M_PAD: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+    M_PAD: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, USE_PDL: tl.constexpr,
 ):
+    pdl_trigger(USE_PDL)
     pid = tl.program_id(0)
     offs_m = tl.arange(0, M_PAD)
     offs_n = pid * BLOCK_N + tl.arange(0, BLOCK_N)
@@ -62,11 +65,14 @@ def _gemv_kernel(
 
     acc = tl.zeros([M_PAD, BLOCK_N], tl.float32)
     squares = tl.zeros([M_PAD], tl.float32)  # rms_norm: the rows' sums of squares
+    # the weight tile of each step is loaded one step ahead; the first before waiting for the kernel before
+    # this one (kernels/pdl.py: weights are never written inside a step)
+    w = tl.load(w_rows + offs_k[None, :], mask=n_mask[:, None] & (offs_k < K)[None, :], other=0.0)  # [BLOCK_N, BLOCK_K]
+    pdl_wait(USE_PDL)
     for k0 in range(0, K, BLOCK_K):
         kk = k0 + offs_k
         k_mask = kk < K
         mask = m_mask[:, None] & k_mask[None, :]
-        w = tl.load(w_rows + kk[None, :], mask=n_mask[:, None] & k_mask[None, :], other=0.0)  # [BLOCK_N, BLOCK_K]
         if PROLOGUE == 2:
             g = tl.load(x_rows + kk[None, :], mask=mask, other=0.0)
             u = tl.load(x_rows + K + kk[None, :], mask=mask, other=0.0)
@@ -88,6 +94,8 @@ def _gemv_kernel(
             else:
                 a = s.to(tl.float32)
         acc += tl.sum(a[:, None, :] * w.to(tl.float32)[None, :, :], 2)  # [M_PAD, BLOCK_N]
+        kn = kk + BLOCK_K
+        w = tl.load(w_rows + kn[None, :], mask=n_mask[:, None] & (kn < K)[None, :], other=0.0)
     if PROLOGUE == 1:
         acc = acc * tl.math.rsqrt(squares / K + eps)[:, None]
     if HAS_BIAS:
@@ -186,5 +194,6 @@ def fused_gemv(
         rows, n, k, x.stride(0), res.stride(0), weight.stride(0), out.stride(0), summed.stride(0), float(eps),
         PROLOGUE=PROLOGUES.index(prologue), HAS_RESIDUAL=residual is not None, HAS_BIAS=bias is not None,
         M_PAD=triton.next_power_of_2(rows), BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k, num_warps=cfg.num_warps,
+        USE_PDL=use_pdl(x), launch_pdl=use_pdl(x),
     )
     return (out, summed) if prologue == "rms_norm" else out
