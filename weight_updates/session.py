@@ -21,7 +21,7 @@
    ``checksum``). Patches' old values at their indices are gathered here for rollback.
 2. write through the target's ``write_dense`` / ``write_patch`` (the fused/sharded mapping is the
    target's; a target with ``write_dense_many`` gets all dense records in one call, and on CUDA a target
-   with ``writable_views`` gets all patches of a dtype in one scatter); the dense parameters are first
+   with ``writable_views`` gets all patches of a dtype in one launch); the dense parameters are first
    copied aside for rollback (one batched copy), unless the receiver was made with
    ``dense_rollback=False`` (or the session, ``receiver.session(dense_rollback=False)``).
 3. verify by reading back through ``read_checkpoint_tensor``: dense parameters by a full checksum,
@@ -37,15 +37,25 @@ checksums are dropped, so a later patch of them is checked against the weights a
 Cost: nothing per parameter on the device. All patches of one dtype are validated as one group (index
 streams decoded together, bounds clamped per element so the old values can be gathered before the checks
 are read, bit deltas decoded, checksum changes summed per member) in a fixed number of kernels; dense
-records are checksummed in one launch per element size on CUDA. On the host, ``add`` checks each record
-once and notes what phase 1 needs of it (its parameter's row, its counts, its place in its group); phase 1
-builds every group's metadata from those notes with numpy, against per-parameter arrays that the receiver
-builds once, and touches a record only to hand its tensors to the group's concatenations (one cat per run
-of one dtype, or one view where the parts lie end to end; parts without data are left out). No torch op
-runs per patch, except where the target does not lend its live tensors to the batched kernels (the CPU,
-or ``batched_scatter=False``): there old values are gathered by one indexing op per patch. Host syncs: one
-after phase 1 (every check of the session at once), one for the write, one after phase 3. Host metadata
-travels to the device in one pinned copy per session. The cached checksums live in one device table.
+records are checksummed in one launch per element size on CUDA. Where the target lends its live tensors
+(``writable_views``, on CUDA by default: ``batched_scatter``) a group goes block by block
+(`kernels/patch.py`): two launches per run of one gap dtype and one kind of values decode and read
+everything, reading each element's gap and value once and writing its int32 index, old and new value;
+the checks and checksum changes are sums over the blocks; writing, rollback and read-back are one launch
+each. Elsewhere (the CPU, ``batched_scatter=False``, a target without ``writable_views``) torch ops decode
+the group in int64 arrays and old values are gathered and written by one indexing op per patch. On the
+host, ``add`` checks each record once and notes what phase 1 needs of it (its parameter's row, its
+counts, its place in its group); phase 1 builds every group's metadata (and block table) from those notes
+with numpy, against per-parameter arrays that the receiver builds once, and touches a record only to hand
+its tensors to the group's concatenations (one cat per run of one dtype, or one view where the parts lie
+end to end; parts without data are left out). Host syncs: one after phase 1 (every check of the session
+at once), one for the write, one after phase 3. Host metadata travels to the device in one pinned copy
+per session.
+
+Device memory a session holds until it ends: the dense payloads (where the transport landed them) and,
+with ``dense_rollback``, a copy of every densely updated parameter as it was (its size in bytes); per
+patched element its old and new value and, on the block path, a 4-byte index (an 8-byte one, and int64
+scratch, on the torch path). The cached checksums live in one device table.
 ``StagingReceiver`` offers the same sessions for weights it cannot reach (a tensor-parallel engine's, on
 several ranks): it checks names, shapes and dtypes, holds the records, and drives the same steps on
 ``RemoteSessions`` where the weights are (prepare with the records, commit, publish, or rollback).
@@ -248,9 +258,10 @@ class WeightReceiver:
     (``session(dense_rollback=...)``): an engine that applies updates on its own skips the copy, and the
     same engine keeps it when it stages an update that a peer's failure may make it undo.
 
-    ``batched_scatter`` (default: on CUDA) reads and writes all patches of a dtype in one Triton launch
-    each (`kernels/scatter.py`) when the target lends its live tensors (``writable_views``); off, or for a
-    target that does not lend them, each patch goes through ``read_checkpoint_tensor`` / ``write_patch``.
+    ``batched_scatter`` (default: on CUDA) decodes, reads and writes all patches of a dtype block by block in
+    a few Triton launches (`kernels/patch.py`) when the target lends its live tensors (``writable_views``);
+    off, or for a target that does not lend them, torch ops decode them and each patch goes through
+    ``read_checkpoint_tensor`` / ``write_patch``.
     """
 
     def __init__(self, target: WeightTarget, *, version: int = 0, trust_cached_checksums: bool = True,
