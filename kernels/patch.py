@@ -17,8 +17,8 @@ tensor address and overflow / escape ranges). Then:
    delta, or the escape value by rank, or the plain value); and the block's checksum change
    ``sum (s(new) - s(old)) * w(index)`` (the weights recomputed as in `kernels/checksum.py`). It writes
    [n] int32 indices, old and new values, and one int64 per block.
-4. ``block_access``: gather (``GATHER``), scatter (``SCATTER``) or count read-back mismatches per block
-   (``COMPARE``) through the same table.
+4. ``block_access``: scatter values (``SCATTER``: the write, and a rollback's) or count read-back
+   mismatches per block (``COMPARE``) through the same table.
 
 So the elements are read once by ``block_counts``, once by ``decode`` and once per later pass; nothing of
 size [n] is int64. Bounds, stream and checksum *checks* are the caller's (from the per-block sums); this
@@ -44,7 +44,7 @@ COLUMNS = ("start", "end", "numel", "addr", "ovf_hi", "esc_hi", "index_base", "o
 START, END, NUMEL, ADDR, OVF_HI, ESC_HI, INDEX_BASE, OVF_POS, ESC_POS, FIRST = range(len(COLUMNS))
 NCOL = len(COLUMNS)
 
-GATHER, SCATTER, COMPARE = range(3)
+SCATTER, COMPARE = range(2)
 
 
 @triton.jit
@@ -143,9 +143,7 @@ def _access_kernel(table_ptr, idx_ptr, values_ptr, out_ptr, NCOL: tl.constexpr, 
     offs = start + tl.arange(0, BLOCK)
     mask = offs < end
     ptrs = _typed(addr, ELEM) + tl.load(idx_ptr + offs, mask=mask, other=0).to(tl.int64)
-    if MODE == 0:  # gather
-        tl.store(out_ptr + offs, tl.load(ptrs, mask=mask), mask=mask)
-    elif MODE == 1:  # scatter
+    if MODE == 0:  # scatter
         tl.store(ptrs, tl.load(values_ptr + offs, mask=mask), mask=mask)
     else:  # compare: mismatching elements per block
         got = tl.load(ptrs, mask=mask, other=0)
@@ -164,7 +162,8 @@ def block_counts(table: torch.Tensor, blocks: range, gaps: torch.Tensor, deltas:
     ``gaps`` / ``deltas``: the run's streams end to end, element ``shift`` first (the table's ``start``
     counts from the group's first element)."""
     if len(blocks):
-        _counts_kernel[(len(blocks),)](table, _signed(gaps), gaps if deltas is None else deltas, out, blocks.start, shift,
+        signed = _signed(gaps)
+        _counts_kernel[(len(blocks),)](table, signed, signed if deltas is None else deltas, out, blocks.start, shift,
                                        NCOL=NCOL, GAP_BITS=8 * gaps.element_size(), DELTA=deltas is not None, BLOCK=BLOCK)
 
 
@@ -230,15 +229,11 @@ def decode(table: torch.Tensor, blocks: range, gaps: torch.Tensor, overflow: tor
 
 
 def block_access(table: torch.Tensor, mode: int, indices: torch.Tensor, values: torch.Tensor) -> torch.Tensor | None:
-    """Through the table's blocks (``indices``: [n] int32): ``GATHER`` returns [n] current values (``values``'
-    dtype; ``values`` only gives it), ``SCATTER`` writes ``values`` [n], ``COMPARE`` returns [B] int32 counts of
-    elements whose current bits differ from ``values``."""
+    """Through the table's blocks (``indices``: [n] int32): ``SCATTER`` writes ``values`` [n] and returns None,
+    ``COMPARE`` returns [B] int32 counts of elements whose current bits differ from ``values``."""
     num_blocks = table.shape[0]
     elem = values.element_size()
-    if mode == GATHER:
-        out = torch.empty_like(values)
-        target = _signed(out)
-    elif mode == COMPARE:
+    if mode == COMPARE:
         out = target = torch.zeros(num_blocks, dtype=torch.int32, device=values.device)
     else:
         out, target = None, indices

@@ -203,11 +203,6 @@ class _BlockPatchGroup:
     old: torch.Tensor  # [n] values before the write
     new: torch.Tensor  # [n] values to write
 
-    def gather(self, target: WeightTarget) -> torch.Tensor:
-        from kernels.patch import GATHER, block_access
-
-        return block_access(self.table, GATHER, self.indices, self.new)
-
     def scatter(self, target: WeightTarget, values: torch.Tensor) -> None:
         from kernels.patch import SCATTER, block_access
 
