@@ -9,8 +9,16 @@
     IPC:         v1 patch(w0 -> w1), v2 dense(w1)    to a spawned rollout process (/dev/shm or CUDA IPC)
 
 Per push: changed fraction, payload bytes, and seconds for encode (sender), transfer (sender's
-total minus the receiver's work), validate / apply / verify (receiver). Also the device's copy
-bandwidth from a big clone in the same run, and the three target ratios. No model code: the
+total minus the receiver's work), validate / apply / verify (receiver); the bytes the receiver's session
+keeps for rollback (``rollback_bytes``: the old values of densely written parameters unless the receiver
+skips that copy, and the old values of patched elements) and, on CUDA, the most device memory the session
+allocated beyond what was allocated before it (``session_peak_extra_bytes``: staging, indices, old and new
+values, the rollback copy). Also the device's copy bandwidth from a big clone in the same run, the three
+target ratios, and the memory of each choice (``memory`` event): the trainer bridge's snapshot (one copy of
+the pushed weights, on the GPU or, ``TrainerBridge(snapshot_device="cpu")``, on the host), the receiver's
+dense rollback copy (or none: ``WeightReceiver(dense_rollback=False)``) and a patch's old values. With
+``--host-snapshot`` the trainer side also diffs against a snapshot in host memory (``host_patch``: encode on
+the CPU, records staged from the host by the session), timed the same way. No model code: the
 weights are random tensors of the checkpoint's shapes (norms = 1), which is all the sync path sees.
 
 With ``--profile``: one more in-process round under the torch profiler (top operators), and op counts of
@@ -23,7 +31,8 @@ on the data (``nonzero``, also inside boolean indexing; ``masked_select``). ``--
 multi-tensor gather / scatter kernels on the CPU too (run it with TRITON_INTERPRET=1), so that the CPU
 counts show the CUDA path's structure.
 
-Usage: python bench/weight_sync.py [--model 0.5b|1.5b|8b|records] [--device cpu|cuda] [--quick] [--profile [--batched-scatter]]
+Usage: python bench/weight_sync.py [--model 0.5b|1.5b|8b|records] [--device cpu|cuda] [--quick] [--host-snapshot]
+       [--profile [--batched-scatter]]
 """
 
 import argparse
@@ -159,7 +168,18 @@ def rollout_process(conn, shapes: dict[str, tuple[int, ...]], device: str) -> No
         ipc.serve_one(start_timeout_s=300)
 
 
-def push_record(mode: str, version: int, pending, encode_s: float, total_s: float, result: dict, quiet: bool) -> dict:
+def rollback_bytes(pending, dense_rollback: bool) -> int:
+    """Bytes a session keeps to undo ``pending``: the dense parameters' old values (with the rollback copy) and
+    the patched elements' old values."""
+    total = 0
+    for p, u in zip(pending.stats.params, pending.updates):
+        itemsize = (u.tensor if p.encoding == "dense" else u.escapes if u.is_delta else u.values).element_size()
+        total += p.numel * itemsize * dense_rollback if p.encoding == "dense" else p.num_changed * itemsize
+    return total
+
+
+def push_record(mode: str, version: int, pending, encode_s: float, total_s: float, result: dict, quiet: bool,
+                dense_rollback: bool = True, peak_extra: int | None = None) -> dict:
     receiver_s = result["validate_s"] + result["apply_s"] + result["verify_s"]
     stats = pending.stats
     record = dict(
@@ -177,6 +197,8 @@ def push_record(mode: str, version: int, pending, encode_s: float, total_s: floa
         apply_s=round(result["apply_s"], 6),
         verify_s=round(result["verify_s"], 6),
         apply_verify_s=round(receiver_s, 6),
+        rollback_bytes=rollback_bytes(pending, dense_rollback),
+        session_peak_extra_bytes=peak_extra,
     )
     if not quiet:
         emit(**record)
@@ -184,33 +206,59 @@ def push_record(mode: str, version: int, pending, encode_s: float, total_s: floa
 
 
 def timed_push(mode: str, differ: WeightDiffer, send, version: int, weights, device: torch.device,
-               quiet: bool = False) -> dict:
+               quiet: bool = False, dense_rollback: bool = True, local: bool = True) -> dict:
+    """Encode, send and commit one push; ``device``: where the weights are; ``local``: the receiver is in this
+    process (on CUDA its session's peak memory is measured)."""
+    measure = local and device.type == "cuda"
     sync(device)
     t0 = time.perf_counter()
     pending = differ.encode(weights)
     sync(device)
     t1 = time.perf_counter()
+    if measure:
+        torch.cuda.reset_peak_memory_stats(device)
+        before = torch.cuda.memory_allocated(device)
     result = send(version, pending.updates).received[0].to_json()
     t2 = time.perf_counter()
+    peak_extra = torch.cuda.max_memory_allocated(device) - before if measure else None
     differ.commit(pending)
-    return push_record(mode, version, pending, t1 - t0, t2 - t1, result, quiet)
+    return push_record(mode, version, pending, t1 - t0, t2 - t1, result, quiet, dense_rollback, peak_extra)
 
 
 def in_process_round(specs, w0, w1, device: torch.device, quiet: bool):
     """Receiver and trainer in this process, both starting from w0: patch to w1, dense, dense without the
-    rollback copy. Returns the three records and whether the receiver ended bitwise equal to w1."""
+    rollback copy. Returns the three records, whether the receiver ended bitwise equal to w1 after the patch,
+    and the trainer's snapshot bytes."""
     receiver = warm_receiver({n: t.clone() for n, t in w0.items()})
     sender = InProcessSender(receiver)
     differ = WeightDiffer(specs, device=device)
     differ.commit(differ.encode(w0))
+    snapshot_bytes = differ.snapshot_nbytes
     patch = timed_push("patch", differ, sender.send, 1, w1, device, quiet)
     equal = all(torch.equal(receiver.target.tensors[n].view(torch.int16), w1[n].view(torch.int16)) for n in w1)
     differ.reset()
     dense = timed_push("dense", differ, sender.send, 2, w1, device, quiet)
     receiver.dense_rollback = False  # the same push without the rollback copy of the old weights
     differ.reset()
-    dense_nr = timed_push("dense_no_rollback", differ, sender.send, 3, w1, device, quiet)
-    return patch, dense, dense_nr, equal
+    dense_nr = timed_push("dense_no_rollback", differ, sender.send, 3, w1, device, quiet, dense_rollback=False)
+    return patch, dense, dense_nr, equal, snapshot_bytes
+
+
+def host_snapshot_round(specs, w0, w1, device: torch.device) -> dict:
+    """The trainer's snapshot in host memory (``TrainerBridge``'s default ``snapshot_device="cpu"``): the weights
+    (on ``device``) are diffed on the CPU against it and the patch's records, in host memory, are staged onto
+    ``device`` by the receiver's session (inside its validation time). A warm-up patch first (w0 to w1, then
+    a dense push back to w0), then the reported patch."""
+    receiver = warm_receiver({n: t.clone() for n, t in w0.items()})
+    sender = InProcessSender(receiver)
+    differ = WeightDiffer(specs, device="cpu")
+    t0 = time.perf_counter()
+    differ.commit(differ.encode(w0))
+    emit(event="host_snapshot", first_dense_encode_s=round(time.perf_counter() - t0, 3), snapshot_bytes=differ.snapshot_nbytes)
+    timed_push("host_patch", differ, sender.send, 1, w1, device, quiet=True)
+    differ.reset()
+    timed_push("host_dense", differ, sender.send, 2, w0, device, quiet=True)
+    return timed_push("host_patch", differ, sender.send, 3, w1, device)
 
 
 def profile_round(specs, w0, w1, device: torch.device, top: int = 15) -> None:
@@ -314,7 +362,9 @@ def main() -> None:
     parser.add_argument("--profile", action="store_true",
                         help="also profile one more in-process round and print its top operators and op counts (JSON lines)")
     parser.add_argument("--batched-scatter", action="store_true",
-                        help="use the multi-tensor gather / scatter kernels on the CPU too (needs TRITON_INTERPRET=1)")
+                        help="use the block kernels of patch sessions on the CPU too (needs TRITON_INTERPRET=1)")
+    parser.add_argument("--host-snapshot", action="store_true",
+                        help="also time a patch push diffed against a trainer snapshot in host memory")
     args = parser.parse_args()
     model = "quick" if args.quick else args.model
     device = torch.device(args.device)
@@ -335,7 +385,14 @@ def main() -> None:
     # In-process, twice: the first round pays one-time costs (kernel compilation, allocator growth) that an
     # RL loop pays once, not per step; the second is reported.
     in_process_round(specs, w0, w1, device, quiet=True)
-    patch, dense, dense_nr, bitwise_equal = in_process_round(specs, w0, w1, device, quiet=False)
+    patch, dense, dense_nr, bitwise_equal, snapshot_bytes = in_process_round(specs, w0, w1, device, quiet=False)
+    emit(event="memory", bridge_snapshot_bytes=snapshot_bytes,
+         bridge_snapshot_where=f"{device} (this run's trainer side); or the host: TrainerBridge(snapshot_device='cpu')",
+         receiver_dense_rollback_bytes=dense["rollback_bytes"], receiver_dense_no_rollback_bytes=dense_nr["rollback_bytes"],
+         receiver_patch_rollback_bytes=patch["rollback_bytes"],
+         session_peak_extra_bytes={m: r["session_peak_extra_bytes"] for m, r in
+                                   (("patch", patch), ("dense", dense), ("dense_no_rollback", dense_nr))})
+    host_patch = host_snapshot_round(specs, w0, w1, device) if args.host_snapshot else None
     if args.profile:
         profile_round(specs, w0, w1, device)
         count_round(specs, w0, w1, device, True if args.batched_scatter else None)
@@ -352,9 +409,9 @@ def main() -> None:
     differ.commit(differ.encode(w0))
     for version in (1, 3):  # the first pair (patch to w1, dense back to w0) warms the rollout process up
         quiet = version == 1
-        ipc_patch = timed_push("ipc_patch", differ, ipc.send, version, w1, device, quiet)
+        ipc_patch = timed_push("ipc_patch", differ, ipc.send, version, w1, device, quiet, local=False)
         differ.reset()
-        timed_push("ipc_dense", differ, ipc.send, version + 1, w0 if quiet else w1, device, quiet)
+        timed_push("ipc_dense", differ, ipc.send, version + 1, w0 if quiet else w1, device, quiet, local=False)
     proc.join(60)
 
     dense_update_s = dense["apply_verify_s"]
@@ -379,6 +436,8 @@ def main() -> None:
         dense_apply_bw_incl_rollback_copy_over_copy_bw=round(2 * dense_update_bw / bandwidth, 3),
         dense_no_rollback_update_bw_over_copy_bw=round(2 * dense_nr["dense_bytes"] / dense_nr["apply_s"] / bandwidth, 3),
         dense_update_bw_over_copy_bw_target_gpu=0.5,
+        **({} if host_patch is None else dict(host_snapshot_patch_encode_s=host_patch["encode_s"],
+                                              host_snapshot_patch_apply_verify_s=host_patch["apply_verify_s"])),
     )
 
 

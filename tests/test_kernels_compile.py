@@ -138,6 +138,30 @@ def _launch_every_kernel() -> None:
     route_topk(logits, 8, True, store=store, slots=torch.tensor([0, 1, -1, 3, 4]), layer=1)
     route_topk(logits, 8, False, ids=torch.randint(0, 128, (5, 8), generator=g, dtype=torch.int32))
     _launch_lora_kernels(g, h)
+    _launch_patch_kernels(g)
+
+
+def _launch_patch_kernels(g: torch.Generator) -> None:
+    """A patch session on the block path (kernels/patch.py): uint8 / uint16 / int32 gaps with escapes, plain
+    values and bit deltas with an escape, 2- and 4-byte elements; it writes and reads back."""
+    from weight_updates import PackedIndices, Patch, TensorDictTarget, WeightReceiver, checksum
+
+    idx = torch.tensor([3, 9, 400, 69999])
+    gaps = torch.diff(idx, prepend=torch.tensor([-1]))
+    for dtype, int_dtype in ((torch.float16, torch.int16), (torch.float32, torch.int32)):
+        old = torch.randn(70000, generator=g).to(dtype)
+        new = old.clone()
+        new.view(int_dtype)[idx] += 1
+        receiver = WeightReceiver(TensorDictTarget({f"p{i}": old.clone() for i in range(6)}), batched_scatter=True)
+        deltas = torch.tensor([0, 1, 1, 1], dtype=torch.int8)  # the first escaped
+        records = []
+        for i, limit in enumerate((255, 65535, None)):
+            escape = gaps > (limit or gaps.max())
+            gap_dtype = {255: torch.uint8, 65535: torch.uint16, None: torch.int32}[limit]
+            packed = PackedIndices(gaps=gaps.masked_fill(escape, 0).to(gap_dtype), overflow=gaps[escape].to(torch.int32))
+            records += [Patch(name=f"p{2 * i}", indices=packed, values=new[idx], checksum=checksum(new)),
+                        Patch(name=f"p{2 * i + 1}", indices=packed, values=deltas, checksum=checksum(new), escapes=new[idx[:1]])]
+        receiver.apply(1, records)
 
 
 def _launch_lora_kernels(g: torch.Generator, h: torch.dtype) -> None:

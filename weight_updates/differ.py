@@ -221,6 +221,11 @@ class WeightDiffer:
         self._snapshots: dict[torch.dtype, torch.Tensor] = {}  # dtype -> [layout.numel], engine dtype
         self._checksums: dict[str, int] = {}  # the names with a snapshot -> its checksum
 
+    @property
+    def snapshot_nbytes(self) -> int:
+        """Bytes of the snapshot held now, on ``device`` (one flat copy per engine dtype with a committed parameter)."""
+        return sum(t.numel() * t.element_size() for t in self._snapshots.values())
+
     def reset(self, names: Iterable[str] | None = None) -> None:
         """Forget the snapshot (all, or ``names``) so the next push sends those parameters dense."""
         for name in list(self._checksums) if names is None else names:

@@ -21,7 +21,7 @@
    ``checksum``). Patches' old values at their indices are gathered here for rollback.
 2. write through the target's ``write_dense`` / ``write_patch`` (the fused/sharded mapping is the
    target's; a target with ``write_dense_many`` gets all dense records in one call, and on CUDA a target
-   with ``writable_views`` gets all patches of a dtype in one scatter); the dense parameters are first
+   with ``writable_views`` gets all patches of a dtype in one launch); the dense parameters are first
    copied aside for rollback (one batched copy), unless the receiver was made with
    ``dense_rollback=False`` (or the session, ``receiver.session(dense_rollback=False)``).
 3. verify by reading back through ``read_checkpoint_tensor``: dense parameters by a full checksum,
@@ -37,15 +37,25 @@ checksums are dropped, so a later patch of them is checked against the weights a
 Cost: nothing per parameter on the device. All patches of one dtype are validated as one group (index
 streams decoded together, bounds clamped per element so the old values can be gathered before the checks
 are read, bit deltas decoded, checksum changes summed per member) in a fixed number of kernels; dense
-records are checksummed in one launch per element size on CUDA. On the host, ``add`` checks each record
-once and notes what phase 1 needs of it (its parameter's row, its counts, its place in its group); phase 1
-builds every group's metadata from those notes with numpy, against per-parameter arrays that the receiver
-builds once, and touches a record only to hand its tensors to the group's concatenations (one cat per run
-of one dtype, or one view where the parts lie end to end; parts without data are left out). No torch op
-runs per patch, except where the target does not lend its live tensors to the batched kernels (the CPU,
-or ``batched_scatter=False``): there old values are gathered by one indexing op per patch. Host syncs: one
-after phase 1 (every check of the session at once), one for the write, one after phase 3. Host metadata
-travels to the device in one pinned copy per session. The cached checksums live in one device table.
+records are checksummed in one launch per element size on CUDA. Where the target lends its live tensors
+(``writable_views``, on CUDA by default: ``batched_scatter``) a group goes block by block
+(`kernels/patch.py`): two launches per run of one gap dtype and one kind of values decode and read
+everything, reading each element's gap and value once and writing its int32 index, old and new value;
+the checks and checksum changes are sums over the blocks; writing, rollback and read-back are one launch
+each. Elsewhere (the CPU, ``batched_scatter=False``, a target without ``writable_views``) torch ops decode
+the group in int64 arrays and old values are gathered and written by one indexing op per patch. On the
+host, ``add`` checks each record once and notes what phase 1 needs of it (its parameter's row, its
+counts, its place in its group); phase 1 builds every group's metadata (and block table) from those notes
+with numpy, against per-parameter arrays that the receiver builds once, and touches a record only to hand
+its tensors to the group's concatenations (one cat per run of one dtype, or one view where the parts lie
+end to end; parts without data are left out). Host syncs: one after phase 1 (every check of the session
+at once), one for the write, one after phase 3. Host metadata travels to the device in one pinned copy
+per session.
+
+Device memory a session holds until it ends: the dense payloads (where the transport landed them) and,
+with ``dense_rollback``, a copy of every densely updated parameter as it was (its size in bytes); per
+patched element its old and new value and, on the block path, a 4-byte index (an 8-byte one, and int64
+scratch, on the torch path). The cached checksums live in one device table.
 ``StagingReceiver`` offers the same sessions for weights it cannot reach (a tensor-parallel engine's, on
 several ranks): it checks names, shapes and dtypes, holds the records, and drives the same steps on
 ``RemoteSessions`` where the weights are (prepare with the records, commit, publish, or rollback).
@@ -59,7 +69,7 @@ import dataclasses
 import time
 from collections.abc import Collection, Iterable, Mapping
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Protocol
+from typing import Protocol
 
 import numpy as np
 import torch
@@ -67,12 +77,9 @@ import torch
 from kernels.common import SIGNED_VIEW, device_index, upload
 from weight_updates.checksum import checksum_tensors, concat_to, delta_terms
 from weight_updates.encoding import (GAP_DTYPES, DecodedStreams, Dense, Patch, Update, apply_bit_deltas, check_stream_dtypes,
-                                     decode_streams)
+                                     decode_streams, segment_sums)
 from weight_updates.errors import WeightUpdateError
 from weight_updates.target import ParamSpec, WeightTarget
-
-if TYPE_CHECKING:
-    from kernels.scatter import TensorTable
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)
@@ -120,46 +127,101 @@ class _GroupPlan:
     dtype: torch.dtype  # the members' engine dtype
     members: list[Patch]  # bit-delta patches first, then by gap dtype: few runs of equal dtypes to concatenate
     num_delta: int  # how many members are bit-delta patches
-    columns: np.ndarray  # [_META_ROWS, k] int64: the rows of _PatchGroup.meta
+    runs: list[tuple[int, int]]  # [start, stop) of each run of members with one gap dtype and one kind of values
+    columns: np.ndarray  # [_META_ROWS, k] int64: the rows of the group's meta
+    views: list[torch.Tensor] | None = None  # the members' live tensors where the target lends them (block path)
+    blocks: tuple[np.ndarray, np.ndarray] | None = None  # with views: kernels.patch.block_table of the members
+
+
+def _fault_flag(faults: torch.Tensor, numels: torch.Tensor) -> torch.Tensor:
+    """[k] bool from ``faults`` [k, 5] (last index, then four counts that must be 0) and ``numels`` [k]."""
+    return (faults[:, 1:] != 0).any(1) | (faults[:, 0] >= numels)
 
 
 @dataclass(kw_only=True, slots=True)
 class _PatchGroup:
-    """The session's patches of one engine dtype, validated, read and written together: a fixed number of
-    kernels whatever the number of members. Gather / scatter is one launch (`kernels/scatter.py`, through a
-    pointer table built once per session) on CUDA when the target lends its live tensors, else one
-    indexing op per member."""
+    """The session's patches of one engine dtype, validated, read and written together with torch ops: a fixed
+    number of kernels whatever the number of members for the checks, one indexing op per member to read or
+    write (the path for targets that do not lend their live tensors, and for the CPU)."""
 
     members: list[Patch]  # bit-delta patches first, then by gap dtype: few runs of equal dtypes to concatenate
     sizes: list[int]  # [k] changed elements per member
     meta: torch.Tensor  # [6, k] int64 on the device: sizes, overflow counts, numels, escape counts, record rows, table rows
     streams: DecodedStreams  # the members' index streams, decoded; ``streams.indices`` clamped into bounds
-    table: "TensorTable | None"  # the members' live contiguous tensors (kernels.scatter), or None
     checks: torch.Tensor | None = None  # [k, 3] int64: last index, escape count != overflow count, escape mismatch
     predicted: torch.Tensor | None = None  # [k] int64 checksums after the patch, predicted before writing
     old: torch.Tensor | None = None  # [n] values before the write
     new: torch.Tensor | None = None  # [n] values to write
 
     def gather(self, target: WeightTarget) -> torch.Tensor:
-        if self.table is not None:
-            from kernels.scatter import gather_many
-
-            return gather_many(self.table, self.streams.indices, self.streams.segment)
         return torch.cat([torch.take(target.read_checkpoint_tensor(p.name), idx)
                           for p, idx in zip(self.members, self.streams.indices.split(self.sizes))])
 
     def scatter(self, target: WeightTarget, values: torch.Tensor) -> None:
-        if self.table is not None:
-            from kernels.scatter import scatter_many
-
-            scatter_many(self.table, self.streams.indices, self.streams.segment, values)
-            return
         for p, idx, v in zip(self.members, self.streams.indices.split(self.sizes), values.split(self.sizes)):
             target.write_patch(p.name, idx, v)
 
     def member_sums(self, values: torch.Tensor) -> torch.Tensor:
         """Per-member sums [k] of ``values`` [n] (int64)."""
         return self.streams.bounds.totals(torch.cumsum(values, 0))
+
+    def fault_flag(self) -> torch.Tensor:
+        """[1] bool: whether any member's stream or bounds check failed."""
+        return (_fault_flag(self.checks, self.meta[_NUMEL]).any() | self.streams.bad.any())[None]
+
+    def faults(self) -> torch.Tensor:
+        """[k, 5] int64 per member: last index, escape count != overflow count, escape mismatch, escaped gaps < 1,
+        other gaps < 1."""
+        return torch.cat([self.checks, self.streams.faults()], 1)
+
+    def read_back(self, target: WeightTarget) -> torch.Tensor:
+        """[n] bool: where the target's bits differ from ``new``."""
+        int_dtype = SIGNED_VIEW[self.new.element_size()]
+        return torch.ne(self.gather(target).view(int_dtype), self.new.view(int_dtype))
+
+    def mismatched(self, read: torch.Tensor) -> torch.Tensor:
+        """[k] bool from ``read_back``'s result: the members with a differing element."""
+        return self.member_sums(read.to(torch.int64)) > 0
+
+
+@dataclass(kw_only=True, slots=True)
+class _BlockPatchGroup:
+    """The session's patches of one engine dtype where the target lends its live tensors: decoded, checked,
+    read and written block by block (`kernels/patch.py`; on CUDA, or on the CPU under the Triton interpreter).
+    Per run of members with one gap dtype and one kind of values, two launches decode everything; per group
+    about twenty small ops over the blocks (not the elements) turn the blocks' sums into per-member checks
+    and checksum changes; reading, writing and comparing are one launch each."""
+
+    members: list[Patch]  # as in _PatchGroup
+    meta: torch.Tensor  # [6, k] int64 on the device, as in _PatchGroup
+    table: torch.Tensor  # [B, kernels.patch.NCOL] int64 on the device: the blocks
+    blocks: torch.Tensor  # [k] int64 on the device: blocks per member
+    views: list[torch.Tensor]  # the members' live tensors, whose addresses ``table`` holds (kept alive here)
+    indices: torch.Tensor  # [n] int32 flat indices, clamped into each member's bounds
+    faults_: torch.Tensor  # [k, 5] int64, as _PatchGroup.faults
+    predicted: torch.Tensor  # [k] int64 checksums after the patch, predicted before writing
+    old: torch.Tensor  # [n] values before the write
+    new: torch.Tensor  # [n] values to write
+
+    def scatter(self, target: WeightTarget, values: torch.Tensor) -> None:
+        from kernels.patch import SCATTER, block_access
+
+        block_access(self.table, SCATTER, self.indices, values)
+
+    def fault_flag(self) -> torch.Tensor:
+        return _fault_flag(self.faults_, self.meta[_NUMEL]).any()[None]
+
+    def faults(self) -> torch.Tensor:
+        return self.faults_
+
+    def read_back(self, target: WeightTarget) -> torch.Tensor:
+        """[B] int32: per block, the elements where the target's bits differ from ``new``."""
+        from kernels.patch import COMPARE, block_access
+
+        return block_access(self.table, COMPARE, self.indices, self.new)
+
+    def mismatched(self, read: torch.Tensor) -> torch.Tensor:
+        return segment_sums(read.to(torch.int64), self.blocks) > 0
 
 
 @dataclass(kw_only=True, slots=True)
@@ -169,7 +231,7 @@ class _Prepared:
     records: list[Update]  # in the order received
     rows: np.ndarray  # [R] int64 on the host: the records' rows of the receiver's arrays
     dense: list[_DenseRecord]
-    groups: list[_PatchGroup]
+    groups: list["_PatchGroup | _BlockPatchGroup"]
     expected: torch.Tensor  # [R] int64 on the device: the sender's checksums
     table_rows: torch.Tensor  # [R] int64: the records' rows of the receiver's checksum table
     dense_rows: torch.Tensor  # [num dense] int64: the dense records' positions among the records
@@ -191,9 +253,10 @@ class WeightReceiver:
     (``session(dense_rollback=...)``): an engine that applies updates on its own skips the copy, and the
     same engine keeps it when it stages an update that a peer's failure may make it undo.
 
-    ``batched_scatter`` (default: on CUDA) reads and writes all patches of a dtype in one Triton launch
-    each (`kernels/scatter.py`) when the target lends its live tensors (``writable_views``); off, or for a
-    target that does not lend them, each patch goes through ``read_checkpoint_tensor`` / ``write_patch``.
+    ``batched_scatter`` (default: on CUDA) decodes, reads and writes all patches of a dtype block by block in
+    a few Triton launches (`kernels/patch.py`) when the target lends its live tensors (``writable_views``);
+    off, or for a target that does not lend them, torch ops decode them and each patch goes through
+    ``read_checkpoint_tensor`` / ``write_patch``.
     """
 
     def __init__(self, target: WeightTarget, *, version: int = 0, trust_cached_checksums: bool = True,
@@ -458,20 +521,29 @@ class UpdateSession:
             tensor = records[i].tensor
             payload = tensor if tensor.get_device() == here else tensor.to(device, non_blocking=True)
             dense.append(_DenseRecord(update=records[i], row=i, payload=payload))
-        plans = self._plan_groups(records, rows)
-        # Every host-side number of the session in one copy: checksums, table rows, dense positions, group columns.
+        lend = getattr(target, "writable_views", None) if receiver.batched_scatter else None
+        plans = self._plan_groups(records, rows, lend)
+        # Every host-side number of the session in one copy: checksums, table rows, dense positions, group columns
+        # and block tables.
         num = len(records)
         host = np.concatenate([np.array(self._checksums, dtype=np.int64), rows, np.array(self._dense_at, dtype=np.int64),
-                               *(plan.columns.reshape(-1) for plan in plans)])
+                               *(part.reshape(-1) for plan in plans for part in (plan.columns, *(plan.blocks or ())))])
         meta = upload(torch.from_numpy(host), device)
         expected, table_rows, dense_rows = meta[:num], meta[num : 2 * num], meta[2 * num : 2 * num + len(dense)]  # [R], [R], [num dense]
         receiver._ensure_checksums(rows[self._patch_at], refresh=not receiver.trust_cached_checksums)
-        lend = getattr(target, "writable_views", None) if receiver.batched_scatter else None
         groups, at = [], 2 * num + len(dense)
         for plan in plans:
             k = len(plan.members)
-            groups.append(self._patch_group(plan, meta[at : at + _META_ROWS * k].view(_META_ROWS, k), device, lend))
+            columns = meta[at : at + _META_ROWS * k].view(_META_ROWS, k)
             at += _META_ROWS * k
+            if plan.blocks is None:
+                groups.append(self._patch_group(plan, columns, device))
+                continue
+            table, blocks = plan.blocks
+            device_table = meta[at : at + table.size].view(table.shape)
+            at += table.size
+            groups.append(self._block_group(plan, columns, device_table, meta[at : at + k], device))
+            at += k
         predicted = torch.zeros(num, dtype=torch.int64, device=device)  # [R]
         if dense:
             predicted[dense_rows] = checksum_tensors([d.payload for d in dense])
@@ -486,7 +558,7 @@ class UpdateSession:
         target, p = self._receiver.target, self._prepared
         dense = p.dense
         written: list[_DenseRecord] = []
-        written_groups: list[_PatchGroup] = []
+        written_groups: list[_PatchGroup | _BlockPatchGroup] = []
         try:
             if dense and self._dense_rollback:
                 current = [target.read_checkpoint_tensor(d.update.name) for d in dense]
@@ -521,14 +593,11 @@ class UpdateSession:
             if p.dense:
                 got = checksum_tensors([target.read_checkpoint_tensor(d.update.name) for d in p.dense])
                 failed[p.dense_rows] = got != p.expected[p.dense_rows]
-            mismatches = []  # per group: [n] bool, read-back bits != sent bits
-            for g in p.groups:
-                int_dtype = SIGNED_VIEW[g.new.element_size()]
-                mismatches.append(torch.ne(g.gather(target).view(int_dtype), g.new.view(int_dtype)))
-            flags = torch.cat([failed, *(m.any()[None] for m in mismatches)]).tolist()  # [R + groups]
-            for g, m, bad_group in zip(p.groups, mismatches, flags[len(p.records):]):
+            reads = [g.read_back(target) for g in p.groups]  # per group: where read-back bits != sent bits
+            flags = torch.cat([failed, *(m.any()[None] for m in reads)]).tolist()  # [R + groups]
+            for g, m, bad_group in zip(p.groups, reads, flags[len(p.records):]):
                 if bad_group:  # which members: per-member sums, only when some bit did not hold
-                    failed[g.meta[_ROWS]] = g.member_sums(m.to(torch.int64)) > 0
+                    failed[g.meta[_ROWS]] = g.mismatched(m)
             flags = failed.tolist() if any(flags[len(p.records):]) else flags
             bad = [u.name for u, f in zip(p.records, flags) if f]
         except Exception as e:
@@ -540,14 +609,18 @@ class UpdateSession:
                                     f"{self._restored_what(p.dense)}")
         p.times.append(time.perf_counter())
 
-    def _plan_groups(self, records: list[Update], rows: np.ndarray) -> list[_GroupPlan]:
+    def _plan_groups(self, records: list[Update], rows: np.ndarray, lend) -> list[_GroupPlan]:
         """One plan per engine dtype of the patches (``rows``: [R] every record's row of the receiver's arrays),
-        from what ``add`` noted: nothing per member but picking it out of ``records``."""
+        from what ``add`` noted: nothing per member but picking it out of ``records`` (and, where ``lend``, the
+        target's ``writable_views``, gives the members' live tensors, reading their addresses)."""
         receiver = self._receiver
         order: dict[torch.dtype, list[int]] = {}  # engine dtype -> its patches' numbers, in member order
         num_delta: dict[torch.dtype, int] = {}
+        runs: dict[torch.dtype, list[tuple[int, int]]] = {}
         for (plain, _, dtype), run in sorted(self._runs.items(), key=lambda item: item[0][:2]):
-            order.setdefault(dtype, []).extend(run)
+            numbers = order.setdefault(dtype, [])
+            runs.setdefault(dtype, []).append((len(numbers), len(numbers) + len(run)))
+            numbers.extend(run)
             num_delta[dtype] = num_delta.get(dtype, 0) + (0 if plain else len(run))
         counts = np.array(self._patch_counts, dtype=np.int64).reshape(-1, 3)  # [P, 3]: indices, overflow values, escapes
         patch_at = np.array(self._patch_at, dtype=np.int64)  # [P]
@@ -559,11 +632,28 @@ class UpdateSession:
             columns[_NUMEL] = receiver._numels[rows[at]]
             columns[_ROWS] = at
             columns[_TABLE] = rows[at]
-            plans.append(_GroupPlan(dtype=dtype, members=[records[i] for i in at.tolist()], num_delta=num_delta[dtype], columns=columns))
+            members = [records[i] for i in at.tolist()]
+            views = None if lend is None else lend([p.name for p in members])
+            blocks = None
+            if views is not None:
+                from kernels.patch import block_table
+
+                blocks = block_table(columns[_SIZES], columns[_NUMEL], self._addresses(views, dtype), columns[_OVERFLOW],
+                                     columns[_ESCAPES])
+            plans.append(_GroupPlan(dtype=dtype, members=members, num_delta=num_delta[dtype], runs=runs[dtype], columns=columns,
+                                    views=views, blocks=blocks))
         return plans
 
-    def _patch_group(self, plan: _GroupPlan, meta: torch.Tensor, device: torch.device, lend) -> _PatchGroup:
-        """``meta``: ``plan.columns`` on the device; ``lend``: the target's ``writable_views`` or None."""
+    def _addresses(self, views: list[torch.Tensor], dtype: torch.dtype) -> np.ndarray:
+        """[k] int64 data pointers of the live tensors a target lent, checked: contiguous, ``dtype``, on its device."""
+        here = device_index(self._receiver.target.device)
+        for t in views:
+            assert t.get_device() == here and t.dtype == dtype and t.is_contiguous(), \
+                f"writable_views must be contiguous {dtype} tensors on the target's device, got {t.dtype} {tuple(t.shape)}"
+        return np.array([t.data_ptr() for t in views], dtype=np.int64)
+
+    def _patch_group(self, plan: _GroupPlan, meta: torch.Tensor, device: torch.device) -> _PatchGroup:
+        """The torch path. ``meta``: ``plan.columns`` on the device."""
         receiver = self._receiver
         members, num_delta, columns = plan.members, plan.num_delta, plan.columns
 
@@ -578,14 +668,8 @@ class UpdateSession:
         # are known; where the checks pass, clamping changed nothing.
         limit = meta[_NUMEL] - 1  # [k]
         indices = streams.indices.clamp_(min=limit.new_zeros(()), max=limit.index_select(0, streams.segment))  # [n]
-        views = None if lend is None else lend([p.name for p in members])
-        table = None
-        if views is not None:
-            from kernels.scatter import TensorTable
-
-            table = TensorTable.of(views)
         sizes = columns[_SIZES].tolist()
-        group = _PatchGroup(members=members, sizes=sizes, meta=meta, streams=streams, table=table)
+        group = _PatchGroup(members=members, sizes=sizes, meta=meta, streams=streams)
         group.old = group.gather(receiver.target)  # [n]
         num_delta_elements = sum(sizes[:num_delta])  # the delta members come first
         deltas = concat_to([p.values for p in holding(_SIZES, 0, num_delta)], torch.int8, device)  # [num delta]
@@ -609,14 +693,62 @@ class UpdateSession:
                                     (escape_counts != meta[_ESCAPES]).to(torch.int64)], 1)
         return group
 
-    def _check_all(self, records: list[Update], groups: list[_PatchGroup], predicted: torch.Tensor, expected: torch.Tensor) -> None:
+    def _block_group(self, plan: _GroupPlan, meta: torch.Tensor, table: torch.Tensor, blocks: torch.Tensor,
+                     device: torch.device) -> _BlockPatchGroup:
+        """The block path (`kernels/patch.py`). ``meta``: ``plan.columns``, ``table``: ``plan.blocks[0]`` and
+        ``blocks``: ``plan.blocks[1]``, on the device."""
+        from kernels.patch import block_counts, block_starts, decode
+
+        members, columns, k = plan.members, plan.columns, len(plan.members)
+        sizes = columns[_SIZES]
+        elem_start = np.concatenate([[0], np.cumsum(sizes)])  # [k + 1]
+        block_start = np.concatenate([[0], np.cumsum(plan.blocks[1])])  # [k + 1]
+
+        def holding(column: int, start: int, stop: int) -> list[Patch]:
+            """The members in [start, stop) whose ``column`` count is not 0: the parts to concatenate."""
+            return [members[i] for i in (start + np.flatnonzero(columns[column, start:stop])).tolist()]
+
+        overflow = concat_to([p.indices.overflow for p in holding(_OVERFLOW, 0, k)], torch.int32, device)  # [e]
+        overflow_scan = torch.nn.functional.pad(torch.cumsum(overflow, 0, dtype=torch.int64), (1, 0))  # [e + 1]
+        spare_overflow = torch.nn.functional.pad(overflow, (0, 1), value=1)  # [e + 1]: loads stay in range
+        escapes = concat_to([p.escapes for p in holding(_ESCAPES, 0, plan.num_delta)], plan.dtype, device)
+        spare_escapes = torch.cat([escapes, escapes.new_zeros(1)])  # [escapes + 1]
+        counts = torch.zeros(table.shape[0], 4, dtype=torch.int64, device=device)  # [B, 4]
+        runs = []  # per run holding elements: its blocks, gaps, values, whether deltas, first element
+        for lo, hi in plan.runs:
+            parts = holding(_SIZES, lo, hi)
+            if not parts:
+                continue
+            delta = lo < plan.num_delta
+            gaps = concat_to([p.indices.gaps for p in parts], parts[0].indices.gaps.dtype, device)
+            values = concat_to([p.values for p in parts], torch.int8 if delta else plan.dtype, device)
+            run = (range(int(block_start[lo]), int(block_start[hi])), gaps, values, delta, int(elem_start[lo]))
+            block_counts(table, run[0], gaps, values if delta else None, run[4], counts)
+            runs.append(run)
+        block_starts(table, counts, overflow_scan)
+        n = int(elem_start[-1])
+        indices = torch.empty(n, dtype=torch.int32, device=device)
+        old, new = (torch.empty(n, dtype=plan.dtype, device=device) for _ in range(2))
+        terms = torch.zeros(table.shape[0], dtype=torch.int64, device=device)  # [B] checksum change per block
+        for block_range, gaps, values, delta, shift in runs:
+            decode(table, block_range, gaps, spare_overflow, values, spare_escapes if delta else None, shift, indices, old, new, terms)
+        # per member: gap sum (last index + 1), escaped gaps, gaps < 0, escaped deltas, checksum change
+        sums = segment_sums(torch.cat([counts.t(), terms[None]]), blocks)  # [k, 5]
+        bad_overflow = segment_sums((overflow < 1).to(torch.int64), meta[_OVERFLOW])  # [k]
+        faults = torch.stack([sums[:, 0] - 1, (sums[:, 1] != meta[_OVERFLOW]).to(torch.int64),
+                              (sums[:, 3] != meta[_ESCAPES]).to(torch.int64), bad_overflow, sums[:, 2]], 1)
+        predicted = self._receiver._table.index_select(0, meta[_TABLE]) + sums[:, 4]
+        return _BlockPatchGroup(members=members, meta=meta, table=table, blocks=blocks, views=plan.views, indices=indices,
+                                faults_=faults, predicted=predicted, old=old, new=new)
+
+    def _check_all(self, records: list[Update], groups: list["_PatchGroup | _BlockPatchGroup"], predicted: torch.Tensor,
+                   expected: torch.Tensor) -> None:
         """Raise for the first bad index stream (in the order sent), else for checksums that do not match
         their prediction. One host sync reads one flag for every check of the session; only when it is set
         are the per-record values read to name what failed."""
-        flags = [(g.checks[:, 1:] != 0).any(1) | (g.checks[:, 0] >= g.meta[_NUMEL]) for g in groups]  # [k] each
-        if not torch.cat([*flags, *(g.streams.bad.any()[None] for g in groups), predicted != expected]).any().item():
+        if not torch.cat([*(g.fault_flag() for g in groups), predicted != expected]).any().item():
             return
-        values = torch.cat([*(torch.cat([g.checks, g.streams.faults()], 1).reshape(-1) for g in groups), predicted]).tolist()
+        values = torch.cat([*(g.faults().reshape(-1) for g in groups), predicted]).tolist()
         streams, at = {}, 0
         for g in groups:
             for p in g.members:
@@ -651,7 +783,7 @@ class UpdateSession:
         return (f"patches undone, but the {len(dense)} dense parameters were written without a rollback copy "
                 "(dense_rollback=False) and may hold new values: push them densely again")
 
-    def _rollback(self, dense: list[_DenseRecord], groups: list[_PatchGroup]) -> None:
+    def _rollback(self, dense: list[_DenseRecord], groups: list["_PatchGroup | _BlockPatchGroup"]) -> None:
         target = self._receiver.target
         for g in groups:
             g.scatter(target, g.old)  # members not yet written get their current values back: a no-op
