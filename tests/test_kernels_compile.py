@@ -63,7 +63,6 @@ def _launch_every_kernel() -> None:
     from kernels.rotary_ref import build_cos_sin_cache, rope_inv_freq
     from kernels.routing import route_topk
     from kernels.sampling import sample, sample_untruncated, token_logprobs
-    from kernels.scatter import gather_many, scatter_many
     from runner.spec_decode.rejection_kernel import draft_sample, rejection_sample
 
     g = torch.Generator().manual_seed(0)
@@ -106,9 +105,6 @@ def _launch_every_kernel() -> None:
     token_logprobs(logits, torch.tensor([1, 2, 3]), temp)
     checksum_many([x, r])
     checksum_many([torch.zeros(10, dtype=torch.int8)])
-    parts = [torch.randn(20, generator=g).to(h), torch.randn(30, generator=g).to(h)]
-    idx, seg = torch.tensor([1, 5, 0, 29]), torch.tensor([0, 0, 1, 1])
-    scatter_many(parts, idx, seg, gather_many(parts, idx, seg))
     R, K, V = 2, 2, 40
     target = torch.randn(R, K + 1, V, generator=g).to(h)
     draft_probs = torch.softmax(torch.randn(R, K, V, generator=g), -1)
