@@ -36,7 +36,7 @@ import torch
 import triton
 import triton.language as tl
 
-from kernels.pdl import pdl_trigger, pdl_wait, use_pdl
+from kernels.pdl import pdl_begin, use_pdl
 
 _DTYPES = (torch.float16, torch.bfloat16, torch.float32)
 MAX_ROWS = 8  # rows of x one launch serves; more rows belong to a GEMM
@@ -51,7 +51,7 @@ def _gemv_kernel(
     HAS_RESIDUAL: tl.constexpr, HAS_BIAS: tl.constexpr,
     M_PAD: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, USE_PDL: tl.constexpr,
 ):
-    pdl_trigger(USE_PDL)
+    pdl_begin(USE_PDL)
     pid = tl.program_id(0)
     offs_m = tl.arange(0, M_PAD)
     offs_n = pid * BLOCK_N + tl.arange(0, BLOCK_N)
@@ -65,14 +65,11 @@ def _gemv_kernel(
 
     acc = tl.zeros([M_PAD, BLOCK_N], tl.float32)
     squares = tl.zeros([M_PAD], tl.float32)  # rms_norm: the rows' sums of squares
-    # the weight tile of each step is loaded one step ahead; the first before waiting for the kernel before
-    # this one (kernels/pdl.py: weights are never written inside a step)
-    w = tl.load(w_rows + offs_k[None, :], mask=n_mask[:, None] & (offs_k < K)[None, :], other=0.0)  # [BLOCK_N, BLOCK_K]
-    pdl_wait(USE_PDL)
     for k0 in range(0, K, BLOCK_K):
         kk = k0 + offs_k
         k_mask = kk < K
         mask = m_mask[:, None] & k_mask[None, :]
+        w = tl.load(w_rows + kk[None, :], mask=n_mask[:, None] & k_mask[None, :], other=0.0)  # [BLOCK_N, BLOCK_K]
         if PROLOGUE == 2:
             g = tl.load(x_rows + kk[None, :], mask=mask, other=0.0)
             u = tl.load(x_rows + K + kk[None, :], mask=mask, other=0.0)
@@ -94,8 +91,6 @@ def _gemv_kernel(
             else:
                 a = s.to(tl.float32)
         acc += tl.sum(a[:, None, :] * w.to(tl.float32)[None, :, :], 2)  # [M_PAD, BLOCK_N]
-        kn = kk + BLOCK_K
-        w = tl.load(w_rows + kn[None, :], mask=n_mask[:, None] & (kn < K)[None, :], other=0.0)
     if PROLOGUE == 1:
         acc = acc * tl.math.rsqrt(squares / K + eps)[:, None]
     if HAS_BIAS:

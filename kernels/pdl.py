@@ -5,8 +5,7 @@ two of them the GPU drains the first kernel's last wave, then launches and ramps
 kernel launched with `launch_pdl=True` may start while the kernel before it in the stream is still running,
 once every program of that one has signalled `gdc_launch_dependents`; it then waits in `gdc_wait` until the
 earlier kernel has finished and its writes are visible. What it does before the wait must not read anything
-an earlier kernel writes nor write anything it reads: the matrix-vector kernel loads its first weight tile
-there (weights change only between steps, never inside one).
+an earlier kernel writes nor write anything it reads; the kernels here do nothing before it.
 
 The rule every kernel here follows, which keeps the chain correct whatever launches around it: each program
 of a kernel launched with PDL calls `pdl_wait` (one call, `pdl_begin` does both) before its first access to
