@@ -26,8 +26,8 @@ grid and reduction order) but not batch invariant by contract: deterministic mod
 Expert parallelism (`expert_start=s`, w13 / w2 hold experts [s, s + E_local)): the top-k is over all of the
 router's experts; a pair routed outside the range writes no act row and contributes exactly 0. Each token is
 read per chosen expert with no deduplication across tokens, so beyond a few tokens the aligned kernel of
-`kernels/moe.py` reads fewer bytes (`MAX_DECODE_PAIRS`). Not here: shared experts, routing replay (given ids),
-grouped top-k, sigmoid routers, quantized weights, autograd.
+`kernels/moe.py` reads fewer bytes (the model's threshold: `SparseMoeBlock.decode_pairs`). Not here: shared
+experts, routing replay (given ids), grouped top-k, sigmoid routers, quantized weights, autograd.
 """
 
 from __future__ import annotations
@@ -40,10 +40,6 @@ import triton.language as tl
 
 from kernels.moe_ref import MAX_EXPERTS
 
-MAX_DECODE_PAIRS = 16
-"""The model's threshold: blocks of at most this many (token, choice) pairs take `moe_decode` (batch 1-2 at
-top-8). Beyond it, experts chosen by several tokens would be read once per token here, once per block of
-rows by the aligned kernel."""
 _SMEM_BUDGET = 144 * 1024  # bytes of pipelined operand tiles per program (as kernels/moe.py)
 
 
