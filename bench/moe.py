@@ -253,7 +253,7 @@ def bench_layer(args, common) -> None:
             emit(kind="moe_layer", path=name, tokens=tokens, us_per_layer=round(us, 2),
                  experts_read=round(distinct, 2), gb_per_s=round(read / us / 1e3, 1),
                  relative_difference_to_unfused=round(worst, 5), **common)
-    del layers
+    layers.clear()
     release_memory()
 
 
