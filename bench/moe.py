@@ -14,6 +14,12 @@ the step touches — at batch 1 the top-k active experts per layer; at larger ba
 batch's tokens were routed to, counted per layer from the routing the engine returns (`routed_experts`) for
 the timed run itself.
 
+`--layer`: one sparse block alone at 1 and 2 tokens, CUDA-graph captured over `--layer-copies` copies of its
+weights (more bytes than the L2 holds, as 48 layers are): the unfused small-batch chain (residual add + RMSNorm,
+router GEMV, routing kernel, `fused_moe`) against the decode path (router GEMV with the norm, `moe_decode`), and
+`moe_decode` under a few tile configs; microseconds per layer and the GB/s of the bytes it must read (the chosen
+experts and the router).
+
 Routing replay: the same batch-64 workload with `return_routed_experts=True` against without.
 Weight push: the tensors of the first `--push-layers` layers (all their experts, attention, norms, router)
 pushed as a patch after about 1% of their elements changed and as a full dense copy, through the engine's
@@ -174,6 +180,83 @@ def bench_push(engine, args, common) -> None:
                  whole_model_payload_bytes_estimate=int(payload * total / nbytes), **common)
 
 
+LAYER_CONFIGS = {  # moe_decode tile variants the --layer run times (DecodeConfig fields; {} is the default)
+    "default": {}, "up_n32": {"up_block_n": 32}, "up_k128": {"up_block_k": 128, "up_stages": 4},
+    "down_cols64": {"down_columns": 64}, "down_cols256": {"down_columns": 256, "down_stages": 2},
+    "down_k256": {"down_block_k": 256, "down_stages": 2}, "warps8": {"num_warps": 8},
+}
+
+
+def bench_layer(args, common) -> None:
+    """One sparse block of the model's shape at 1 and 2 tokens (see the module docstring)."""
+    from kernels.gemv import fused_gemv
+    from kernels.moe import fused_moe
+    from kernels.moe_decode import DecodeConfig, moe_decode
+    from kernels.norm import fused_add_rms_norm
+    from kernels.routing import route_topk
+
+    cfg = TINY if args.quick else QWEN3_30B_A3B
+    h, e, k, inter = cfg["hidden_size"], cfg["num_experts"], cfg["num_experts_per_tok"], cfg["moe_intermediate_size"]
+    dtype, dev, eps = getattr(torch, args.dtype), args.device, 1e-6
+    cuda = dev.startswith("cuda")  # elsewhere only under TRITON_INTERPRET=1 (a smoke test of the script)
+    g = torch.Generator(device=dev).manual_seed(0)
+    layers = []
+    for _ in range(args.layer_copies):
+        layers.append(dict(
+            w13=(torch.randn(e, 2 * inter, h, device=dev, generator=g) * h**-0.5).to(dtype),
+            w2=(torch.randn(e, h, inter, device=dev, generator=g) * inter**-0.5).to(dtype),
+            gate=(torch.randn(e, h, device=dev, generator=g) * h**-0.5).to(dtype),
+            norm=(1 + 0.1 * torch.randn(h, device=dev, generator=g)).to(dtype)))
+    expert_bytes = 3 * inter * h * torch.finfo(dtype).bits // 8
+
+    def unfused(x, r, w):
+        xn, s = fused_add_rms_norm(x, r, w["norm"], eps)
+        weights, ids = route_topk(fused_gemv(xn, w["gate"]), k, True)
+        return fused_moe(xn, w["w13"], w["w2"], weights, ids), ids
+
+    def decode(x, r, w, config=None):
+        logits, s = fused_gemv(x, w["gate"], prologue="rms_norm", norm_weight=w["norm"], residual=r, eps=eps)
+        out, _, ids = moe_decode(s, w["norm"], eps, logits, w["w13"], w["w2"], k, True, config=config)
+        return out, ids
+
+    paths = {"unfused": unfused, **{f"decode_{name}": (lambda x, r, w, c=DecodeConfig(**over): decode(x, r, w, c))
+                                   for name, over in LAYER_CONFIGS.items()}}
+    for tokens in (1, 2):
+        x = torch.randn(tokens, h, device=dev, generator=g).to(dtype)
+        r = torch.randn(tokens, h, device=dev, generator=g).to(dtype)
+        for name, fn in paths.items():
+            def chain():
+                return [fn(x, r, w) for w in layers]
+
+            outs = chain()  # compiles
+            sync(args.device)
+            if name == "unfused":
+                reference = [out.float() for out, _ in outs]
+            worst = max(float((out.float() - ref).norm() / ref.norm()) for (out, _), ref in zip(outs, reference))
+            distinct = sum(int(torch.unique(ids).numel()) for _, ids in outs) / len(outs)
+            if cuda:
+                graph = torch.cuda.CUDAGraph()
+                with torch.cuda.graph(graph):
+                    chain()
+                run = graph.replay
+            else:
+                run = chain
+            run()
+            sync(args.device)
+            reps = 20 if cuda else 1
+            t = time.perf_counter()
+            for _ in range(reps):
+                run()
+            sync(args.device)
+            us = (time.perf_counter() - t) / reps / len(layers) * 1e6
+            read = distinct * expert_bytes + e * h * torch.finfo(dtype).bits // 8
+            emit(kind="moe_layer", path=name, tokens=tokens, us_per_layer=round(us, 2),
+                 experts_read=round(distinct, 2), gb_per_s=round(read / us / 1e3, 1),
+                 relative_difference_to_unfused=round(worst, 5), **common)
+    layers.clear()
+    release_memory()
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
@@ -186,6 +269,8 @@ def main() -> None:
     ap.add_argument("--push-layers", type=int, default=None)
     ap.add_argument("--no-hf", action="store_true")
     ap.add_argument("--quick", action="store_true", help="a tiny MoE on the CPU")
+    ap.add_argument("--layer", action="store_true", help="only the one-layer comparison of the decode paths")
+    ap.add_argument("--layer-copies", type=int, default=None, help="weight copies of the --layer run (default 8)")
     args = ap.parse_args()
     cuda = args.device.startswith("cuda")
     args.dtype = args.dtype or ("bfloat16" if cuda and not args.quick else "float32")
@@ -202,6 +287,10 @@ def main() -> None:
     shape = "tiny-moe" if args.quick else "qwen3-30b-a3b"
     common = dict(device=args.device, shape=shape, dtype=args.dtype)
     emit(kind="copy_bandwidth", gb_per_s=round(bw / 1e9, 1), **common)
+    if args.layer:
+        args.layer_copies = args.layer_copies or (2 if args.quick else 8)
+        bench_layer(args, common)
+        return
     emit(kind="model_bytes", total_gb=round(sizes["total"] / 1e9, 2),
          active_gb_batch1=round((sizes["layers"] * (sizes["attention"] + sizes["router"]
                                                     + cfg["num_experts_per_tok"] * sizes["expert"])

@@ -58,6 +58,7 @@ def _launch_every_kernel() -> None:
     from kernels.attention import paged_attention, store_kv
     from kernels.checksum import checksum_many
     from kernels.moe import fused_moe
+    from kernels.moe_decode import moe_decode
     from kernels.norm import fused_add_rms_norm, rms_norm
     from kernels.rotary import apply_rotary, rotary_store_kv
     from kernels.rotary_ref import build_cos_sin_cache, rope_inv_freq
@@ -133,6 +134,13 @@ def _launch_every_kernel() -> None:
     store = torch.zeros(8, 2, 8, dtype=torch.int32)
     route_topk(logits, 8, True, store=store, slots=torch.tensor([0, 1, -1, 3, 4]), layer=1)
     route_topk(logits, 8, False, ids=torch.randint(0, 128, (5, 8), generator=g, dtype=torch.int32))
+    # the small-token MoE block: top-8 of 128 with the store (half precision and float32), expert parallelism
+    wide13, wide2 = torch.randn(128, 2 * W, W, generator=g), torch.randn(128, W, W, generator=g)
+    for dtype in (h, torch.float32):
+        moe_decode(torch.randn(2, W, generator=g).to(dtype), torch.ones(W, dtype=dtype), 1e-6, logits[:2],
+                   wide13.to(dtype), wide2.to(dtype), 8, True, store=store, slots=torch.tensor([0, -1]), layer=1)
+    moe_decode(torch.randn(1, W, generator=g).to(h), torch.ones(W, dtype=h), 1e-6, logits[:1], w13[:2], w2[:2], 2,
+               False, expert_start=2)
     _launch_lora_kernels(g, h)
     _launch_patch_kernels(g)
 

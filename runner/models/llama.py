@@ -335,6 +335,11 @@ class DecoderLayer(nn.Module):
         else:
             hidden, residual = self.input_layernorm(hidden, residual)
         hidden = self.self_attn(rope, hidden, meta)
+        return self._norm_feed_forward(hidden, residual, meta)
+
+    def _norm_feed_forward(self, hidden, residual, meta):
+        """The post-attention norm (with the residual add), then the feed-forward block -> (out, residual); a
+        layer whose block fuses the norm overrides it (runner/models/qwen_moe.py)."""
         hidden, residual = self.post_attention_layernorm(hidden, residual)
         return self._feed_forward(hidden, meta), residual
 
@@ -359,8 +364,7 @@ class DecoderLayer(nn.Module):
         hidden = attn.o_proj(attn.attend(rope, qkv, meta))
         norm = self.post_attention_layernorm
         if not isinstance(mlp, MLP):
-            hidden, residual = norm(hidden, residual)
-            return self._feed_forward(hidden, meta), residual
+            return self._norm_feed_forward(hidden, residual, meta)
         if mlp.gate_up_proj.lora is None and fuses_prologue("rms_norm", mlp.gate_up_proj.weight):
             gate_up, residual = gemv_linear(mlp.gate_up_proj, hidden, norm, residual)
         else:

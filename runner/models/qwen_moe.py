@@ -19,6 +19,11 @@ expert stays tensor-parallel either way. transformers 5's in-memory fused names
 (`mlp.experts.gate_up_proj`, `mlp.experts.down_proj`) are accepted by weight pushes through
 `weight_updates.aliases`, not here.
 
+Decode (a paged CUDA forward in fast mode of at most `SparseMoeBlock.decode_pairs` (token, choice) pairs, no
+shared expert): the layer's post-attention norm goes into the router's GEMV (`kernels.gemv.fused_gemv` with
+the RMSNorm prologue, which also returns the residual sum) and the rest of the block is `kernels.moe_decode`:
+three launches for norm, router, top-k, experts and combine instead of six (`MoEDecoderLayer`).
+
 Routing replay: with a routing store bound (`bind_routed_experts`), every paged forward writes each token's
 expert ids at its KV slot, so the runner can report the experts of every position, prefix-cache hits
 included. `forward_dense(..., routed_experts=...)` makes the trainer's forward use given experts, their
@@ -41,7 +46,7 @@ from runner.deterministic import kernel_forward
 from runner.layers import Linear
 from runner.model_config import ModelConfig
 from runner.models.layout import CheckpointSlot, part
-from runner.models.llama import MLP, DecoderForCausalLM, DecoderLayer
+from runner.models.llama import MLP, DecoderForCausalLM, DecoderLayer, RMSNorm
 from runner.parallel.layers import even_partition, is_expert_parallel, rank_and_size
 
 if TYPE_CHECKING:
@@ -133,6 +138,10 @@ class SparseMoeBlock(nn.Module):
     """Router + stacked experts (+ Qwen2-MoE's gated shared expert). x [..., H] -> [..., H]."""
 
     takes_metadata = True  # called as mlp(hidden, meta): the paged forward records its routing per KV slot
+    decode_pairs = 16
+    """Paged CUDA forwards (fast mode) of at most this many (token, choice) pairs run `forward_decode` (batch 1-2
+    at top-8): it reads each token's experts on their own, so beyond a few tokens experts chosen by several
+    tokens would be read repeatedly, where the aligned `kernels.moe.fused_moe` reads them once. 0 turns it off."""
 
     def __init__(self, cfg: ModelConfig, moe: MoEConfig, moe_index: int, tp: TPGroup | None) -> None:
         super().__init__()
@@ -184,6 +193,37 @@ class SparseMoeBlock(nn.Module):
         ids[:, : self.replay.shape[1]] = self.replay.to(ids.device, ids.dtype)
         return ids.view(-1, self.top_k)
 
+    def takes_decode(self, hidden: torch.Tensor, meta: AttentionMetadata | None) -> bool:
+        """Whether the post-attention norm of `hidden` [T, H] and this block run as `forward_decode`: a paged CUDA
+        forward without autograd in fast mode, of at most `decode_pairs` (token, choice) pairs and at most
+        `kernels.gemv.MAX_ROWS` tokens, with no shared expert and no LoRA hook on the router."""
+        if not (meta is not None and hidden.is_cuda and hidden.dim() == 2 and not self.deterministic
+                and not torch.is_grad_enabled() and self.replay is None and self.shared_expert is None
+                and self.gate.lora is None and 0 < hidden.shape[0] * self.top_k <= self.decode_pairs):
+            return False
+        from kernels.gemv import MAX_ROWS
+
+        return hidden.shape[0] <= MAX_ROWS
+
+    def forward_decode(self, hidden: torch.Tensor, residual: torch.Tensor, norm: RMSNorm,
+                       meta: AttentionMetadata) -> tuple[torch.Tensor, torch.Tensor]:
+        """`norm` of hidden + residual ([T, H] each), then this block -> (out [T, H], the residual sum [T, H]), in
+        three launches: the norm inside the router's GEMV, then `kernels.moe_decode.moe_decode` (top-k, the
+        norm again inside the experts' gate_up, down + combine; the routing store written as `route` does)."""
+        from kernels.gemv import fused_gemv
+        from kernels.moe_decode import moe_decode
+
+        logits, summed = fused_gemv(hidden, self.gate.weight, self.gate.bias, prologue="rms_norm",
+                                    norm_weight=norm.weight, residual=residual, eps=norm.eps)  # [T, E], [T, H]
+        record = self.store is not None
+        out, _, _ = moe_decode(summed, norm.weight, norm.eps, logits, self.experts.w13, self.experts.w2, self.top_k,
+                               self.norm_topk_prob, expert_start=self.experts.expert_start,
+                               store=self.store if record else None, slots=meta.slot_mapping if record else None,
+                               layer=self.moe_index)
+        if self.tp is not None:
+            out = self.tp.all_reduce(out)
+        return out, summed
+
     def forward(self, hidden: torch.Tensor, meta: AttentionMetadata | None = None) -> torch.Tensor:
         lead = tuple(hidden.shape[:-1])
         x = hidden.reshape(-1, hidden.shape[-1])
@@ -208,6 +248,16 @@ class SparseMoeBlock(nn.Module):
         return out.view(hidden.shape)
 
 
+class MoEDecoderLayer(DecoderLayer):
+    """A decoder layer with a sparse block: at a few tokens (`SparseMoeBlock.takes_decode`) the post-attention
+    norm goes into the block's decode path."""
+
+    def _norm_feed_forward(self, hidden, residual, meta):
+        if self.mlp.takes_decode(hidden, meta):
+            return self.mlp.forward_decode(hidden, residual, self.post_attention_layernorm, meta)
+        return super()._norm_feed_forward(hidden, residual, meta)
+
+
 class MoEForCausalLM(DecoderForCausalLM):
     """The decoder with sparse blocks in `MoEConfig.sparse_layers`; `shared_expert` is the class's flavour."""
 
@@ -221,7 +271,7 @@ class MoEForCausalLM(DecoderForCausalLM):
                    index: int) -> DecoderLayer:
         if index not in self.moe.sparse_layers:
             return DecoderLayer(cfg, backend, tp)
-        return DecoderLayer(cfg, backend, tp, SparseMoeBlock(cfg, self.moe, self.moe.sparse_layers.index(index), tp))
+        return MoEDecoderLayer(cfg, backend, tp, SparseMoeBlock(cfg, self.moe, self.moe.sparse_layers.index(index), tp))
 
     @property
     def sparse_blocks(self) -> list[SparseMoeBlock]:
