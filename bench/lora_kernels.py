@@ -5,7 +5,8 @@ split-K chunk) and, with `--baseline FILE`, another version of kernels/lora.py (
 Prints one JSON line per measurement (CUDA only; about 40 s on an H200).
 
     python bench/lora_kernels.py
-    git show main:kernels/lora.py > bench/lora_baseline.py && python bench/lora_kernels.py --baseline bench/lora_baseline.py
+    git show main:kernels/lora.py > bench/lora_baseline.py  # where git is; then, on the GPU:
+    python bench/lora_kernels.py --baseline bench/lora_baseline.py
 
 Each case is a CUDA graph of one step: the tile plan (`lora_batch`, once) and per layer the four base GEMMs
 (`torch.mm` against random weights, 8B's 14 GB, so the adapters' weights come from memory as in the model) each
@@ -42,7 +43,8 @@ def configs(sweep: bool) -> dict:
              "groups2": LoraKernelConfig(groups_per_tile_row=2), "bn256_w8": LoraKernelConfig(block_n=256, num_warps=8)}
     if sweep:
         named |= {"groups8": LoraKernelConfig(groups_per_tile_row=8), "bn64": LoraKernelConfig(block_n=64),
-                  "w8": LoraKernelConfig(num_warps=8), "two_groups2": LoraKernelConfig(fused=False, groups_per_tile_row=2),
+                  "w8": LoraKernelConfig(num_warps=8),
+                  "two_groups2": LoraKernelConfig(fused=False, groups_per_tile_row=2),
                   "split256": LoraKernelConfig(split_k_chunk=256, max_split_k=64)}
     return named
 
