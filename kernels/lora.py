@@ -4,30 +4,38 @@ contract: the slot stacks A [S, R, in] / B [S, N, r_max], the slices of a fused 
 Punica's segmented idea (SGMV): the tokens of a step are sorted by adapter slot once (`lora_batch`, one launch,
 shared by every layer of the step) and cut into tiles of `BLOCK_M` tokens of one slot; each tile is a small GEMM
 against its slot's weights, so tokens of one adapter read its weights once per tile and a batch of many adapters
-is one launch per matmul. Only tokens with an adapter get tiles: the number of tiles (`LoraBatch.num_tiles`, on
-the device) is what the kernels loop over, so their grids depend on T and the layer's shape, not on the number
-of slots, and a step whose tokens have few adapters launches few working programs. Two kernels per fused layer:
+is one launch per layer. Only tokens with an adapter get tiles, and the tiles in use come first (a tile in use
+has a slot; the first tile without one ends the list), so the grids depend on T and the layer's shape, not on
+how many slots the step uses, and programs past the tiles in use stop after one load. Two parts per layer:
 
-  - shrink: y = x @ A[slot]^T, float32 sums, the `in` axis cut into a fixed number of splits. One program per
-    (split, tile group); a group's programs take the tiles g, g + groups, ... below `num_tiles`. Each split
-    writes its partial sum; the last split of a tile to finish (a per-tile arrival counter, reset by that
-    program) sums the partials in split order into y once, so the expand reads one y row per token.
-  - expand: y rounded to the weights' dtype, times B[slot]^T (float32 sums), scaled, added to the base output
-    in float32 and rounded once. One program per (column block, slice, tile group), looping over its tiles;
-    the slices of a fused output (q|k|v, gate|up; at most three) each read their own rows of y and of B.
+  - shrink: partial sums x @ A[slot]^T in float32 over a fixed number of splits of the `in` axis; one program
+    per (split, tile group), a group taking the tiles g, g + groups, ... Each program stores its partial and
+    counts itself into the tile's arrival counter (a release atomic).
+  - expand: one program per (column block of one slice, tile group). Per tile it loads its B block and the
+    base output rows first, then waits until all the tile's splits have arrived (an acquire), sums the
+    partials in split order, rounds that y to the weights' dtype, multiplies by B[slot]^T (float32 sums),
+    scales, adds the base output in float32 and rounds once. The slices of a fused output (q|k|v, gate|up; at
+    most three) each read their own entries of y and rows of B.
+
+`add_lora` runs both parts in ONE launch by default (`LoraKernelConfig.fused`): the shrink programs take the
+lower program ids and the expand programs follow them, so every shrink program is dispatched before any expand
+program (the GPU hands out a 1-D grid's blocks in id order, the assumption CUB's single-pass scan makes too) and
+a shrink program never waits on anything: the waits always end. The expand's loads of B and of the base rows
+overlap the shrink. With `fused=False` the same two parts are two launches (the second finds every counter
+complete): the fallback, bitwise equal. Each tile's counter is taken back to zero by the last expand program to
+pass it (the counter also counts the expand programs), so every launch leaves the counters as it found them.
 
 Rows of tokens without an adapter (-1, or outside the stacks) are in no tile: nothing reads or writes them (the
 public `lora_shrink` returns zeros there, `lora_expand(accumulate=False)` zeroes them). Nothing is read back to
-the host: the grids are functions of T and the shapes, the counts live on the device, the arrival counters are
-left at zero by every launch, so all of it can be captured in a CUDA graph and replayed with new slot
-assignments.
+the host: the grids are functions of T, S and the shapes, the plan lives on the device and the counters are
+left at zero, so all of it can be captured in a CUDA graph and replayed with new slot assignments.
 
-Batch invariance: a token's arithmetic is fixed by the shapes alone. The tile height (BLOCK_M = 16, under the
-64 rows Hopper's wgmma needs, so the dot is the same mma.sync on sm_90 as on sm_80 at every batch size), the K
-chunks and the number of splits of the shrink, the order in which the partials are summed, the rank chunks and
-column blocks of the expand never depend on T; a row of a tile's GEMM depends on that row alone, and which
-program runs a tile (the tile groups) changes no arithmetic. So a token gets the same bits alone, in a decode
-batch of 256 or in a prefill chunk, whichever adapters share the batch.
+Batch invariance: a token's arithmetic is fixed by the shapes and `LoraKernelConfig.split_k_chunk` alone. The
+tile height (BLOCK_M = 16, under the 64 rows Hopper's wgmma needs, so the dot is the same mma.sync on sm_90 as on
+sm_80 at every batch size), the K chunks and the number of splits of the shrink, the order in which the partials
+are summed, the rank chunks of the expand never depend on T; a row of a tile's GEMM depends on that row alone,
+and which program runs a tile (the tile groups, the column blocks, one launch or two) changes no arithmetic. So a
+token gets the same bits alone, in a decode batch of 256 or in a prefill chunk, whichever adapters share it.
 
 Not here: the base GEMM, LoRA on embeddings or the LM head, DoRA and other variants, autograd, tensor
 parallelism (the caller passes its shard's stacks: B's rows of a column-parallel layer; A's columns of a
@@ -45,10 +53,37 @@ import triton.language as tl
 BLOCK_M = 16  # tokens per tile; part of the numerics contract (see the module docstring)
 _DTYPES = (torch.float16, torch.bfloat16, torch.float32)
 _MAX_SLICES = 3
-_SPLIT_K_CHUNK = 512  # in-features per shrink split (at most _MAX_SPLIT_K splits)
-_MAX_SPLIT_K = 16  # the down projection (in 14336) takes 16: shorter K loops for decode
-_BLOCK_N = 128  # output columns per expand program
-_GROUPS_PER_TILE_ROW = 2  # tile groups per BLOCK_M tokens of the step (see `_tile_groups`)
+_FLAG_STRIDE = 32  # int32s between two tiles' arrival counters: one 128-byte line each, apart from the others
+
+
+@dataclass(frozen=True, kw_only=True, slots=True)
+class LoraKernelConfig:
+    """How `add_lora` / `lora_shrink` / `lora_expand` launch. Only `split_k_chunk` and `max_split_k` change a
+    token's bits (they fix the shrink's sums); everything else only moves work between programs."""
+
+    fused: bool = True
+    """`add_lora` in one launch (expand programs wait on the shrink's per-tile counters); False: two launches."""
+    groups_per_tile_row: int = 4
+    """Tile groups (programs along the tile axis) per BLOCK_M tokens of the step, at most the tiles there can
+    be: 4 gives a decode batch of 64 sixteen groups, one tile each even when 16 adapters share it."""
+    block_n: int = 128
+    """Output columns per expand program."""
+    split_k_chunk: int = 512
+    """In-features per shrink split, rounded up to the K chunk; the splits are at most `max_split_k`."""
+    max_split_k: int = 16
+    """The most splits of the shrink (the down projection, in 14336, takes 16 at the defaults)."""
+    num_warps: int = 4
+    """Warps per program, shrink and expand."""
+
+    def __post_init__(self) -> None:
+        for name in ("groups_per_tile_row", "split_k_chunk", "max_split_k", "num_warps"):
+            if getattr(self, name) < 1:
+                raise ValueError(f"LoraKernelConfig.{name} must be >= 1, got {getattr(self, name)}")
+        if self.block_n < 16 or self.block_n & (self.block_n - 1):
+            raise ValueError(f"LoraKernelConfig.block_n must be a power of two >= 16, got {self.block_n}")
+
+
+DEFAULT_CONFIG = LoraKernelConfig()
 
 
 @dataclass(frozen=True, slots=True)
@@ -59,9 +94,10 @@ class LoraBatch:
     order: torch.Tensor  # [T] int32: token ids sorted by slot (stable); tokens without a slot last
     tile_start: torch.Tensor  # [max_tiles] int32: each tile's first position in `order`
     tile_len: torch.Tensor  # [max_tiles] int32: tokens in the tile, 0 for an unused tile
-    tile_slot: torch.Tensor  # [max_tiles] int32: the tile's slot, -1 for an unused tile
+    tile_slot: torch.Tensor  # [max_tiles] int32: the tile's slot, -1 for an unused tile (and every later one)
+    tile_tokens: torch.Tensor  # [max_tiles, BLOCK_M] int32: the tile's token ids, -1 past its length
     num_tiles: torch.Tensor  # [1] int32: the tiles in use
-    arrivals: torch.Tensor  # [max_tiles] int32: the shrink's per-tile split counters, zero between launches
+    arrivals: torch.Tensor  # [max_tiles] int32 (stride _FLAG_STRIDE): per-tile launch counters, zero between launches
     num_slots: int  # S, the number of slots of the stacks it is used with
 
     @property
@@ -75,16 +111,17 @@ def max_tiles(num_tokens: int, num_slots: int) -> int:
     return min(num_tokens, triton.cdiv(num_tokens, BLOCK_M) + num_slots)
 
 
-def _tile_groups(num_tokens: int, num_slots: int) -> int:
-    """Programs along the tile axis of a launch: a few per BLOCK_M tokens (so one or two tiles each in a decode
-    step), never more than the tiles there can be. Only spreads tiles over programs (see the module docstring)."""
-    return max(1, min(max_tiles(num_tokens, num_slots), _GROUPS_PER_TILE_ROW * triton.cdiv(num_tokens, BLOCK_M)))
+def _tile_groups(num_tokens: int, num_slots: int, per_tile_row: int) -> int:
+    """Programs along the tile axis of a launch: `per_tile_row` per BLOCK_M tokens of the step, never more than
+    the tiles there can be. Only spreads tiles over programs (see the module docstring)."""
+    return max(1, min(max_tiles(num_tokens, num_slots), per_tile_row * triton.cdiv(num_tokens, BLOCK_M)))
 
 
 @triton.jit
-def _lora_batch_kernel(idx_ptr, order_ptr, tile_start_ptr, tile_len_ptr, tile_slot_ptr, num_tiles_ptr, arrivals_ptr,
-                       num_tokens, num_slots, num_tile_rows,
-                       BLOCK_M: tl.constexpr, BLOCK_T: tl.constexpr, BLOCK_S: tl.constexpr):
+def _lora_batch_kernel(idx_ptr, order_ptr, tile_start_ptr, tile_len_ptr, tile_slot_ptr, tile_tokens_ptr,
+                       num_tiles_ptr, arrivals_ptr, num_tokens, num_slots, num_tile_rows,
+                       BLOCK_M: tl.constexpr, BLOCK_T: tl.constexpr, BLOCK_S: tl.constexpr,
+                       FLAG_STRIDE: tl.constexpr):
     """One program: a counting sort of the tokens by slot (bucket S: no adapter), then the tiles of each slot."""
     s = tl.arange(0, BLOCK_S)  # [BLOCK_S] buckets: the slots, then S for tokens without one
     counts = tl.zeros([BLOCK_S], dtype=tl.int32)
@@ -105,10 +142,12 @@ def _lora_batch_kernel(idx_ptr, order_ptr, tile_start_ptr, tile_len_ptr, tile_sl
         pos = tl.sum(hit * (seg_start + seen)[None, :] + hit * before, axis=1)  # [BLOCK_T]
         tl.store(order_ptr + pos, t, mask=t < num_tokens)
         seen += tl.sum(hit, axis=0)
+    tl.debug_barrier()  # `order` complete before the tiles read their tokens from it
     tiles = tl.where(s < num_slots, (counts + BLOCK_M - 1) // BLOCK_M, 0)  # [BLOCK_S]
     tiles_end = tl.cumsum(tiles, axis=0)
     tiles_begin = tiles_end - tiles
     tl.store(num_tiles_ptr, tl.sum(tiles, axis=0))
+    m = tl.arange(0, BLOCK_M)
     for j0 in range(0, num_tile_rows, BLOCK_T):
         j = j0 + tl.arange(0, BLOCK_T)  # [BLOCK_T] tiles
         inside = ((j[:, None] >= tiles_begin[None, :]) & (j[:, None] < tiles_end[None, :])).to(tl.int32)
@@ -120,7 +159,10 @@ def _lora_batch_kernel(idx_ptr, order_ptr, tile_start_ptr, tile_len_ptr, tile_sl
         tl.store(tile_start_ptr + j, start, mask=jmask)
         tl.store(tile_len_ptr + j, length, mask=jmask)
         tl.store(tile_slot_ptr + j, slot, mask=jmask)
-        tl.store(arrivals_ptr + j, tl.zeros([BLOCK_T], dtype=tl.int32), mask=jmask)
+        tl.store(arrivals_ptr + j * FLAG_STRIDE, tl.zeros([BLOCK_T], dtype=tl.int32), mask=jmask)
+        held = m[None, :] < length[:, None]  # [BLOCK_T, BLOCK_M]
+        tokens = tl.load(order_ptr + start[:, None] + m[None, :], mask=held & jmask[:, None], other=-1)
+        tl.store(tile_tokens_ptr + j[:, None] * BLOCK_M + m[None, :], tokens, mask=jmask[:, None])
 
 
 def lora_batch(idx: torch.Tensor, num_slots: int) -> LoraBatch:
@@ -134,107 +176,166 @@ def lora_batch(idx: torch.Tensor, num_slots: int) -> LoraBatch:
         raise ValueError(f"num_slots must be >= 1, got {num_slots}")
     n, dev = idx.shape[0], idx.device
     rows = max_tiles(n, num_slots)
-    ints = torch.empty(n + 4 * rows + 1, dtype=torch.int32, device=dev)  # one allocation for every field
-    order, tile_start, tile_len, tile_slot, arrivals, num_tiles = ints.split([n, rows, rows, rows, rows, 1])
+    ints = torch.empty(n + (3 + BLOCK_M + _FLAG_STRIDE) * rows + 1, dtype=torch.int32, device=dev)  # every field
+    order, tile_start, tile_len, tile_slot, tile_tokens, flags, num_tiles = ints.split(
+        [n, rows, rows, rows, BLOCK_M * rows, _FLAG_STRIDE * rows, 1])
     block_s = triton.next_power_of_2(num_slots + 1)
     block_t = max(16, min(128, 8192 // block_s))
-    _lora_batch_kernel[(1,)](idx, order, tile_start, tile_len, tile_slot, num_tiles, arrivals, n, num_slots, rows,
-                             BLOCK_M=BLOCK_M, BLOCK_T=block_t, BLOCK_S=block_s, num_warps=8)
-    return LoraBatch(order=order, tile_start=tile_start, tile_len=tile_len, tile_slot=tile_slot, num_tiles=num_tiles,
-                     arrivals=arrivals, num_slots=num_slots)
+    _lora_batch_kernel[(1,)](idx, order, tile_start, tile_len, tile_slot, tile_tokens, num_tiles, flags, n,
+                             num_slots, rows, BLOCK_M=BLOCK_M, BLOCK_T=block_t, BLOCK_S=block_s,
+                             FLAG_STRIDE=_FLAG_STRIDE, num_warps=8)
+    return LoraBatch(order=order, tile_start=tile_start, tile_len=tile_len, tile_slot=tile_slot,
+                     tile_tokens=tile_tokens.view(rows, BLOCK_M), num_tiles=num_tiles,
+                     arrivals=flags.view(rows, _FLAG_STRIDE)[:, 0], num_slots=num_slots)
 
 
 @triton.jit
-def _lora_shrink_kernel(x_ptr, a_ptr, part_ptr, y_ptr, order_ptr, tile_start_ptr, tile_len_ptr, tile_slot_ptr,
-                        num_tiles_ptr, arrivals_ptr, rows, in_features, k_per_split, stride_xt, stride_as, stride_ar,
-                        stride_pp, stride_pt, stride_yt, SPLITS: tl.constexpr, BLOCK_M: tl.constexpr,
-                        BLOCK_R: tl.constexpr, BLOCK_K: tl.constexpr):
-    split = tl.program_id(0)
-    num_tiles = tl.load(num_tiles_ptr)
+def _shrink_tiles(pid, x_ptr, a_ptr, part_ptr, tile_tokens_ptr, tile_slot_ptr, arrivals_ptr, num_tile_rows, groups,
+                  rows, in_features, k_per_split, stride_xt, stride_as, stride_ar, stride_pp, stride_pt,
+                  SPLITS: tl.constexpr, SYNC: tl.constexpr, FLAG_STRIDE: tl.constexpr, BLOCK_M: tl.constexpr,
+                  BLOCK_R: tl.constexpr, BLOCK_K: tl.constexpr):
+    """Shrink program `pid` = (split, group): partial[split, token] = x[token, split's K] @ A[slot, :, same]^T
+    for the tokens of the group's tiles; with SYNC, counts itself into each tile's arrival counter."""
+    split = pid % SPLITS
+    tile = pid // SPLITS
     k_lo = split * k_per_split
     k_hi = tl.minimum(k_lo + k_per_split, in_features)
     m = tl.arange(0, BLOCK_M)
     kk0 = tl.arange(0, BLOCK_K)
-    for tile in range(tl.program_id(1), num_tiles, tl.num_programs(1)):
-        length = tl.load(tile_len_ptr + tile)
-        slot = tl.load(tile_slot_ptr + tile).to(tl.int64)
-        mmask = m < length
-        tok = tl.load(order_ptr + tl.load(tile_start_ptr + tile) + m, mask=mmask, other=0).to(tl.int64)
+    part_split = part_ptr + split.to(tl.int64) * stride_pp
+    slot = tl.load(tile_slot_ptr + tile)  # tile < num_tile_rows: the groups are at most the tile rows
+    while slot >= 0:
+        tok = tl.load(tile_tokens_ptr + tile * BLOCK_M + m)  # [BLOCK_M], -1 past the tile's length
+        mmask = tok >= 0
+        tok = tl.where(mmask, tok, 0).to(tl.int64)
+        a_slot = a_ptr + slot.to(tl.int64) * stride_as
         for r0 in range(0, rows, BLOCK_R):
             r = r0 + tl.arange(0, BLOCK_R)
             rmask = r < rows
-            a_base = a_ptr + slot * stride_as + r[None, :] * stride_ar
             acc = tl.zeros((BLOCK_M, BLOCK_R), dtype=tl.float32)
             for k in range(k_lo, k_hi, BLOCK_K):
                 kk = k + kk0
                 kmask = kk < k_hi
                 xt = tl.load(x_ptr + tok[:, None] * stride_xt + kk[None, :], mask=mmask[:, None] & kmask[None, :],
-                             other=0.0)
-                at = tl.load(a_base + kk[:, None], mask=rmask[None, :] & kmask[:, None],
+                             other=0.0)  # [BLOCK_M, BLOCK_K]
+                at = tl.load(a_slot + r[None, :] * stride_ar + kk[:, None], mask=rmask[None, :] & kmask[:, None],
                              other=0.0)  # [BLOCK_K, BLOCK_R]
                 acc = tl.dot(xt, at, acc, input_precision="ieee")
-            if SPLITS == 1:
-                tl.store(y_ptr + tok[:, None] * stride_yt + r[None, :], acc, mask=mmask[:, None] & rmask[None, :])
-            else:
-                tl.store(part_ptr + split * stride_pp + tok[:, None] * stride_pt + r[None, :], acc,
-                         mask=mmask[:, None] & rmask[None, :])
-        if SPLITS > 1:
+            tl.store(part_split + tok[:, None] * stride_pt + r[None, :], acc, mask=mmask[:, None] & rmask[None, :])
+        if SYNC:
             tl.debug_barrier()  # every thread's partial stored before the arrival is published
-            arrived = tl.atomic_add(arrivals_ptr + tile, 1, sem="acq_rel")
-            if arrived == SPLITS - 1:  # the tile's last split: sum the partials in split order into y
-                tl.debug_barrier()
-                for r0 in range(0, rows, BLOCK_R):
-                    r = r0 + tl.arange(0, BLOCK_R)
-                    ymask = mmask[:, None] & (r < rows)[None, :]
-                    p_ptrs = part_ptr + tok[:, None] * stride_pt + r[None, :]
-                    y = tl.load(p_ptrs, mask=ymask, other=0.0, cache_modifier=".cg")
-                    for p in tl.static_range(1, SPLITS):
-                        y += tl.load(p_ptrs + p * stride_pp, mask=ymask, other=0.0, cache_modifier=".cg")
-                    tl.store(y_ptr + tok[:, None] * stride_yt + r[None, :], y, mask=ymask)
-                tl.atomic_xchg(arrivals_ptr + tile, 0)  # ready for the next launch over these tiles
+            tl.atomic_add(arrivals_ptr + tile * FLAG_STRIDE, 1, sem="release")
+        tile += groups
+        slot = tl.load(tile_slot_ptr + tile, mask=tile < num_tile_rows, other=-1)
 
 
 @triton.jit
-def _lora_expand_kernel(y_ptr, b_ptr, out_ptr, scaling_ptr, order_ptr, tile_start_ptr, tile_len_ptr, tile_slot_ptr,
-                        num_tiles_ptr, rank, width0, width1, width2, stride_yt, stride_bs, stride_bn, stride_ot,
-                        BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_R: tl.constexpr):
-    sl = tl.program_id(1)
-    width = tl.where(sl == 0, width0, tl.where(sl == 1, width1, width2))
-    if tl.program_id(0) * BLOCK_N >= width:  # a column block past a narrower slice's end
-        return
-    n = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
-    nmask = n < width
+def _expand_tiles(pid, part_ptr, b_ptr, out_ptr, scaling_ptr, tile_tokens_ptr, tile_slot_ptr, arrivals_ptr,
+                  num_tile_rows, groups, col_blocks, blocks0, blocks1, rank, width0, width1, width2, stride_pp,
+                  stride_pt, stride_bs, stride_bn, stride_ot, SPLITS: tl.constexpr, SYNC: tl.constexpr,
+                  FLAG_STRIDE: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_R: tl.constexpr,
+                  RANK_CHUNKS: tl.constexpr):
+    """Expand program `pid` = (group, column block of one slice): for the group's tiles, out[token, block] +=
+    scaling * round(sum of the partials in split order) @ B[slot, block]^T; with SYNC, first waits until every
+    split of the tile arrived, and counts itself in (the last of the `col_blocks` resets the counter)."""
+    f = pid % col_blocks  # column blocks of all slices, slice by slice
+    tile = pid // col_blocks
+    sl = (f >= blocks0).to(tl.int32) + (f >= blocks0 + blocks1).to(tl.int32)
+    n = (f - tl.where(sl >= 1, blocks0, 0) - tl.where(sl >= 2, blocks1, 0)) * BLOCK_N + tl.arange(0, BLOCK_N)
+    nmask = n < tl.where(sl == 0, width0, tl.where(sl == 1, width1, width2))
     cols = tl.where(sl >= 1, width0, 0) + tl.where(sl >= 2, width1, 0) + n  # columns of the fused output
     m = tl.arange(0, BLOCK_M)
-    num_tiles = tl.load(num_tiles_ptr)
-    for tile in range(tl.program_id(2), num_tiles, tl.num_programs(2)):
-        length = tl.load(tile_len_ptr + tile)
-        slot = tl.load(tile_slot_ptr + tile).to(tl.int64)
-        mmask = m < length
-        tok = tl.load(order_ptr + tl.load(tile_start_ptr + tile) + m, mask=mmask, other=0).to(tl.int64)
-        y_base = y_ptr + tok[:, None] * stride_yt + sl * rank
-        b_base = b_ptr + slot * stride_bs + cols[None, :] * stride_bn
-        acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
-        for r0 in range(0, rank, BLOCK_R):
-            rr = r0 + tl.arange(0, BLOCK_R)
-            rmask = rr < rank
-            yt = tl.load(y_base + rr[None, :], mask=mmask[:, None] & rmask[None, :], other=0.0)  # [BLOCK_M, BLOCK_R]
-            bt = tl.load(b_base + rr[:, None], mask=rmask[:, None] & nmask[None, :], other=0.0)  # [BLOCK_R, BLOCK_N]
-            acc = tl.dot(yt.to(bt.dtype), bt, acc, input_precision="ieee")
+    r = tl.arange(0, BLOCK_R)
+    slot = tl.load(tile_slot_ptr + tile)
+    while slot >= 0:
+        tok = tl.load(tile_tokens_ptr + tile * BLOCK_M + m)
+        mmask = tok >= 0
+        tok = tl.where(mmask, tok, 0).to(tl.int64)
+        slot64 = slot.to(tl.int64)
+        b_base = b_ptr + slot64 * stride_bs + cols[None, :] * stride_bn
         out_ptrs = out_ptr + tok[:, None] * stride_ot + cols[None, :]
         omask = mmask[:, None] & nmask[None, :]
-        acc = acc * tl.load(scaling_ptr + slot) + tl.load(out_ptrs, mask=omask, other=0.0).to(tl.float32)
+        # what does not depend on the shrink first: B's first rank chunk, the base rows, the scale
+        bt = tl.load(b_base + r[:, None], mask=(r < rank)[:, None] & nmask[None, :], other=0.0)  # [BLOCK_R, BLOCK_N]
+        base = tl.load(out_ptrs, mask=omask, other=0.0)
+        scale = tl.load(scaling_ptr + slot64)
+        if SYNC:
+            flag = arrivals_ptr + tile * FLAG_STRIDE
+            arrived = tl.load(flag, volatile=True)
+            while arrived < SPLITS:
+                arrived = tl.load(flag, volatile=True)
+            seen = tl.atomic_add(flag, 1, sem="acquire")  # the partials visible from here on; counted in
+            if seen == SPLITS + col_blocks - 1:  # the tile's last expand program: ready for the next launch
+                tl.atomic_xchg(flag, 0, sem="relaxed")
+        y_rows = part_ptr + tok[:, None] * stride_pt + sl * rank
+        acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+        for c in tl.static_range(RANK_CHUNKS):  # mostly one: the loop unrolled, nothing kept for a next chunk
+            rr = c * BLOCK_R + r
+            rmask = rr < rank
+            if c > 0:
+                bt = tl.load(b_base + rr[:, None], mask=rmask[:, None] & nmask[None, :], other=0.0)
+            ymask = mmask[:, None] & rmask[None, :]
+            yt = tl.load(y_rows + rr[None, :], mask=ymask, other=0.0, cache_modifier=".cg")  # [BLOCK_M, BLOCK_R]
+            for p in tl.static_range(1, SPLITS):
+                yt += tl.load(y_rows + p * stride_pp + rr[None, :], mask=ymask, other=0.0, cache_modifier=".cg")
+            acc = tl.dot(yt.to(bt.dtype), bt, acc, input_precision="ieee")
+        acc = acc * scale + base.to(tl.float32)
         tl.store(out_ptrs, acc.to(out_ptr.dtype.element_ty), mask=omask)
+        tile += groups
+        slot = tl.load(tile_slot_ptr + tile, mask=tile < num_tile_rows, other=-1)
+
+
+@triton.jit
+def _lora_shrink_kernel(x_ptr, a_ptr, part_ptr, tile_tokens_ptr, tile_slot_ptr, arrivals_ptr, num_tile_rows, groups,
+                        rows, in_features, k_per_split, stride_xt, stride_as, stride_ar, stride_pp, stride_pt,
+                        SPLITS: tl.constexpr, SYNC: tl.constexpr, FLAG_STRIDE: tl.constexpr, BLOCK_M: tl.constexpr,
+                        BLOCK_R: tl.constexpr, BLOCK_K: tl.constexpr):
+    _shrink_tiles(tl.program_id(0), x_ptr, a_ptr, part_ptr, tile_tokens_ptr, tile_slot_ptr, arrivals_ptr,
+                  num_tile_rows, groups, rows, in_features, k_per_split, stride_xt, stride_as, stride_ar, stride_pp,
+                  stride_pt, SPLITS, SYNC, FLAG_STRIDE, BLOCK_M, BLOCK_R, BLOCK_K)
+
+
+@triton.jit
+def _lora_expand_kernel(part_ptr, b_ptr, out_ptr, scaling_ptr, tile_tokens_ptr, tile_slot_ptr, arrivals_ptr,
+                        num_tile_rows, groups, col_blocks, blocks0, blocks1, rank, width0, width1, width2,
+                        stride_pp, stride_pt, stride_bs, stride_bn, stride_ot, SPLITS: tl.constexpr, SYNC: tl.constexpr,
+                        FLAG_STRIDE: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+                        BLOCK_R: tl.constexpr, RANK_CHUNKS: tl.constexpr):
+    _expand_tiles(tl.program_id(0), part_ptr, b_ptr, out_ptr, scaling_ptr, tile_tokens_ptr, tile_slot_ptr,
+                  arrivals_ptr, num_tile_rows, groups, col_blocks, blocks0, blocks1, rank, width0, width1, width2,
+                  stride_pp, stride_pt, stride_bs, stride_bn, stride_ot, SPLITS, SYNC, FLAG_STRIDE, BLOCK_M, BLOCK_N,
+                  BLOCK_R, RANK_CHUNKS)
+
+
+@triton.jit
+def _lora_fused_kernel(x_ptr, a_ptr, part_ptr, b_ptr, out_ptr, scaling_ptr, tile_tokens_ptr, tile_slot_ptr,
+                       arrivals_ptr, num_tile_rows, groups, shrink_programs, rows, in_features, k_per_split,
+                       col_blocks, blocks0, blocks1, rank, width0, width1, width2, stride_xt, stride_as, stride_ar,
+                       stride_pp, stride_pt, stride_bs, stride_bn, stride_ot, SPLITS: tl.constexpr,
+                       FLAG_STRIDE: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_RA: tl.constexpr,
+                       BLOCK_K: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_RB: tl.constexpr,
+                       RANK_CHUNKS: tl.constexpr):
+    """The shrink programs (ids below `shrink_programs`), then the expand programs, which wait on them."""
+    pid = tl.program_id(0)
+    if pid < shrink_programs:
+        _shrink_tiles(pid, x_ptr, a_ptr, part_ptr, tile_tokens_ptr, tile_slot_ptr, arrivals_ptr, num_tile_rows,
+                      groups, rows, in_features, k_per_split, stride_xt, stride_as, stride_ar, stride_pp, stride_pt,
+                      SPLITS, True, FLAG_STRIDE, BLOCK_M, BLOCK_RA, BLOCK_K)
+    else:
+        _expand_tiles(pid - shrink_programs, part_ptr, b_ptr, out_ptr, scaling_ptr, tile_tokens_ptr, tile_slot_ptr,
+                      arrivals_ptr, num_tile_rows, groups, col_blocks, blocks0, blocks1, rank, width0, width1, width2,
+                      stride_pp, stride_pt, stride_bs, stride_bn, stride_ot, SPLITS, True, FLAG_STRIDE, BLOCK_M,
+                      BLOCK_N, BLOCK_RB, RANK_CHUNKS)
 
 
 def _block_r(n: int) -> int:
     return min(64, max(16, triton.next_power_of_2(n)))
 
 
-def _shrink_split(in_features: int, block_k: int) -> tuple[int, int]:
-    """(splits, in-features per split) of the shrink: a function of the layer's width only."""
-    per = triton.cdiv(triton.cdiv(in_features, min(_MAX_SPLIT_K, triton.cdiv(in_features, _SPLIT_K_CHUNK))),
-                      block_k) * block_k
+def _shrink_split(in_features: int, block_k: int, config: LoraKernelConfig) -> tuple[int, int]:
+    """(splits, in-features per split) of the shrink: a function of the layer's width and the config only."""
+    wanted = min(config.max_split_k, triton.cdiv(in_features, config.split_k_chunk))
+    per = triton.cdiv(triton.cdiv(in_features, wanted), block_k) * block_k
     return triton.cdiv(in_features, per), per
 
 
@@ -275,43 +376,90 @@ def _check_expand(B: torch.Tensor, scaling: torch.Tensor, out: torch.Tensor,
     return slices
 
 
-def _shrink(x: torch.Tensor, A: torch.Tensor, batch: LoraBatch, y: torch.Tensor) -> torch.Tensor:
-    """y [T, R] float32 (the adapter tokens' rows written; the others left as they were) = x @ A[slot]^T."""
-    num_tokens, in_features = x.shape
-    rows = A.shape[1]
-    block_k = 32 if x.dtype == torch.float32 else 64
-    splits, per_split = _shrink_split(in_features, block_k)
-    partials = y.new_empty(splits, num_tokens, rows) if splits > 1 else y.unsqueeze(0)  # [splits, T, R]
-    grid = (splits, _tile_groups(num_tokens, batch.num_slots))
-    _lora_shrink_kernel[grid](x, A, partials, y, batch.order, batch.tile_start, batch.tile_len, batch.tile_slot,
-                              batch.num_tiles, batch.arrivals, rows, in_features, per_split, x.stride(0), A.stride(0),
-                              A.stride(1), partials.stride(0), partials.stride(1), y.stride(0), SPLITS=splits,
-                              BLOCK_M=BLOCK_M, BLOCK_R=_block_r(rows), BLOCK_K=block_k, num_warps=4)
+def _block_k(dtype: torch.dtype) -> int:
+    return 32 if dtype == torch.float32 else 64
+
+
+def _shrink_args(x: torch.Tensor, A: torch.Tensor, part: torch.Tensor, batch: LoraBatch, groups: int,
+                 per_split: int) -> tuple:
+    """The shrink's arguments after its pointers, in `_shrink_tiles`' order (up to its constexprs)."""
+    return (batch.tile_tokens, batch.tile_slot, batch.arrivals, batch.tile_slot.shape[0], groups, A.shape[1],
+            x.shape[1], per_split, x.stride(0), A.stride(0), A.stride(1), part.stride(0), part.stride(1))
+
+
+def _expand_args(part: torch.Tensor, B: torch.Tensor, out: torch.Tensor, batch: LoraBatch, groups: int,
+                 slices: tuple[int, ...], block_n: int) -> tuple[tuple, int]:
+    """(the expand's arguments after its pointers, in `_expand_tiles`' order; its programs per tile group)."""
+    blocks = [triton.cdiv(w, block_n) for w in slices]
+    widths = slices + (0,) * (_MAX_SLICES - len(slices))
+    blocks += [0] * (_MAX_SLICES - len(blocks))
+    args = (batch.tile_tokens, batch.tile_slot, batch.arrivals, batch.tile_slot.shape[0], groups, sum(blocks),
+            blocks[0], blocks[1], B.shape[2], *widths, part.stride(0), part.stride(1), B.stride(0), B.stride(1),
+            out.stride(0))
+    return args, sum(blocks)
+
+
+def _shrink(x: torch.Tensor, A: torch.Tensor, batch: LoraBatch, part: torch.Tensor, config: LoraKernelConfig,
+            sync: bool) -> None:
+    """part[split] [T, R] float32 (the adapter tokens' rows written; the others left as they were): the shrink's
+    partial sums, one launch. `sync`: count into the arrival counters (an expand with sync must follow)."""
+    block_k = _block_k(x.dtype)
+    splits, per_split = _shrink_split(x.shape[1], block_k, config)
+    assert part.shape == (splits, x.shape[0], A.shape[1]) and part.stride(2) == 1, (tuple(part.shape), splits)
+    groups = _tile_groups(x.shape[0], batch.num_slots, config.groups_per_tile_row)
+    _lora_shrink_kernel[(splits * groups,)](
+        x, A, part, *_shrink_args(x, A, part, batch, groups, per_split), SPLITS=splits, SYNC=sync,
+        FLAG_STRIDE=_FLAG_STRIDE, BLOCK_M=BLOCK_M, BLOCK_R=_block_r(A.shape[1]), BLOCK_K=block_k,
+        num_warps=config.num_warps)
+
+
+def _expand(part: torch.Tensor, B: torch.Tensor, batch: LoraBatch, scaling: torch.Tensor, out: torch.Tensor,
+            slices: tuple[int, ...], config: LoraKernelConfig, sync: bool) -> None:
+    """out[adapter tokens] += scaling * (the sum of part's splits) @ B[slot]^T per slice, one launch. `sync`:
+    after a `_shrink` with sync over the same batch (waits for it, and takes the counters back to zero)."""
+    groups = _tile_groups(out.shape[0], batch.num_slots, config.groups_per_tile_row)
+    args, col_blocks = _expand_args(part, B, out, batch, groups, slices, config.block_n)
+    _lora_expand_kernel[(col_blocks * groups,)](
+        part, B, out, scaling, *args, SPLITS=part.shape[0], SYNC=sync, FLAG_STRIDE=_FLAG_STRIDE, BLOCK_M=BLOCK_M,
+        BLOCK_N=config.block_n, BLOCK_R=_block_r(B.shape[2]), RANK_CHUNKS=triton.cdiv(B.shape[2], _block_r(B.shape[2])),
+        num_warps=config.num_warps)
+
+
+def _fused(x: torch.Tensor, A: torch.Tensor, part: torch.Tensor, B: torch.Tensor, batch: LoraBatch,
+           scaling: torch.Tensor, out: torch.Tensor, slices: tuple[int, ...], config: LoraKernelConfig) -> None:
+    """`_shrink` then `_expand` with sync, in one launch."""
+    block_k = _block_k(x.dtype)
+    splits, per_split = _shrink_split(x.shape[1], block_k, config)
+    groups = _tile_groups(x.shape[0], batch.num_slots, config.groups_per_tile_row)
+    expand, col_blocks = _expand_args(part, B, out, batch, groups, slices, config.block_n)
+    _lora_fused_kernel[((splits + col_blocks) * groups,)](
+        x, A, part, B, out, scaling, batch.tile_tokens, batch.tile_slot, batch.arrivals, batch.tile_slot.shape[0],
+        groups, splits * groups, A.shape[1], x.shape[1], per_split, *expand[5:12], x.stride(0), A.stride(0),
+        A.stride(1), *expand[12:], SPLITS=splits, FLAG_STRIDE=_FLAG_STRIDE, BLOCK_M=BLOCK_M,
+        BLOCK_RA=_block_r(A.shape[1]), BLOCK_K=block_k, BLOCK_N=config.block_n, BLOCK_RB=_block_r(B.shape[2]),
+        RANK_CHUNKS=triton.cdiv(B.shape[2], _block_r(B.shape[2])), num_warps=config.num_warps)
+
+
+def lora_shrink(x: torch.Tensor, A: torch.Tensor, lora: torch.Tensor | LoraBatch, *,
+                config: LoraKernelConfig = DEFAULT_CONFIG) -> torch.Tensor:
+    """x [T, in], A [S, R, in] (x's dtype), lora: idx [T] or its `lora_batch` -> y [T, R] float32:
+    y[t] = A[idx[t]] @ x[t], zeros for tokens without a slot (the splits' partials summed in split order, the
+    bits `add_lora` rounds)."""
+    _check_x_a(x, A)
+    batch = _as_batch(lora, x.shape[0], A.shape[0])
+    splits, _ = _shrink_split(x.shape[1], _block_k(x.dtype), config)
+    part = torch.zeros(splits, x.shape[0], A.shape[1], dtype=torch.float32, device=x.device)  # [splits, T, R]
+    if x.shape[0]:
+        _shrink(x, A, batch, part, config, sync=False)
+    y = part[0]
+    for p in range(1, splits):
+        y += part[p]
     return y
 
 
-def _expand(y: torch.Tensor, B: torch.Tensor, batch: LoraBatch, scaling: torch.Tensor, out: torch.Tensor,
-            slices: tuple[int, ...]) -> None:
-    """out[adapter tokens] += scaling * y @ B[slot]^T per slice, as `lora_expand` with accumulate."""
-    rank = B.shape[2]
-    widths = slices + (0,) * (_MAX_SLICES - len(slices))
-    grid = (triton.cdiv(max(slices), _BLOCK_N), len(slices), _tile_groups(out.shape[0], batch.num_slots))
-    _lora_expand_kernel[grid](y, B, out, scaling, batch.order, batch.tile_start, batch.tile_len, batch.tile_slot,
-                              batch.num_tiles, rank, *widths, y.stride(0), B.stride(0), B.stride(1), out.stride(0),
-                              BLOCK_M=BLOCK_M, BLOCK_N=_BLOCK_N, BLOCK_R=_block_r(rank), num_warps=4)
-
-
-def lora_shrink(x: torch.Tensor, A: torch.Tensor, lora: torch.Tensor | LoraBatch) -> torch.Tensor:
-    """x [T, in], A [S, R, in] (x's dtype), lora: idx [T] or its `lora_batch` -> y [T, R] float32:
-    y[t] = A[idx[t]] @ x[t], zeros for tokens without a slot."""
-    _check_x_a(x, A)
-    batch = _as_batch(lora, x.shape[0], A.shape[0])
-    y = torch.zeros(x.shape[0], A.shape[1], dtype=torch.float32, device=x.device)
-    return _shrink(x, A, batch, y) if x.shape[0] else y
-
-
 def lora_expand(y: torch.Tensor, B: torch.Tensor, lora: torch.Tensor | LoraBatch, scaling: torch.Tensor,
-                out: torch.Tensor, accumulate: bool = True, *, slices: tuple[int, ...] | None = None) -> torch.Tensor:
+                out: torch.Tensor, accumulate: bool = True, *, slices: tuple[int, ...] | None = None,
+                config: LoraKernelConfig = DEFAULT_CONFIG) -> torch.Tensor:
     """y [T, R] float32 (R = num_slices * r_max), B [S, N, r_max], lora: idx [T] or its `lora_batch`,
     scaling [S] float32, out [T, N] (B's dtype): each token's slice j of `out` gets
     scaling[slot] * y[t, j * r_max:(j + 1) * r_max] @ B[slot, slice j]^T, added in place (`accumulate`) or
@@ -326,14 +474,15 @@ def lora_expand(y: torch.Tensor, B: torch.Tensor, lora: torch.Tensor | LoraBatch
     if not accumulate:
         out.zero_()
     if out.shape[0]:
-        _expand(y, B, batch, scaling, out, slices)
+        _expand(y.unsqueeze(0), B, batch, scaling, out, slices, config, sync=False)
     return out
 
 
 def add_lora(out: torch.Tensor, x: torch.Tensor, A: torch.Tensor, B: torch.Tensor, lora: torch.Tensor | LoraBatch,
-             scaling: torch.Tensor, *, slices: tuple[int, ...] | None = None) -> torch.Tensor:
-    """out [T, N] (the base layer's output) += each token's scaled LoRA delta: the shrink then the expand, two
-    launches, y only in the adapter tokens' rows (bitwise the same as `lora_shrink` then `lora_expand`).
+             scaling: torch.Tensor, *, slices: tuple[int, ...] | None = None,
+             config: LoraKernelConfig = DEFAULT_CONFIG) -> torch.Tensor:
+    """out [T, N] (the base layer's output) += each token's scaled LoRA delta: the shrink then the expand, in
+    one launch (`config.fused`) or two, bitwise the same as each other and as `lora_shrink` then `lora_expand`.
     x [T, in], A [S, R, in], B [S, N, r_max], scaling [S] float32, all but scaling in one dtype. Returns out."""
     _check_x_a(x, A)
     slices = _check_expand(B, scaling, out, slices)
@@ -344,6 +493,11 @@ def add_lora(out: torch.Tensor, x: torch.Tensor, A: torch.Tensor, B: torch.Tenso
         raise ValueError(f"out must have x's {x.shape[0]} rows on x's device; got {tuple(out.shape)} on {out.device}")
     batch = _as_batch(lora, x.shape[0], A.shape[0])
     if x.shape[0]:
-        y = torch.empty(x.shape[0], A.shape[1], dtype=torch.float32, device=x.device)  # [T, R]
-        _expand(_shrink(x, A, batch, y), B, batch, scaling, out, slices)
+        splits, _ = _shrink_split(x.shape[1], _block_k(x.dtype), config)
+        part = torch.empty(splits, x.shape[0], A.shape[1], dtype=torch.float32, device=x.device)  # [splits, T, R]
+        if config.fused:
+            _fused(x, A, part, B, batch, scaling, out, slices, config)
+        else:
+            _shrink(x, A, batch, part, config, sync=True)
+            _expand(part, B, batch, scaling, out, slices, config, sync=True)
     return out

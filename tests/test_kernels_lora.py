@@ -1,9 +1,12 @@
 """The Triton LoRA kernels (kernels/lora.py) against the torch reference (kernels/lora_ref.py) and a naive
 per-token loop in float64, under the interpreter on the CPU (float32, tiny shapes): many slots in one batch with
 tokens without an adapter, ranks below the slots' r_max, one token, the slices of a fused output, a shrink
-with several splits; the fused entry equals the two launches bitwise, zero padding changes no bit, and a
-token's result does not depend on the batch around it. Real shapes in bfloat16, and CUDA graphs:
-tests/test_gpu_lora_kernels.py."""
+with several splits; `add_lora` equals `lora_shrink` then `lora_expand` bitwise, its one launch equals its two,
+every launch shape (`LoraKernelConfig` but the split-K chunk) gives the same bits, zero padding changes no bit,
+and a token's result does not depend on the batch around it. With CUDA (skipped without), the same at the
+Llama-3.1-8B shapes in bfloat16 for decode at batch 64 and across CUDA graph replays; more real shapes:
+tests/test_gpu_lora_kernels.py. (The interpreter runs programs one after another in id order, so there the
+expand programs of the one launch find their tiles' counters complete.)"""
 
 from __future__ import annotations
 
@@ -15,11 +18,15 @@ import torch
 if not torch.cuda.is_available():
     os.environ.setdefault("TRITON_INTERPRET", "1")
 
-from kernels.lora import BLOCK_M, add_lora, lora_batch, lora_expand, lora_shrink, max_tiles  # noqa: E402
+from kernels.lora import (BLOCK_M, LoraKernelConfig, add_lora, lora_batch, lora_expand, lora_shrink,  # noqa: E402
+                          max_tiles)
 from kernels.lora_ref import add_lora_ref, lora_expand_ref, lora_shrink_ref  # noqa: E402
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 S = 4  # slots
+TWO_LAUNCHES = LoraKernelConfig(fused=False)
+LAUNCH_SHAPES = [LoraKernelConfig(), TWO_LAUNCHES, LoraKernelConfig(groups_per_tile_row=1, block_n=16, num_warps=2),
+                 LoraKernelConfig(fused=False, groups_per_tile_row=8, block_n=64)]
 
 
 def _stacks(g, in_features, slices, r_max, ranks, dtype=torch.float32):
@@ -135,7 +142,8 @@ def test_each_token_gets_the_bits_it_gets_alone(num_tokens):
     base = torch.randn(num_tokens, 32, generator=g).to(DEVICE)
     batch = add_lora(base.clone(), x, A, B, idx, scaling, slices=(16, 8, 8))
     for t in (0, 1, num_tokens // 2, num_tokens - 1):
-        alone = add_lora(base[t:t + 1].clone(), x[t:t + 1], A, B, idx[t:t + 1], scaling, slices=(16, 8, 8))
+        alone = add_lora(base[t:t + 1].clone(), x[t:t + 1], A, B, idx[t:t + 1], scaling, slices=(16, 8, 8),
+                         config=LAUNCH_SHAPES[t % len(LAUNCH_SHAPES)])  # any launch shape: the same bits
         assert torch.equal(batch[t:t + 1], alone), t
 
 
@@ -219,3 +227,177 @@ def test_empty_batch_and_bad_arguments():
         lora_batch(idx.float(), S)
     with pytest.raises(ValueError, match="y must be"):
         lora_expand(torch.zeros(3, 8, dtype=torch.float16, device=DEVICE), B, idx, scaling, out)
+
+
+
+@pytest.mark.parametrize("config", LAUNCH_SHAPES, ids=["fused", "two", "fused-narrow", "two-wide"])
+@pytest.mark.parametrize(("num_tokens", "in_features"), [(1, 40), (19, 1100), (45, 9000)])  # splits: 1, 3, 16
+def test_every_launch_shape_gives_the_bits_of_the_default(config, num_tokens, in_features):
+    """One launch or two, tile groups, column blocks and warps move work between programs only: the bits are
+    the default's, the reference's within rounding, rows without an adapter untouched, the counters left at
+    zero after several layers over one plan."""
+    g = torch.Generator().manual_seed(num_tokens + in_features)
+    slices = (16, 8, 8)
+    A, B, scaling = _stacks(g, in_features, slices, 8, ranks=(8, 1, 5, 8))
+    idx = _idx(g, num_tokens)
+    if num_tokens > 2:
+        idx[:3] = torch.tensor([-1, 3, 3])
+    batch = lora_batch(idx, S)
+    for layer in range(2):
+        x = torch.randn(num_tokens, in_features, generator=g).to(DEVICE)
+        base = torch.randn(num_tokens, 32, generator=g).to(DEVICE)
+        ours = add_lora(base.clone(), x, A, B, batch, scaling, slices=slices, config=config)
+        assert torch.equal(ours, add_lora(base.clone(), x, A, B, idx, scaling, slices=slices)), layer
+        torch.testing.assert_close(ours, add_lora_ref(base.clone(), x, A, B, idx, scaling, slices=slices),
+                                   rtol=1e-5, atol=1e-5)
+        assert torch.equal(ours[idx < 0], base[idx < 0])
+        assert not batch.arrivals.any()
+    y = lora_shrink(x, A, batch, config=config)
+    assert torch.equal(lora_expand(y, B, batch, scaling, base.clone(), slices=slices, config=config), ours)
+
+
+def test_one_plan_reused_after_the_slot_assignment_changes():
+    """As a replayed step does: the same idx tensor rewritten in place, the plan rebuilt from it, the layers run
+    again in one launch each (all tokens without an adapter; one adapter for all; a fresh mix)."""
+    g = torch.Generator().manual_seed(5)
+    A, B, scaling = _stacks(g, 1100, (16, 8, 8), 8, ranks=(8, 4, 8, 2))
+    idx = _idx(g, 33)
+    x, base = torch.randn(33, 1100, generator=g).to(DEVICE), torch.randn(33, 32, generator=g).to(DEVICE)
+    for trial, assign in enumerate((None, -1, 2, None)):
+        if assign is None:
+            idx.copy_(_idx(g, 33))
+        else:
+            idx.fill_(assign)
+        batch = lora_batch(idx, S)
+        out = add_lora(add_lora(base.clone(), x, A, B, batch, scaling, slices=(16, 8, 8)), x, A, B, batch, scaling,
+                       slices=(16, 8, 8))
+        ref = add_lora_ref(add_lora_ref(base.clone(), x, A, B, idx, scaling, slices=(16, 8, 8)), x, A, B, idx,
+                           scaling, slices=(16, 8, 8))
+        torch.testing.assert_close(out, ref, rtol=1e-5, atol=1e-5)
+        assert torch.equal(out[idx < 0], base[idx < 0]), trial
+        assert not batch.arrivals.any()
+
+
+def test_tile_tokens_list_each_tiles_tokens():
+    g = torch.Generator().manual_seed(9)
+    idx = torch.randint(-1, 3, (41,), generator=g, dtype=torch.int32)
+    idx[:18] = 1
+    batch = lora_batch(idx.to(DEVICE), 3)
+    for j in range(batch.tile_slot.shape[0]):
+        start, length = int(batch.tile_start[j]), int(batch.tile_len[j])
+        want = batch.order[start:start + length].tolist() + [-1] * (BLOCK_M - length)
+        assert batch.tile_tokens[j].tolist() == want, j
+    used = int(batch.num_tiles[0])
+    assert (batch.tile_slot[:used] >= 0).all() and (batch.tile_slot[used:] == -1).all()
+
+
+def test_bad_launch_configs_are_refused():
+    with pytest.raises(ValueError, match="block_n must be a power of two"):
+        LoraKernelConfig(block_n=96)
+    with pytest.raises(ValueError, match="groups_per_tile_row must be >= 1"):
+        LoraKernelConfig(groups_per_tile_row=0)
+
+
+# ---- CUDA: the Llama-3.1-8B decode shapes in bfloat16 ------------------------------------------------------------
+cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+LLAMA_8B = {"qkv": (4096, (4096, 1024, 1024)), "o": (4096, (4096,)), "gate_up": (4096, (14336, 14336)),
+            "down": (14336, (4096,))}
+
+
+def _bf16_stacks(g, num_slots, in_features, slices, rank):
+    A = torch.randn(num_slots, len(slices) * rank, in_features, generator=g) / in_features**0.5
+    B = torch.randn(num_slots, sum(slices), rank, generator=g) / rank**0.5
+    return (A.to("cuda", torch.bfloat16), B.to("cuda", torch.bfloat16),
+            (torch.rand(num_slots, generator=g) + 0.5).cuda())
+
+
+def _decode_idx(num_tokens, distinct, num_slots):
+    idx = torch.arange(num_tokens, dtype=torch.int32) % distinct * (num_slots // distinct)  # spread over the slots
+    idx[5] = -1
+    return idx.cuda()
+
+
+@cuda
+@pytest.mark.parametrize("distinct", [1, 16])
+@pytest.mark.parametrize("layer", sorted(LLAMA_8B))
+def test_cuda_8b_decode_matches_the_reference_one_launch_and_two(layer, distinct):
+    """T = 64 over 64 rank-16 slots, 1 or 16 of them in the batch. Tolerance (bfloat16): the kernel and the
+    reference sum y in float32 in different orders, so y's rounding may differ by one ulp in any entry and the
+    output's by one more: |ours - ref| <= 2**-7 * (|ref| + scaling * |y| @ |B|^T) elementwise."""
+    from kernels.lora_ref import lora_expand_ref, lora_shrink_ref
+
+    in_features, slices = LLAMA_8B[layer]
+    g = torch.Generator().manual_seed(distinct + len(layer))
+    A, B, scaling = _bf16_stacks(g, 64, in_features, slices, 16)
+    x = torch.randn(64, in_features, generator=g).to("cuda", torch.bfloat16)
+    base = torch.randn(64, sum(slices), generator=g).to("cuda", torch.bfloat16)
+    idx = _decode_idx(64, distinct, 64)
+    batch = lora_batch(idx, 64)
+    fused = add_lora(base.clone(), x, A, B, batch, scaling, slices=slices)
+    two = add_lora(base.clone(), x, A, B, batch, scaling, slices=slices, config=TWO_LAUNCHES)
+    assert torch.equal(fused, two)
+    assert not batch.arrivals.any()
+    y = lora_shrink_ref(x, A, idx)
+    ref = lora_expand_ref(y, B, idx, scaling, base.clone(), slices=slices)
+    mag = lora_expand_ref(y.abs(), B.abs(), idx, scaling, torch.zeros_like(base), slices=slices).float()
+    err = (fused.float() - ref.float()).abs()
+    assert (err <= 2.0**-7 * (ref.float().abs() + mag)).all()
+    assert torch.equal(fused[idx < 0], base[idx < 0])
+
+
+@cuda
+def test_cuda_8b_token_bits_alone_and_in_any_batch():
+    in_features, slices = LLAMA_8B["qkv"]
+    g = torch.Generator().manual_seed(2)
+    A, B, scaling = _bf16_stacks(g, 64, in_features, slices, 16)
+    x = torch.randn(64, in_features, generator=g).to("cuda", torch.bfloat16)
+    base = torch.randn(64, sum(slices), generator=g).to("cuda", torch.bfloat16)
+    mixed = _decode_idx(64, 16, 64)
+    batch = add_lora(base.clone(), x, A, B, mixed, scaling, slices=slices)
+    for t in (0, 17, 63):
+        alone = add_lora(base[t:t + 1].clone(), x[t:t + 1], A, B, mixed[t:t + 1], scaling, slices=slices,
+                         config=TWO_LAUNCHES)
+        assert torch.equal(batch[t:t + 1], alone), t
+    same = add_lora(base.clone(), x, A, B, torch.full_like(mixed, int(mixed[17])), scaling, slices=slices,
+                    config=LoraKernelConfig(groups_per_tile_row=1, block_n=256, num_warps=8))
+    assert torch.equal(same[17], batch[17])  # other adapters around it, other launch shape: the same bits
+
+
+@cuda
+@pytest.mark.parametrize("config", [LoraKernelConfig(), TWO_LAUNCHES], ids=["fused", "two"])
+def test_cuda_graph_of_a_decode_step_replays_eager_bits_across_slot_changes(config):
+    g = torch.Generator().manual_seed(4)
+    layers = [(name, *_bf16_stacks(g, 64, LLAMA_8B[name][0], LLAMA_8B[name][1], 16)) for name in sorted(LLAMA_8B)]
+    xs = {name: torch.randn(64, LLAMA_8B[name][0], generator=g).to("cuda", torch.bfloat16) for name in LLAMA_8B}
+    bases = {name: torch.randn(64, sum(LLAMA_8B[name][1]), generator=g).to("cuda", torch.bfloat16)
+             for name in LLAMA_8B}
+    outs = {name: torch.empty_like(b) for name, b in bases.items()}
+    idx = _decode_idx(64, 4, 64)
+
+    def step(graphed: bool):
+        batch = lora_batch(idx, 64)
+        result = {}
+        for name, A, B, scaling in layers:
+            out = outs[name] if graphed else bases[name].clone()
+            if graphed:
+                out.copy_(bases[name])
+            result[name] = add_lora(out, xs[name], A, B, batch, scaling, slices=LLAMA_8B[name][1], config=config)
+        return result
+
+    stream = torch.cuda.Stream()
+    stream.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(stream):
+        step(True)  # compiles outside the capture
+    torch.cuda.current_stream().wait_stream(stream)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        step(True)
+    for trial, fill in enumerate((None, 16, -1, 7, None)):
+        if fill is None:
+            idx.copy_(torch.randint(-1, 64, (64,), generator=g, dtype=torch.int32))
+        else:
+            idx.copy_(_decode_idx(64, fill, 64) if fill > 0 else torch.full_like(idx, -1))
+        graph.replay()
+        eager = step(False)
+        for name in LLAMA_8B:
+            assert torch.equal(outs[name], eager[name]), (trial, name)

@@ -1,0 +1,174 @@
+"""The LoRA kernels alone at decode: one step's 32 layers of the Llama-3.1-8B shape (qkv, o, gate_up, down; bf16),
+batch `--tokens` with `--slots` rank-`--rank` adapter slots per layer, 1 / 4 / 16 distinct adapters in the batch,
+each launch shape of `kernels.lora.LoraKernelConfig` (one launch per layer or two, tile groups, column block, warps,
+split-K chunk) and, with `--baseline FILE`, another version of kernels/lora.py (e.g. main's) in the same run.
+Prints one JSON line per measurement (CUDA only; about 40 s on an H200).
+
+    python bench/lora_kernels.py
+    git show main:kernels/lora.py > bench/lora_baseline.py  # where git is; then, on the GPU:
+    python bench/lora_kernels.py --baseline bench/lora_baseline.py
+
+Each case is a CUDA graph of one step: the tile plan (`lora_batch`, once) and per layer the four base GEMMs
+(`torch.mm` against random weights, 8B's 14 GB, so the adapters' weights come from memory as in the model) each
+followed by its `add_lora`; the same graph without LoRA is the base. `step_ms`: the median replay of the graph
+(`--replays` replays, best of 3 rounds); `lora_ms` = step_ms - base step_ms, `lora_us_per_hook` = lora_ms over the
+128 hooks, `overhead_of_step` = lora_ms / `--step-ms` (the engine's whole base decode step at batch 64, 5.53 ms
+measured on one H200 by `bench/lora.py --profile`; the issue's target is <= 0.15). `lora_only_ms`: a graph of the
+LoRA work alone (no GEMMs between the hooks). `bitwise_equal_to_default`: the case's outputs against the default
+config's (every config but the split-K chunk must match; the baseline too, when its arithmetic is unchanged).
+"""
+
+from __future__ import annotations
+
+import argparse
+import importlib.util
+import os
+import statistics
+import sys
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+import torch  # noqa: E402
+
+from bench.generate import emit  # noqa: E402
+
+LAYERS = {"qkv": (4096, (4096, 1024, 1024)), "o": (4096, (4096,)), "gate_up": (4096, (14336, 14336)),
+          "down": (14336, (4096,))}  # fused linear -> (in features, output slices), Llama-3.1-8B
+
+
+def configs(sweep: bool) -> dict:
+    from kernels.lora import LoraKernelConfig
+
+    named = {"default": LoraKernelConfig(), "two_launches": LoraKernelConfig(fused=False),
+             "groups2": LoraKernelConfig(groups_per_tile_row=2), "bn256_w8": LoraKernelConfig(block_n=256, num_warps=8)}
+    if sweep:
+        named |= {"groups8": LoraKernelConfig(groups_per_tile_row=8), "bn64": LoraKernelConfig(block_n=64),
+                  "w8": LoraKernelConfig(num_warps=8),
+                  "two_groups2": LoraKernelConfig(fused=False, groups_per_tile_row=2),
+                  "split256": LoraKernelConfig(split_k_chunk=256, max_split_k=64)}
+    return named
+
+
+def load_baseline(path: str):
+    spec = importlib.util.spec_from_file_location("lora_baseline", path)
+    module = importlib.util.module_from_spec(spec)
+    sys.modules[spec.name] = module  # its dataclasses look their module up
+    spec.loader.exec_module(module)
+    return module
+
+
+class Step:
+    """One decode step's linears and LoRA stacks, preallocated; `run(lora)` records (or runs) the step with the
+    given hook (None: the base model; `gemms=False`: the hooks alone)."""
+
+    def __init__(self, args, g: torch.Generator):
+        dev, dt = "cuda", torch.bfloat16
+        self.idx = torch.zeros(args.tokens, dtype=torch.int32, device=dev)
+        self.layers = []
+        for _ in range(args.layers):
+            layer = {}
+            for name, (inp, slices) in LAYERS.items():
+                n = sum(slices)
+                layer[name] = dict(
+                    W=torch.empty(n, inp, dtype=dt, device=dev).normal_(0, inp**-0.5, generator=g),
+                    A=torch.empty(args.slots, len(slices) * args.rank, inp, dtype=dt, device=dev).normal_(
+                        0, inp**-0.5, generator=g),
+                    B=torch.empty(args.slots, n, args.rank, dtype=dt, device=dev).normal_(0, 0.01, generator=g),
+                    slices=slices)
+            self.layers.append(layer)
+        self.scaling = torch.full((args.slots,), 2.0, device=dev)
+        self.x = {name: torch.randn(args.tokens, inp, generator=g, device=dev).to(dt) for name, (inp, _) in
+                  LAYERS.items()}
+        self.out = {name: torch.empty(args.tokens, sum(s), dtype=dt, device=dev) for name, (_, s) in LAYERS.items()}
+        self.num_slots = args.slots
+
+    def run(self, hook, gemms: bool = True) -> None:
+        plan = hook[0](self.idx, self.num_slots) if hook is not None else None
+        for layer in self.layers:
+            for name, t in layer.items():
+                out = self.out[name]
+                if gemms:
+                    torch.mm(self.x[name], t["W"].t(), out=out)
+                if hook is not None:
+                    hook[1](out, self.x[name], t["A"], t["B"], plan, self.scaling, slices=t["slices"])
+
+
+def timed_graph(step: Step, hook, args, gemms: bool = True) -> float:
+    """Median ms of one replay of the step's graph, best of 3 rounds of `args.replays`."""
+    stream = torch.cuda.Stream()
+    stream.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(stream):
+        step.run(hook, gemms)  # compiles the kernels outside the capture
+    torch.cuda.current_stream().wait_stream(stream)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        step.run(hook, gemms)
+    for _ in range(3):
+        graph.replay()
+    rounds = []
+    for _ in range(3):
+        times = []
+        for _ in range(args.replays):
+            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            start.record()
+            graph.replay()
+            end.record()
+            end.synchronize()
+            times.append(start.elapsed_time(end))
+        rounds.append(statistics.median(times))
+    del graph
+    return min(rounds)
+
+
+def assign(step: Step, distinct: int, args) -> None:
+    """Token t takes slot (t mod distinct) * (slots // distinct): `distinct` adapters spread over the slots."""
+    t = torch.arange(args.tokens, dtype=torch.int32)
+    step.idx.copy_(t % distinct * (args.slots // distinct))
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--tokens", type=int, default=64)
+    ap.add_argument("--slots", type=int, default=64)
+    ap.add_argument("--rank", type=int, default=16)
+    ap.add_argument("--layers", type=int, default=32)
+    ap.add_argument("--distinct", default="1,4,16")
+    ap.add_argument("--replays", type=int, default=10)
+    ap.add_argument("--step-ms", type=float, default=5.53, help="the engine's base decode step (bench/lora.py "
+                    "--profile, graph_replay_ms of the base system)")
+    ap.add_argument("--baseline", default=None, help="another kernels/lora.py to time alongside (its add_lora and "
+                    "lora_batch)")
+    ap.add_argument("--sweep", action="store_true", help="more launch shapes")
+    args = ap.parse_args()
+    if not torch.cuda.is_available():
+        raise SystemExit("bench/lora_kernels.py needs CUDA")
+    from kernels.lora import add_lora, lora_batch
+
+    step = Step(args, torch.Generator(device="cuda").manual_seed(0))
+    common = dict(shape="llama-3.1-8b", dtype="bfloat16", tokens=args.tokens, slots=args.slots, rank=args.rank,
+                  layers=args.layers, hooks=4 * args.layers, device=torch.cuda.get_device_name())
+    base_ms = timed_graph(step, None, args)
+    emit(kind="lora_kernels", system="base", step_ms=round(base_ms, 4), **common)
+    hooks = {name: (lora_batch, lambda *a, config=config, **k: add_lora(*a, **k, config=config))
+             for name, config in configs(args.sweep).items()}
+    if args.baseline:
+        old = load_baseline(args.baseline)
+        hooks["baseline"] = (old.lora_batch, old.add_lora)
+    for distinct in [int(d) for d in args.distinct.split(",")]:
+        assign(step, distinct, args)
+        reference = None
+        for name, hook in hooks.items():
+            step_ms = timed_graph(step, hook, args)
+            lora_only = timed_graph(step, hook, args, gemms=False)
+            step.run(hook)
+            outs = torch.cat([o.flatten() for o in step.out.values()])
+            reference = outs if reference is None else reference
+            lora_ms = step_ms - base_ms
+            emit(kind="lora_kernels", system=name, distinct=distinct, step_ms=round(step_ms, 4),
+                 lora_ms=round(lora_ms, 4), lora_us_per_hook=round(1e3 * lora_ms / (4 * args.layers), 2),
+                 overhead_of_step=round(lora_ms / args.step_ms, 4), lora_only_ms=round(lora_only, 4),
+                 bitwise_equal_to_default=bool(torch.equal(outs, reference)), **common)
+
+
+if __name__ == "__main__":
+    main()
