@@ -17,7 +17,7 @@ import torch
 import triton
 import triton.language as tl
 
-from kernels.pdl import pdl_begin, use_pdl
+from kernels.pdl import pdl_wait, use_pdl
 
 _DTYPES = (torch.float16, torch.bfloat16, torch.float32)
 _BLOCK = 1024
@@ -25,7 +25,7 @@ _BLOCK = 1024
 
 @triton.jit
 def _silu_and_mul_kernel(x_ptr, out_ptr, stride_x, stride_o, inter, BLOCK: tl.constexpr, USE_PDL: tl.constexpr):
-    pdl_begin(USE_PDL)
+    pdl_wait(USE_PDL)
     row = tl.program_id(0).to(tl.int64)
     cols = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
     mask = cols < inter

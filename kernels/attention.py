@@ -41,7 +41,7 @@ import torch
 import triton
 import triton.language as tl
 
-from kernels.pdl import pdl_begin, use_pdl
+from kernels.pdl import pdl_wait, use_pdl
 
 _DTYPES = (torch.float16, torch.bfloat16, torch.float32)
 _INDEX_DTYPES = (torch.int32, torch.int64)
@@ -62,7 +62,7 @@ def _store_kv_kernel(
     num_kv_heads, head_dim, block_size,
     H_PAD: tl.constexpr, D_PAD: tl.constexpr, USE_PDL: tl.constexpr,
 ):
-    pdl_begin(USE_PDL)
+    pdl_wait(USE_PDL)
     token = tl.program_id(0)
     slot = tl.load(slot_ptr + token * stride_slot).to(tl.int64)
     if slot >= 0:
@@ -184,7 +184,7 @@ def _paged_attention_kernel(
     D_PAD: tl.constexpr, NUM_SPLITS: tl.constexpr, DETERMINISTIC: tl.constexpr, DET_SPLIT: tl.constexpr,
     IEEE_DOT: tl.constexpr, USE_PDL: tl.constexpr,
 ):
-    pdl_begin(USE_PDL)
+    pdl_wait(USE_PDL)
     M: tl.constexpr = BLOCK_Q * GROUP_PAD
     req = tl.program_id(0) // num_q_blocks
     q_block = tl.program_id(0) % num_q_blocks
@@ -265,7 +265,7 @@ def _combine_splits_kernel(
     num_reqs, stride_ot, stride_oh, head_dim,
     NUM_SPLITS: tl.constexpr, SPLITS_PAD: tl.constexpr, D_PAD: tl.constexpr, USE_PDL: tl.constexpr,
 ):
-    pdl_begin(USE_PDL)
+    pdl_wait(USE_PDL)
     token = tl.program_id(0)
     head = tl.program_id(1)
     # tokens outside [query_start_loc[0], query_start_loc[B]) belong to no request: leave them alone

@@ -36,7 +36,7 @@ import torch
 import triton
 import triton.language as tl
 
-from kernels.pdl import pdl_begin, use_pdl
+from kernels.pdl import pdl_wait, use_pdl
 
 _DTYPES = (torch.float16, torch.bfloat16, torch.float32)
 MAX_ROWS = 8  # rows of x one launch serves; more rows belong to a GEMM
@@ -51,7 +51,7 @@ def _gemv_kernel(
     HAS_RESIDUAL: tl.constexpr, HAS_BIAS: tl.constexpr,
     M_PAD: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, USE_PDL: tl.constexpr,
 ):
-    pdl_begin(USE_PDL)
+    pdl_wait(USE_PDL)
     pid = tl.program_id(0)
     offs_m = tl.arange(0, M_PAD)
     offs_n = pid * BLOCK_N + tl.arange(0, BLOCK_N)

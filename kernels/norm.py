@@ -18,7 +18,7 @@ import torch
 import triton
 import triton.language as tl
 
-from kernels.pdl import pdl_begin, use_pdl
+from kernels.pdl import pdl_wait, use_pdl
 
 _DTYPES = (torch.float16, torch.bfloat16, torch.float32)
 _MAX_HIDDEN = 65536  # one row must fit in one program's registers
@@ -30,7 +30,7 @@ def _rms_norm_kernel(
     stride_x, stride_r, stride_o, stride_s, hidden, eps,
     HAS_RESIDUAL: tl.constexpr, BLOCK_H: tl.constexpr, USE_PDL: tl.constexpr,
 ):
-    pdl_begin(USE_PDL)
+    pdl_wait(USE_PDL)
     row = tl.program_id(0).to(tl.int64)
     offs = tl.arange(0, BLOCK_H)
     mask = offs < hidden

@@ -20,7 +20,7 @@ import torch
 import triton
 import triton.language as tl
 
-from kernels.pdl import pdl_begin, use_pdl
+from kernels.pdl import pdl_wait, use_pdl
 
 _DTYPES = (torch.float16, torch.bfloat16, torch.float32)
 
@@ -67,7 +67,7 @@ def _rotary_kernel(
     """Rotate one token's query and key heads. STORE: the rotated key and the value go straight to the
     token's KV-cache slot (skipped for a negative slot) instead of to k_out (`rotary_store_kv`). NORM: each
     query and key head is RMS-normalised (weights q_norm / k_norm [D]) before its rotation."""
-    pdl_begin(USE_PDL)
+    pdl_wait(USE_PDL)
     token = tl.program_id(0).to(tl.int64)
     pos = tl.load(pos_ptr + token).to(tl.int64)
     offs_d = tl.arange(0, HALF_PAD)

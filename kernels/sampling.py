@@ -31,7 +31,7 @@ import torch
 import triton
 import triton.language as tl
 
-from kernels.pdl import pdl_begin, use_pdl
+from kernels.pdl import pdl_wait, use_pdl
 from triton.language.extra import libdevice
 
 _LOGIT_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
@@ -247,7 +247,7 @@ def _sample_chunk_kernel(
     the chunk's raw max and first argmax, its best Gumbel-perturbed tempered logit and index (when NOISE;
     scoring given tokens skips it), and its tempered max and sum of exp(x - max). `_sample_combine_kernel`
     merges the chunks of a row."""
-    pdl_begin(USE_PDL)
+    pdl_wait(USE_PDL)
     row = tl.program_id(0)
     chunk = tl.program_id(1)
     row_ptr = logits_ptr + row.to(tl.int64) * stride_row
@@ -300,7 +300,7 @@ def _sample_combine_kernel(
 ):
     """Merges a row's chunks into its token (or, when GIVEN, reads the token from token_ptr) and the
     token's logprob."""
-    pdl_begin(USE_PDL)
+    pdl_wait(USE_PDL)
     row = tl.program_id(0)
     c = tl.arange(0, BLOCK_C)
     cmask = c < num_chunks

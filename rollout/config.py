@@ -71,8 +71,8 @@ class EngineConfig:
     kernels. 0 turns them off; at most 8 (each extra row costs the kernels about a weight read more)."""
     programmatic_launch: bool = True
     """CUDA, compute capability 9.0 and later: the Triton kernels of a decode step (matrix-vector products, norms,
-    rotary + KV store, attention, sampling) launch with programmatic dependent launch, so each is launched
-    while the one before it finishes and waits on the device for its inputs (kernels/pdl.py).
+    rotary + KV store, attention, sampling) launch with programmatic dependent launch: each is launched as
+    soon as the programs of the one before it have exited and waits on the device for their writes (kernels/pdl.py).
     Changes no arithmetic; the switch is process-wide (the last engine built in a process sets it)."""
     seed: int = 0
     """Seeds the engine's generator for requests without their own seed."""

@@ -130,7 +130,7 @@ class _GroupPlan:
     runs: list[tuple[int, int]]  # [start, stop) of each run of members with one gap dtype and one kind of values
     columns: np.ndarray  # [_META_ROWS, k] int64: the rows of the group's meta
     views: list[torch.Tensor] | None = None  # the members' live tensors where the target lends them (block path)
-    blocks: tuple[np.ndarray, np.ndarray] | None = None  # with views: kernels.patch.block_table of the members
+    blocks: tuple[np.ndarray, np.ndarray] | None = None  # with views: ([k] blocks per member, [k] live data pointers)
 
 
 def _fault_flag(faults: torch.Tensor, numels: torch.Tensor) -> torch.Tensor:
@@ -524,7 +524,7 @@ class UpdateSession:
         lend = getattr(target, "writable_views", None) if receiver.batched_scatter else None
         plans = self._plan_groups(records, rows, lend)
         # Every host-side number of the session in one copy: checksums, table rows, dense positions, group columns
-        # and block tables.
+        # and, for block groups, their blocks per member and live data pointers.
         num = len(records)
         host = np.concatenate([np.array(self._checksums, dtype=np.int64), rows, np.array(self._dense_at, dtype=np.int64),
                                *(part.reshape(-1) for plan in plans for part in (plan.columns, *(plan.blocks or ())))])
@@ -539,11 +539,13 @@ class UpdateSession:
             if plan.blocks is None:
                 groups.append(self._patch_group(plan, columns, device))
                 continue
-            table, blocks = plan.blocks
-            device_table = meta[at : at + table.size].view(table.shape)
-            at += table.size
-            groups.append(self._block_group(plan, columns, device_table, meta[at : at + k], device))
-            at += k
+            from kernels.patch import block_table
+
+            blocks, addrs = meta[at : at + k], meta[at + k : at + 2 * k]  # [k], [k]
+            at += 2 * k
+            table = block_table(columns[_SIZES], columns[_NUMEL], addrs, columns[_OVERFLOW], columns[_ESCAPES], blocks,
+                                int(plan.blocks[0].sum()))
+            groups.append(self._block_group(plan, columns, table, blocks, device))
         predicted = torch.zeros(num, dtype=torch.int64, device=device)  # [R]
         if dense:
             predicted[dense_rows] = checksum_tensors([d.payload for d in dense])
@@ -636,10 +638,9 @@ class UpdateSession:
             views = None if lend is None else lend([p.name for p in members])
             blocks = None
             if views is not None:
-                from kernels.patch import block_table
+                from kernels.patch import blocks_per_patch
 
-                blocks = block_table(columns[_SIZES], columns[_NUMEL], self._addresses(views, dtype), columns[_OVERFLOW],
-                                     columns[_ESCAPES])
+                blocks = (blocks_per_patch(columns[_SIZES]), self._addresses(views, dtype))
             plans.append(_GroupPlan(dtype=dtype, members=members, num_delta=num_delta[dtype], runs=runs[dtype], columns=columns,
                                     views=views, blocks=blocks))
         return plans
@@ -695,14 +696,14 @@ class UpdateSession:
 
     def _block_group(self, plan: _GroupPlan, meta: torch.Tensor, table: torch.Tensor, blocks: torch.Tensor,
                      device: torch.device) -> _BlockPatchGroup:
-        """The block path (`kernels/patch.py`). ``meta``: ``plan.columns``, ``table``: ``plan.blocks[0]`` and
-        ``blocks``: ``plan.blocks[1]``, on the device."""
+        """The block path (`kernels/patch.py`). ``meta``: ``plan.columns``, ``table``: the members' block table and
+        ``blocks``: ``plan.blocks[0]``, on the device."""
         from kernels.patch import block_counts, block_starts, decode
 
         members, columns, k = plan.members, plan.columns, len(plan.members)
         sizes = columns[_SIZES]
         elem_start = np.concatenate([[0], np.cumsum(sizes)])  # [k + 1]
-        block_start = np.concatenate([[0], np.cumsum(plan.blocks[1])])  # [k + 1]
+        block_start = np.concatenate([[0], np.cumsum(plan.blocks[0])])  # [k + 1]
 
         def holding(column: int, start: int, stop: int) -> list[Patch]:
             """The members in [start, stop) whose ``column`` count is not 0: the parts to concatenate."""
