@@ -181,7 +181,7 @@ def bench_push(engine, args, common) -> None:
 
 
 LAYER_CONFIGS = {  # moe_decode tile variants the --layer run times (DecodeConfig fields; {} is the default)
-    "default": {}, "up_n32": {"up_block_n": 32}, "up_k128": {"up_block_k": 128, "up_stages": 4},
+    "default": {}, "up_n16": {"up_block_n": 16}, "up_k128": {"up_block_k": 128, "up_stages": 4},
     "down_cols64": {"down_columns": 64}, "down_cols256": {"down_columns": 256, "down_stages": 2},
     "down_k256": {"down_block_k": 256, "down_stages": 2}, "warps8": {"num_warps": 8},
 }

@@ -5,7 +5,6 @@ device time of one captured decode graph, on a random model of a real shape. Pri
     python bench/profile_decode.py --batch 256 --blas cublaslt   # the GEMMs through another BLAS backend
     python bench/profile_decode.py --shape qwen3-30b-a3b --batch 1  # MoE (random weights drawn on the device)
     python bench/profile_decode.py --shape qwen3-8b --batch 1 --fused-gemv-rows 0 --fused-gemv-rows 4  # 8B, dummy weights
-    python bench/profile_decode.py --shape qwen3-8b --batch 1 --pdl off --pdl on  # without / with kernels/pdl.py
     python bench/profile_decode.py --shape qwen3-30b-a3b --batch 1 --moe-decode off --moe-decode on --timeline 40
 
 Host phases per step (synchronous scheduling, so nothing overlaps): schedule, launch (staging, uploads, the graph
@@ -19,7 +18,6 @@ time, and with `--timeline N` one replay's kernel sum, the device's gaps between
 from __future__ import annotations
 
 import argparse
-import itertools
 import json
 import os
 import sys
@@ -153,13 +151,10 @@ def set_moe_decode(engine, on: bool | None) -> None:
 
 def profile(path: str, device: str, dtype: str, batch: int, prompt_len: int, steps: int, eager: bool,
             deterministic: bool = False, load_format: str = "safetensors", fused_gemv_rows: int | None = None,
-            moe_decode: tuple[bool | None, ...] = (None,), timeline: int = 0,
-            programmatic_launch: bool | None = None) -> list[dict]:
+            moe_decode: tuple[bool | None, ...] = (None,), timeline: int = 0) -> list[dict]:
     """One engine, `batch` requests decoding; a row per `moe_decode` setting (MoE models: the decode path on / off,
     the graphs recaptured between them)."""
     extra = {} if fused_gemv_rows is None else {"fused_gemv_rows": fused_gemv_rows}
-    if programmatic_launch is not None:
-        extra["programmatic_launch"] = programmatic_launch
     engine = Engine(EngineConfig(model=path, device=device, dtype=dtype, max_num_seqs=batch,
                                  max_model_len=prompt_len + len(moe_decode) * (steps + 8) + 64, enforce_eager=eager,
                                  deterministic=deterministic, async_scheduling=False, load_format=load_format, **extra))
@@ -174,7 +169,6 @@ def profile(path: str, device: str, dtype: str, batch: int, prompt_len: int, ste
             engine.step()
         row = measure(engine, device, batch, steps, timeline)
         row.update(eager=eager, deterministic=deterministic, fused_gemv_rows=engine.config.fused_gemv_rows,
-                   programmatic_launch=engine.config.programmatic_launch,
                    moe_decode="default" if on is None else ("on" if on else "off"))
         rows.append(row)
     engine.close()
@@ -200,8 +194,6 @@ def main() -> None:
                          "to profile each on one engine (default: as the engine has it)")
     ap.add_argument("--timeline", type=int, default=0,
                     help="also list the first N kernels of one replay in order, with the device's gaps between kernels")
-    ap.add_argument("--pdl", choices=["on", "off"], action="append",
-                    help="EngineConfig.programmatic_launch; repeat to profile each (default: the engine's)")
     args = ap.parse_args()
     if args.blas:
         torch.backends.cuda.preferred_blas_library(args.blas)
@@ -223,10 +215,9 @@ def main() -> None:
             write_random_checkpoint(d, family=family, dtype=args.dtype, std=0.02, **spec)
         moe = tuple(None if m is None else m == "on" for m in (args.moe_decode or [None]))
         for b in args.batch or [1, 64]:
-            for rows, pdl in itertools.product(args.fused_gemv_rows or [None], args.pdl or [None]):
+            for rows in args.fused_gemv_rows or [None]:
                 for row in profile(d, args.device, args.dtype, b, args.prompt_len, args.steps, args.eager,
-                                   args.deterministic, load_format, rows, moe, args.timeline,
-                                   None if pdl is None else pdl == "on"):
+                                   args.deterministic, load_format, rows, moe, args.timeline):
                     print(json.dumps({**row, "shape": args.shape, "blas": args.blas or "default"}), flush=True)
 
 

@@ -17,15 +17,12 @@ import torch
 import triton
 import triton.language as tl
 
-from kernels.pdl import pdl_wait, use_pdl
-
 _DTYPES = (torch.float16, torch.bfloat16, torch.float32)
 _BLOCK = 1024
 
 
 @triton.jit
-def _silu_and_mul_kernel(x_ptr, out_ptr, stride_x, stride_o, inter, BLOCK: tl.constexpr, USE_PDL: tl.constexpr):
-    pdl_wait(USE_PDL)
+def _silu_and_mul_kernel(x_ptr, out_ptr, stride_x, stride_o, inter, BLOCK: tl.constexpr):
     row = tl.program_id(0).to(tl.int64)
     cols = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
     mask = cols < inter
@@ -53,6 +50,5 @@ def silu_and_mul(x: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tens
                          f"{out.dtype} {tuple(out.shape)} on {out.device}")
     if x2.shape[0] and inter:
         grid = (x2.shape[0], triton.cdiv(inter, _BLOCK))
-        _silu_and_mul_kernel[grid](x2, out, x2.stride(0), out.stride(0), inter, BLOCK=_BLOCK, num_warps=4,
-                                   USE_PDL=use_pdl(x), launch_pdl=use_pdl(x))
+        _silu_and_mul_kernel[grid](x2, out, x2.stride(0), out.stride(0), inter, BLOCK=_BLOCK, num_warps=4)
     return out.view(*x.shape[:-1], inter)

@@ -41,8 +41,6 @@ import torch
 import triton
 import triton.language as tl
 
-from kernels.pdl import pdl_wait, use_pdl
-
 _DTYPES = (torch.float16, torch.bfloat16, torch.float32)
 _INDEX_DTYPES = (torch.int32, torch.int64)
 _LOG2E = 1.4426950408889634
@@ -60,9 +58,8 @@ def _store_kv_kernel(
     stride_kt, stride_kh, stride_vt, stride_vh,
     stride_kcb, stride_kcs, stride_kch, stride_vcb, stride_vcs, stride_vch,
     num_kv_heads, head_dim, block_size,
-    H_PAD: tl.constexpr, D_PAD: tl.constexpr, USE_PDL: tl.constexpr,
+    H_PAD: tl.constexpr, D_PAD: tl.constexpr,
 ):
-    pdl_wait(USE_PDL)
     token = tl.program_id(0)
     slot = tl.load(slot_ptr + token * stride_slot).to(tl.int64)
     if slot >= 0:
@@ -103,7 +100,6 @@ def store_kv(
         v_cache.stride(0), v_cache.stride(1), v_cache.stride(2),
         num_kv_heads, head_dim, block_size,
         H_PAD=triton.next_power_of_2(num_kv_heads), D_PAD=triton.next_power_of_2(head_dim),
-        USE_PDL=use_pdl(key), launch_pdl=use_pdl(key),
     )
 
 
@@ -182,9 +178,8 @@ def _paged_attention_kernel(
     num_q_blocks, head_dim, block_size, qk_scale, split_size,
     GROUP: tl.constexpr, GROUP_PAD: tl.constexpr, BLOCK_Q: tl.constexpr, BLOCK_N: tl.constexpr,
     D_PAD: tl.constexpr, NUM_SPLITS: tl.constexpr, DETERMINISTIC: tl.constexpr, DET_SPLIT: tl.constexpr,
-    IEEE_DOT: tl.constexpr, USE_PDL: tl.constexpr,
+    IEEE_DOT: tl.constexpr,
 ):
-    pdl_wait(USE_PDL)
     M: tl.constexpr = BLOCK_Q * GROUP_PAD
     req = tl.program_id(0) // num_q_blocks
     q_block = tl.program_id(0) % num_q_blocks
@@ -263,9 +258,8 @@ def _paged_attention_kernel(
 def _combine_splits_kernel(
     out_ptr, part_m_ptr, part_l_ptr, part_acc_ptr, qsl_ptr,
     num_reqs, stride_ot, stride_oh, head_dim,
-    NUM_SPLITS: tl.constexpr, SPLITS_PAD: tl.constexpr, D_PAD: tl.constexpr, USE_PDL: tl.constexpr,
+    NUM_SPLITS: tl.constexpr, SPLITS_PAD: tl.constexpr, D_PAD: tl.constexpr,
 ):
-    pdl_wait(USE_PDL)
     token = tl.program_id(0)
     head = tl.program_id(1)
     # tokens outside [query_start_loc[0], query_start_loc[B]) belong to no request: leave them alone
@@ -421,7 +415,7 @@ def paged_attention(
         num_q_blocks, head_dim, block_size, float(scale) * _LOG2E, split_size,
         GROUP=group, GROUP_PAD=group_pad, BLOCK_Q=block_q, BLOCK_N=block_n, D_PAD=d_pad,
         NUM_SPLITS=num_splits, DETERMINISTIC=deterministic, DET_SPLIT=split_size if deterministic else 0,
-        IEEE_DOT=query.dtype == torch.float32, USE_PDL=use_pdl(query), launch_pdl=use_pdl(query),
+        IEEE_DOT=query.dtype == torch.float32,
         num_warps=num_warps, **({} if num_stages is None else {"num_stages": num_stages}),
     )
     if num_splits > 1:
@@ -429,7 +423,6 @@ def paged_attention(
             out, part_m, part_l, part_acc, query_start_loc,
             num_reqs, out.stride(0), out.stride(1), head_dim,
             NUM_SPLITS=num_splits, SPLITS_PAD=triton.next_power_of_2(num_splits), D_PAD=d_pad,
-            USE_PDL=use_pdl(query), launch_pdl=use_pdl(query),
         )
     return out
 

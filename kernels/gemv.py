@@ -36,8 +36,6 @@ import torch
 import triton
 import triton.language as tl
 
-from kernels.pdl import pdl_wait, use_pdl
-
 _DTYPES = (torch.float16, torch.bfloat16, torch.float32)
 MAX_ROWS = 8  # rows of x one launch serves; more rows belong to a GEMM
 PROLOGUES = ("none", "rms_norm", "silu_mul")
@@ -49,9 +47,8 @@ def _gemv_kernel(
     M, N, K, stride_x, stride_r, stride_w, stride_o, stride_s, eps,
     PROLOGUE: tl.constexpr,  # 0 none, 1 rms_norm, 2 silu_mul
     HAS_RESIDUAL: tl.constexpr, HAS_BIAS: tl.constexpr,
-    M_PAD: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, USE_PDL: tl.constexpr,
+    M_PAD: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
 ):
-    pdl_wait(USE_PDL)
     pid = tl.program_id(0)
     offs_m = tl.arange(0, M_PAD)
     offs_n = pid * BLOCK_N + tl.arange(0, BLOCK_N)
@@ -189,6 +186,5 @@ def fused_gemv(
         rows, n, k, x.stride(0), res.stride(0), weight.stride(0), out.stride(0), summed.stride(0), float(eps),
         PROLOGUE=PROLOGUES.index(prologue), HAS_RESIDUAL=residual is not None, HAS_BIAS=bias is not None,
         M_PAD=triton.next_power_of_2(rows), BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k, num_warps=cfg.num_warps,
-        USE_PDL=use_pdl(x), launch_pdl=use_pdl(x),
     )
     return (out, summed) if prologue == "rms_norm" else out

@@ -18,8 +18,6 @@ import torch
 import triton
 import triton.language as tl
 
-from kernels.pdl import pdl_wait, use_pdl
-
 _DTYPES = (torch.float16, torch.bfloat16, torch.float32)
 _MAX_HIDDEN = 65536  # one row must fit in one program's registers
 
@@ -28,9 +26,8 @@ _MAX_HIDDEN = 65536  # one row must fit in one program's registers
 def _rms_norm_kernel(
     x_ptr, residual_ptr, weight_ptr, out_ptr, sum_ptr,
     stride_x, stride_r, stride_o, stride_s, hidden, eps,
-    HAS_RESIDUAL: tl.constexpr, BLOCK_H: tl.constexpr, USE_PDL: tl.constexpr,
+    HAS_RESIDUAL: tl.constexpr, BLOCK_H: tl.constexpr,
 ):
-    pdl_wait(USE_PDL)
     row = tl.program_id(0).to(tl.int64)
     offs = tl.arange(0, BLOCK_H)
     mask = offs < hidden
@@ -78,7 +75,7 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float, out: torch.Tenso
         _rms_norm_kernel[(x2d.shape[0],)](
             x2d, x2d, weight, out, out,
             x2d.stride(0), x2d.stride(0), out.stride(0), out.stride(0), hidden, float(eps),
-            HAS_RESIDUAL=False, BLOCK_H=triton.next_power_of_2(hidden), USE_PDL=use_pdl(x), launch_pdl=use_pdl(x),
+            HAS_RESIDUAL=False, BLOCK_H=triton.next_power_of_2(hidden),
         )
     return out.view(x.shape)
 
@@ -105,6 +102,6 @@ def fused_add_rms_norm(
         _rms_norm_kernel[(x.shape[0],)](
             x, residual, weight, out, summed,
             x.stride(0), residual.stride(0), out.stride(0), summed.stride(0), x.shape[1], float(eps),
-            HAS_RESIDUAL=True, BLOCK_H=triton.next_power_of_2(x.shape[1]), USE_PDL=use_pdl(x), launch_pdl=use_pdl(x),
+            HAS_RESIDUAL=True, BLOCK_H=triton.next_power_of_2(x.shape[1]),
         )
     return out, summed

@@ -20,8 +20,6 @@ import torch
 import triton
 import triton.language as tl
 
-from kernels.pdl import pdl_wait, use_pdl
-
 _DTYPES = (torch.float16, torch.bfloat16, torch.float32)
 
 
@@ -62,12 +60,11 @@ def _rotary_kernel(
     stride_kcb, stride_kcs, stride_kch, stride_vcb, stride_vcs, stride_vch, block_size, head_dim,
     q_norm_ptr, k_norm_ptr, eps,
     HQ_PAD: tl.constexpr, HK_PAD: tl.constexpr, HALF_PAD: tl.constexpr, STORE: tl.constexpr, D_PAD: tl.constexpr,
-    NORM: tl.constexpr, USE_PDL: tl.constexpr,
+    NORM: tl.constexpr,
 ):
     """Rotate one token's query and key heads. STORE: the rotated key and the value go straight to the
     token's KV-cache slot (skipped for a negative slot) instead of to k_out (`rotary_store_kv`). NORM: each
     query and key head is RMS-normalised (weights q_norm / k_norm [D]) before its rotation."""
-    pdl_wait(USE_PDL)
     token = tl.program_id(0).to(tl.int64)
     pos = tl.load(pos_ptr + token).to(tl.int64)
     offs_d = tl.arange(0, HALF_PAD)
@@ -135,7 +132,7 @@ def _launch(query, key, q_out, k_out, positions, cos_sin_cache, store=None, norm
         *(norms[:2] if norms is not None else (query, query)), float(norms[2]) if norms is not None else 0.0,
         HQ_PAD=triton.next_power_of_2(num_q_heads), HK_PAD=triton.next_power_of_2(key.shape[1]),
         HALF_PAD=triton.next_power_of_2(head_dim // 2), STORE=store is not None, D_PAD=triton.next_power_of_2(head_dim),
-        NORM=norms is not None, USE_PDL=use_pdl(query), launch_pdl=use_pdl(query),
+        NORM=norms is not None,
         enable_fp_fusion=False,  # a fused multiply-add would round once where the reference rounds twice
     )
 

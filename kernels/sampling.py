@@ -30,8 +30,6 @@ from __future__ import annotations
 import torch
 import triton
 import triton.language as tl
-
-from kernels.pdl import pdl_wait, use_pdl
 from triton.language.extra import libdevice
 
 _LOGIT_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
@@ -241,13 +239,11 @@ def token_logprobs(
 def _sample_chunk_kernel(
     logits_ptr, temperature_ptr, seeds_ptr, positions_ptr, part_ptr, stride_row, vocab, num_chunks,
     CHUNK: tl.constexpr, BLOCK_V: tl.constexpr, LIBDEVICE_LOG: tl.constexpr, NOISE: tl.constexpr,
-    USE_PDL: tl.constexpr,
 ):
     """Untruncated sampling, split over the vocabulary: one program per (row, chunk of CHUNK tokens) writes
     the chunk's raw max and first argmax, its best Gumbel-perturbed tempered logit and index (when NOISE;
     scoring given tokens skips it), and its tempered max and sum of exp(x - max). `_sample_combine_kernel`
     merges the chunks of a row."""
-    pdl_wait(USE_PDL)
     row = tl.program_id(0)
     chunk = tl.program_id(1)
     row_ptr = logits_ptr + row.to(tl.int64) * stride_row
@@ -296,11 +292,10 @@ def _sample_chunk_kernel(
 @triton.jit
 def _sample_combine_kernel(
     logits_ptr, temperature_ptr, part_ptr, token_ptr, logprob_ptr, stride_row, num_chunks,
-    BLOCK_C: tl.constexpr, GIVEN: tl.constexpr, USE_PDL: tl.constexpr,
+    BLOCK_C: tl.constexpr, GIVEN: tl.constexpr,
 ):
     """Merges a row's chunks into its token (or, when GIVEN, reads the token from token_ptr) and the
     token's logprob."""
-    pdl_wait(USE_PDL)
     row = tl.program_id(0)
     c = tl.arange(0, BLOCK_C)
     cmask = c < num_chunks
@@ -368,12 +363,11 @@ def _launch_chunked(logits, temperature, tokens, logprobs, seeds=None, positions
     _sample_chunk_kernel[(num_rows, num_chunks)](
         logits, temperature, seeds if noise else tokens, positions if noise else tokens, parts, logits.stride(0),
         vocab, num_chunks, CHUNK=_CHUNK, BLOCK_V=min(1024, _CHUNK), LIBDEVICE_LOG=logits.is_cuda, NOISE=noise,
-        num_warps=4, USE_PDL=use_pdl(logits), launch_pdl=use_pdl(logits),
+        num_warps=4,
     )
     _sample_combine_kernel[(num_rows,)](
         logits, temperature, parts, tokens, logprobs, logits.stride(0), num_chunks,
         BLOCK_C=triton.next_power_of_2(num_chunks), GIVEN=not noise, num_warps=1,
-        USE_PDL=use_pdl(logits), launch_pdl=use_pdl(logits),
     )
 
 

@@ -69,11 +69,6 @@ class EngineConfig:
     every projection and the LM head as Triton matrix-vector kernels, the residual add + RMSNorm before qkv and
     gate_up and the SiLU-and-mul before down folded in (kernels/gemv.py), instead of cuBLAS and separate
     kernels. 0 turns them off; at most 8 (each extra row costs the kernels about a weight read more)."""
-    programmatic_launch: bool = True
-    """CUDA, compute capability 9.0 and later: the Triton kernels of a decode step (matrix-vector products, norms,
-    rotary + KV store, attention, sampling) launch with programmatic dependent launch: each is launched as
-    soon as the programs of the one before it have exited and waits on the device for their writes (kernels/pdl.py).
-    Changes no arithmetic; the switch is process-wide (the last engine built in a process sets it)."""
     seed: int = 0
     """Seeds the engine's generator for requests without their own seed."""
     tensor_parallel_size: int = 1

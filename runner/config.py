@@ -53,7 +53,6 @@ class RunnerConfig:
     gpu_memory_utilization: float = 0.9
     enforce_eager: bool = False
     fused_gemv_rows: int = 1
-    programmatic_launch: bool = True
     seed: int = 0
     tensor_parallel_size: int = 1
     tp_sampling: str = "sharded"

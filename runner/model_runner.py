@@ -134,9 +134,6 @@ class ModelRunner:
         )
         self.load_seconds = time.perf_counter() - start
         """Seconds the weight load took (`load_model`: on CUDA until the weights are in place)."""
-        if self.device.type == "cuda":
-            from kernels.pdl import set_programmatic_launch
-            set_programmatic_launch(config.programmatic_launch)
         set_gemv_rows = getattr(self.model, "set_gemv_rows", None)  # optional (runner/models/interface.py)
         if self.device.type == "cuda" and not config.deterministic and set_gemv_rows is not None:
             set_gemv_rows(config.fused_gemv_rows)
