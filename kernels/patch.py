@@ -2,10 +2,11 @@
 session's patch groups, `weight_updates/session.py`).
 
 A session's patches of one engine dtype are laid end to end: their index streams (delta gaps, see
-`weight_updates/encoding.py`), values (new bits, or int8 bit deltas with escapes) and overflow values. The
-host cuts every patch into blocks of at most ``BLOCK`` elements (no block straddles two patches) and
-describes each block in one row of an int64 table (``COLUMNS``: its elements, its patch's size, live
-tensor address and overflow / escape ranges). Then:
+`weight_updates/encoding.py`), values (new bits, or int8 bit deltas with escapes) and overflow values. Every
+patch is cut into blocks of at most ``BLOCK`` elements (no block straddles two patches), each described by one
+row of an int64 table (``COLUMNS``: its elements, its patch's size, live tensor address and overflow / escape
+ranges) that ``block_table`` builds on the device from the patches' counts (the host only counts the blocks
+of each patch, ``blocks_per_patch``). Then:
 
 1. ``block_counts``: per block, the sum of its plain gaps, its escaped gaps, its gaps < 0 and its escaped
    deltas (one read of the 1-, 2- or 4-byte gaps and of the 1-byte deltas).
