@@ -17,11 +17,13 @@
 #                                     tool returns at most 8 files)
 #   bash bench/gpu_round.sh measure   the real-size figures: bench/scale.py at 8B and 0.5B, bench/moe.py,
 #                                     bench/lora.py --profile, into four JSON-lines files and one log
+#   bash bench/gpu_round.sh decode    the batch-1/2 MoE decode path in the whole engine (off vs on), the LoRA
+#                                     kernels alone and in the engine, and the 8B weight sync (< 8 min)
 # Logs and JSON lines go under $OUT (default ./gpu_out).
 set -uo pipefail
 OUT=${OUT:-gpu_out}
 mkdir -p "$OUT"
-export PYTHONPATH=. PYTHONUNBUFFERED=1 TOKENIZERS_PARALLELISM=false
+export PYTHONPATH=${PYTHONPATH:+$PYTHONPATH:}. PYTHONUNBUFFERED=1 TOKENIZERS_PARALLELISM=false
 nvidia-smi --query-gpu=name,memory.total,clocks.sm,clocks.mem --format=csv,noheader | tee "$OUT/gpu.txt"
 python3 -c "import torch, triton, transformers; print(torch.__version__, triton.__version__, transformers.__version__)" | tee -a "$OUT/gpu.txt"
 case "${1:-tests}" in
@@ -85,6 +87,15 @@ case "${1:-tests}" in
     timeout 180 python3 bench/moe.py --device cuda --hf-batches 1 > "$OUT/moe.jsonl" 2>> "$OUT/measure.log"
     timeout 130 python3 bench/lora.py --device cuda --profile > "$OUT/lora.jsonl" 2>> "$OUT/measure.log"
     grep -i -B2 -A3 "error\|traceback" "$OUT/measure.log" | tail -20
+    ;;
+  decode)
+    timeout 130 python3 bench/profile_decode.py --shape qwen3-30b-a3b --batch 1 --batch 2 --moe-decode off \
+      --moe-decode on --steps 32 > "$OUT/moe_decode.jsonl" 2>> "$OUT/decode.log"
+    timeout 70 python3 bench/lora_kernels.py > "$OUT/lora_kernels.jsonl" 2>> "$OUT/decode.log"
+    timeout 140 python3 bench/lora.py --device cuda --profile > "$OUT/lora.jsonl" 2>> "$OUT/decode.log"
+    timeout 100 python3 bench/weight_sync.py --device cuda --model 8b > "$OUT/weight_sync_8b.jsonl" 2>> "$OUT/decode.log"
+    grep -h -E '"moe_decode"|overhead|summary' "$OUT"/*.jsonl | cut -c 1-400
+    grep -i -B2 -A3 "error\|traceback" "$OUT/decode.log" | tail -20
     ;;
   tp)
     export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1
