@@ -172,7 +172,7 @@ def _check_tensor(file: Path, name: str, dtype: str, shape: tuple[int, ...], slo
 
 def _load_tensorwise(model_dir, cfg: ModelConfig, weights: "CheckpointWeights") -> tuple[set[str], int]:
     """Copy each checkpoint tensor (the rank's slice of it) from its memory-mapped safetensors slice into its slot.
-    Returns the names loaded and the bytes read; adds "fill_read" and "fill_wait" (`ChunkStager`) to `stats`."""
+    Returns the names loaded and the bytes read."""
     loaded: set[str] = set()
     nbytes = 0
     for file, name, lazy in checkpoint_tensors(model_dir, cfg.tie_word_embeddings):
@@ -196,7 +196,7 @@ def _load_chunked(model_dir, cfg: ModelConfig, weights: "CheckpointWeights", chu
     each tensor straight into its slot when the slot is a contiguous tensor of the checkpoint's dtype holding
     the bytes read (a whole tensor, or a rank's rows), else through a device staging tensor (dtype conversion,
     a rank's columns: narrowed with `CheckpointSlot.own_part`). Every header is checked before any byte is read.
-    Returns the names loaded and the bytes read."""
+    Returns the names loaded and the bytes read; adds "fill_read" and "fill_wait" (`ChunkStager`) to `stats`."""
     from runner.safetensors_io import ChunkStager, read_header
 
     plans: list[tuple[Path, list]] = []  # (file, its targets)

@@ -45,10 +45,10 @@ the checks and checksum changes are sums over the blocks; writing, rollback and 
 each. Elsewhere (the CPU, ``batched_scatter=False``, a target without ``writable_views``) torch ops decode
 the group in int64 arrays and old values are gathered and written by one indexing op per patch. On the
 host, ``add`` checks each record once and notes what phase 1 needs of it (its parameter's row, its
-counts, its place in its group); phase 1 builds every group's metadata (and block table) from those notes
-with numpy, against per-parameter arrays that the receiver builds once, and touches a record only to hand
-its tensors to the group's concatenations (one cat per run of one dtype, or one view where the parts lie
-end to end; parts without data are left out). Host syncs: one after phase 1 (every check of the session
+counts, its place in its group); phase 1 builds every group's metadata from those notes with numpy (a block
+group's block table then on the device, from the uploaded counts), against per-parameter arrays that the
+receiver builds once, and touches a record only to hand its tensors to the group's concatenations (one cat
+per run of one dtype, or one view where the parts lie end to end; parts without data are left out). Host syncs: one after phase 1 (every check of the session
 at once), one for the write, one after phase 3. Host metadata travels to the device in one pinned copy
 per session.
 
