@@ -32,7 +32,7 @@ multi-tensor gather / scatter kernels on the CPU too (run it with TRITON_INTERPR
 counts show the CUDA path's structure.
 
 Usage: python bench/weight_sync.py [--model 0.5b|1.5b|8b|records] [--device cpu|cuda] [--quick] [--host-snapshot]
-       [--profile [--batched-scatter]]
+       [--profile [--batched-scatter]] [--patch-sweep BLOCK:WARPS,...]
 """
 
 import argparse
@@ -244,6 +244,24 @@ def in_process_round(specs, w0, w1, device: torch.device, quiet: bool):
     return patch, dense, dense_nr, equal, snapshot_bytes
 
 
+def patch_sweep(spec: str, specs, w0, w1, device: torch.device, dense_update_s: float) -> None:
+    """The in-process patch push with each (elements per program, decode warps) of ``spec`` ("2048:4,1024:8"):
+    a warm-up round, then the best of two, against the dense update of the main rounds (``dense_update_s``)."""
+    import kernels.patch as kp
+
+    default = kp.BLOCK, kp.DECODE_WARPS
+    try:
+        for item in spec.split(","):
+            kp.BLOCK, kp.DECODE_WARPS = (int(v) for v in item.split(":"))
+            rounds = [in_process_round(specs, w0, w1, device, quiet=True) for _ in range(3)][1:]
+            best = min((r[0] for r in rounds), key=lambda r: r["apply_verify_s"])
+            emit(event="patch_sweep", block=kp.BLOCK, decode_warps=kp.DECODE_WARPS, bitwise_equal=all(r[3] for r in rounds),
+                 **{k: best[k] for k in ("validate_s", "apply_s", "verify_s", "apply_verify_s")},
+                 over_dense_update=round(best["apply_verify_s"] / dense_update_s, 4))
+    finally:
+        kp.BLOCK, kp.DECODE_WARPS = default
+
+
 def host_snapshot_round(specs, w0, w1, device: torch.device) -> dict:
     """The trainer's snapshot in host memory (``TrainerBridge``'s default ``snapshot_device="cpu"``): the weights
     (on ``device``) are diffed on the CPU against it and the patch's records, in host memory, are staged onto
@@ -363,6 +381,9 @@ def main() -> None:
                         help="also profile one more in-process round and print its top operators and op counts (JSON lines)")
     parser.add_argument("--batched-scatter", action="store_true",
                         help="use the block kernels of patch sessions on the CPU too (needs TRITON_INTERPRET=1)")
+    parser.add_argument("--patch-sweep", default=None, metavar="BLOCK:WARPS,...",
+                        help="also time the patch push with the block kernels' elements per program and decode warps "
+                             "set to each pair (kernels.patch.BLOCK / DECODE_WARPS; CUDA), e.g. 1024:4,2048:8")
     parser.add_argument("--host-snapshot", action="store_true",
                         help="also time a patch push diffed against a trainer snapshot in host memory")
     args = parser.parse_args()
@@ -392,12 +413,16 @@ def main() -> None:
          receiver_patch_rollback_bytes=patch["rollback_bytes"],
          session_peak_extra_bytes={m: r["session_peak_extra_bytes"] for m, r in
                                    (("patch", patch), ("dense", dense), ("dense_no_rollback", dense_nr))})
+    if args.patch_sweep:
+        patch_sweep(args.patch_sweep, specs, w0, w1, device, dense["apply_verify_s"])
     host_patch = host_snapshot_round(specs, w0, w1, device) if args.host_snapshot else None
     if args.profile:
         profile_round(specs, w0, w1, device)
         count_round(specs, w0, w1, device, True if args.batched_scatter else None)
 
-    # Rank-local IPC to a spawned rollout process that also starts from w0.
+    # Rank-local IPC to a spawned rollout process that also starts from w0 (the rounds' memory given back first).
+    if device.type == "cuda":
+        torch.cuda.empty_cache()
     ctx = mp.get_context("spawn")
     trainer_end, rollout_end = ctx.Pipe()
     proc = ctx.Process(target=rollout_process, args=(rollout_end, shapes, args.device))

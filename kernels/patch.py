@@ -35,7 +35,9 @@ import triton.language as tl
 
 from kernels.common import SIGNED_VIEW
 
-BLOCK = 2048  # elements per program
+BLOCK = 2048  # elements per program (read when a session plans its blocks; bench/weight_sync.py --patch-sweep)
+DECODE_WARPS = 4  # warps per decode program
+WIDE_NUMEL = 1 << 31  # members of this many elements or more make a run's decode scans int64 (int32 below)
 
 # Columns of the block table (int64 [B, NCOL]), all filled on the device from the patches' counts (``block_table``); ``block_starts``
 # then rewrites index_base, ovf_pos and esc_pos on the device. start / end: the block's elements, counted
@@ -59,9 +61,11 @@ def _typed(addr, ELEM: tl.constexpr):
 
 
 @triton.jit
-def _gaps(gaps_ptr, offs, mask, GAP_BITS: tl.constexpr):
-    """[BLOCK] int64 gaps (0 = escape) of a stream stored as signed integers of GAP_BITS bits."""
-    g = tl.load(gaps_ptr + offs, mask=mask, other=1).to(tl.int64)
+def _gaps(gaps_ptr, offs, mask, GAP_BITS: tl.constexpr, WIDE: tl.constexpr = True):
+    """[BLOCK] gaps (0 = escape) of a stream stored as signed integers of GAP_BITS bits: int64, or int32 unless WIDE
+    (a 4-byte gap is then taken as stored: a valid one is below 2**31)."""
+    g = tl.load(gaps_ptr + offs, mask=mask, other=1)
+    g = g.to(tl.int64) if WIDE else g.to(tl.int32)
     if GAP_BITS < 32:
         g = g & ((1 << GAP_BITS) - 1)  # uint8 / uint16 gaps, read through a signed view
     return g
@@ -89,7 +93,7 @@ def _counts_kernel(table_ptr, gaps_ptr, deltas_ptr, out_ptr, block0, shift,
 @triton.jit
 def _decode_kernel(table_ptr, gaps_ptr, overflow_ptr, values_ptr, escapes_ptr, idx_ptr, old_ptr, new_ptr, terms_ptr,
                    block0, shift, NCOL: tl.constexpr, GAP_BITS: tl.constexpr, DELTA: tl.constexpr,
-                   ELEM: tl.constexpr, BLOCK: tl.constexpr, CHUNK_BITS: tl.constexpr):
+                   ELEM: tl.constexpr, BLOCK: tl.constexpr, CHUNK_BITS: tl.constexpr, WIDE: tl.constexpr):
     b = block0 + tl.program_id(0).to(tl.int64)
     row = table_ptr + b * NCOL
     start = tl.load(row + 0)
@@ -103,22 +107,29 @@ def _decode_kernel(table_ptr, gaps_ptr, overflow_ptr, values_ptr, escapes_ptr, i
     esc_pos = tl.load(row + 8)
     offs = start + tl.arange(0, BLOCK)
     mask = offs < end
-    g = _gaps(gaps_ptr, offs - shift, mask, GAP_BITS)
+    # The scans run in int32 unless a member has 2**31 elements or more (WIDE): within a block of a valid stream
+    # the escape ranks stay below BLOCK and the gaps' running sum below numel. A malformed stream may wrap; its
+    # indices are clamped into bounds all the same, and the checks come from block_counts' int64 sums.
+    g = _gaps(gaps_ptr, offs - shift, mask, GAP_BITS, WIDE)
     escaped = (g == 0) & mask
-    rank = tl.cumsum(escaped.to(tl.int64), 0)  # escapes up to and including each element
+    rank = tl.cumsum(escaped.to(tl.int32), 0)  # escapes up to and including each element
     at = tl.maximum(tl.minimum(ovf_pos + rank - 1, ovf_hi - 1), 0)  # in range even for a malformed stream
-    g = tl.where(escaped, tl.load(overflow_ptr + at, mask=escaped, other=1).to(tl.int64), g)
+    g = tl.where(escaped, tl.load(overflow_ptr + at, mask=escaped, other=1).to(g.dtype), g)
     g = tl.where(mask, g, 0)
-    idx = index_base + tl.cumsum(g, 0) - 1
+    idx = index_base + (tl.cumsum(g, 0) - 1).to(tl.int64)
     idx = tl.minimum(tl.maximum(idx, 0), numel - 1)  # where the checks pass this changes nothing
     old = tl.load(_typed(addr, ELEM) + idx, mask=mask, other=0)
     if DELTA:
         d = tl.load(values_ptr + offs - shift, mask=mask, other=1)  # int8
         escaped_delta = (d == 0) & mask
-        rank_delta = tl.cumsum(escaped_delta.to(tl.int64), 0)
+        rank_delta = tl.cumsum(escaped_delta.to(tl.int32), 0)
         at_delta = tl.maximum(tl.minimum(esc_pos + rank_delta - 1, esc_hi - 1), 0)
         escape = tl.load(escapes_ptr + at_delta, mask=escaped_delta, other=0)
-        new = tl.where(escaped_delta, escape, (old.to(tl.int64) + d.to(tl.int64)).to(old.dtype))  # wraps in the width
+        if ELEM == 4:
+            summed = old.to(tl.int64) + d.to(tl.int64)
+        else:
+            summed = old.to(tl.int32) + d.to(tl.int32)
+        new = tl.where(escaped_delta, escape, summed.to(old.dtype))  # wraps in the width
     else:
         new = tl.load(values_ptr + offs - shift, mask=mask, other=0)
     # w(i) = T[i mod 2**22] + 2 * (i div 2**22), T[j] = (mix32(j) mod 2**15) | 1 (weight_updates.checksum)
@@ -222,18 +233,20 @@ def block_starts(table: torch.Tensor, counts: torch.Tensor, overflow_scan: torch
 
 def decode(table: torch.Tensor, blocks: range, gaps: torch.Tensor, overflow: torch.Tensor, values: torch.Tensor,
            escapes: torch.Tensor | None, shift: int, indices: torch.Tensor, old: torch.Tensor, new: torch.Tensor,
-           terms: torch.Tensor) -> None:
+           terms: torch.Tensor, *, max_numel: int) -> None:
     """Decode one run's blocks (``table`` complete, ``block_starts``) into ``indices`` [n] int32, ``old`` and
     ``new`` [n] (the engine dtype) and ``terms`` [B] int64 (each block's checksum change). ``overflow``: [e + 1]
     the group's overflow values and one spare; ``values``: the run's new values or int8 deltas, element
-    ``shift`` first; ``escapes``: [num escapes + 1] the group's escape values and one spare (deltas only)."""
+    ``shift`` first; ``escapes``: [num escapes + 1] the group's escape values and one spare (deltas only).
+    ``max_numel``: the largest member's elements (from ``WIDE_NUMEL`` on, the scans run in int64)."""
     if not len(blocks):
         return
     delta = escapes is not None
     _decode_kernel[(len(blocks),)](
         table, _signed(gaps), overflow, values if delta else _signed(values), _signed(escapes if delta else old), indices,
         _signed(old), _signed(new), terms, blocks.start, shift, NCOL=NCOL, GAP_BITS=8 * gaps.element_size(),
-        DELTA=delta, ELEM=old.element_size(), BLOCK=BLOCK, CHUNK_BITS=22)
+        DELTA=delta, ELEM=old.element_size(), BLOCK=BLOCK, CHUNK_BITS=22, WIDE=max_numel >= WIDE_NUMEL,
+        num_warps=DECODE_WARPS)
 
 
 def block_access(table: torch.Tensor, mode: int, indices: torch.Tensor, values: torch.Tensor) -> torch.Tensor | None:

@@ -121,8 +121,11 @@ def test_layout_covers_what_it_claims():
     assert by_name["c"].indices.num_indices == 0
 
 
+@pytest.mark.parametrize("scans", ["int32", "int64"])
 @pytest.mark.parametrize("device", DEVICES)
-def test_block_path_writes_the_same_bits_as_the_torch_path(device):
+def test_block_path_writes_the_same_bits_as_the_torch_path(device, scans, monkeypatch):
+    if scans == "int64":  # the decode of members of 2**31 elements or more, on small ones
+        monkeypatch.setattr("kernels.patch.WIDE_NUMEL", 1)
     w0, w1 = _weights()
     for batched in (False, True):
         receiver, patches, _ = _push(device)

@@ -732,7 +732,8 @@ class UpdateSession:
         old, new = (torch.empty(n, dtype=plan.dtype, device=device) for _ in range(2))
         terms = torch.zeros(table.shape[0], dtype=torch.int64, device=device)  # [B] checksum change per block
         for block_range, gaps, values, delta, shift in runs:
-            decode(table, block_range, gaps, spare_overflow, values, spare_escapes if delta else None, shift, indices, old, new, terms)
+            decode(table, block_range, gaps, spare_overflow, values, spare_escapes if delta else None, shift, indices, old, new,
+                   terms, max_numel=int(columns[_NUMEL].max()))
         # per member: gap sum (last index + 1), escaped gaps, gaps < 0, escaped deltas, checksum change
         sums = segment_sums(torch.cat([counts.t(), terms[None]]), blocks)  # [k, 5]
         bad_overflow = segment_sums((overflow < 1).to(torch.int64), meta[_OVERFLOW])  # [k]
