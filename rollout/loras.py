@@ -23,8 +23,9 @@ between steps (the step in flight is finished first), and on success the engine'
 version by one. Staged one step at a time (`prepare_lora_update`: validate, write nothing; `commit_lora_update`:
 write and verify; `publish_lora_update`: the versions move; or `drop_lora_update`, which writes back what a commit
 wrote), a push holds the engine as a staged base update does: no base update, no other adapter push, no unload of
-the adapter and no sleep until it is published or dropped. Each adapter keeps the policy version its every version started at (`history`), so a token's
-adapter version follows from the policy version it was sampled under (`CompletionOutput.lora_versions`).
+the adapter and no sleep until it is published or dropped. Each adapter keeps the policy version its every
+version started at (`history`), so a token's adapter version follows from the policy version it was sampled under
+(`CompletionOutput.lora_versions`).
 
 Merged mode (`EngineConfig.lora_merged`, max_loras=1): the one loaded adapter is folded into the base weights
 (runner/lora/merged.py) instead of a slot, and its requests run the plain model path (their slot is -1). The

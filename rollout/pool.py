@@ -202,7 +202,8 @@ class _EngineWorker:
         return answer(self.engine.unload_lora, name)
 
     def lora_specs(self, name: str) -> dict[str, tuple[list[int], str]]:
-        return {n: (list(s.shape), str(s.dtype).removeprefix("torch.")) for n, s in self.engine.lora_specs(name).items()}
+        specs = self.engine.lora_specs(name)
+        return {n: (list(s.shape), str(s.dtype).removeprefix("torch.")) for n, s in specs.items()}
 
     def apply_lora_update(self, name: str, version: int, message: dict) -> dict:
         """For a restarted worker catching up (pushes go through the phases below); the UpdateResult as JSON."""
@@ -424,14 +425,15 @@ class RolloutPool:
     def load_lora(self, name: str, path: str) -> "LoraInfo":
         """`Engine.load_lora(name, path)` on every worker, all or none. Every worker reads `path` itself (a directory
         each can read: shared storage across nodes), and must keep being able to: a restarted worker reads it again.
-        If any worker refuses (a ValueError naming the field: a full `max_loras`, a rank above `max_lora_rank`, a
-        missing file) or reads another rank or modules than the others, the loads that succeeded are unloaded again
-        and a ValueError names each refusing worker; no worker then serves `name`. Returns worker 0's LoraInfo
-        (its `slot` is that worker's). A worker that dies meanwhile is restarted with the pool's adapters."""
-        self._lora_manager()
+        A relative `path` is made absolute here. If any worker refuses (a ValueError naming the field: a full
+        `max_loras`, a rank above `max_lora_rank`, a missing file) or reads another rank or modules than the others,
+        the loads that succeeded are unloaded again and a ValueError names each refusing worker; no worker then
+        serves `name`. Returns worker 0's LoraInfo (its `slot` is that worker's). A worker that dies meanwhile is
+        restarted with the pool's adapters."""
+        self._check_loras_on("load_lora")
         if name in self._loras:
             raise ValueError(f"lora_name: an adapter named {name!r} is loaded already; unload it first")
-        path = str(path)
+        path = os.path.abspath(path)  # the workers' working directory need not be this process's
         died: set[int] = set()
         replies = self._ask("load_lora", name, path, died=died)
         if len(died) == len(self.workers):
@@ -465,6 +467,8 @@ class RolloutPool:
         self._lora(name, "lora_name")
         died: set[int] = set()
         replies = self._ask("unload_lora", name, died=died)
+        if len(died) == len(self.workers):
+            raise RuntimeError(f"every pool worker is gone (at unload_lora of {name!r})")
         refused = {i: str(r["error"]) for i, r in enumerate(replies) if r is not None and not r["ok"]}
         restart = set(died)
         try:
@@ -570,7 +574,8 @@ class RolloutPool:
         import ray
         from ray.exceptions import RayActorError
 
-        refs = [None if i in died or i in skip else getattr(w, method).remote(*args) for i, w in enumerate(self.workers)]
+        refs = [None if i in died or i in skip else getattr(w, method).remote(*args)
+                for i, w in enumerate(self.workers)]
         replies: list[dict | None] = []
         for i, r in enumerate(refs):
             try:
@@ -580,15 +585,15 @@ class RolloutPool:
                 replies.append(None)
         return replies
 
-    def _lora_manager(self) -> None:
+    def _check_loras_on(self, field_name: str) -> None:
         if not self.config.engine_config().max_loras:
-            raise ValueError("this pool's workers serve no LoRA adapters (engine.max_loras is 0)")
+            raise ValueError(f"{field_name}: this pool's workers serve no LoRA adapters (engine.max_loras is 0)")
 
     def _lora(self, name: str, field_name: str) -> "LoraInfo":
         """The pool's adapter `name`; a ValueError naming `field_name` when there is none."""
         info = self._loras.get(name)
         if info is None:
-            self._lora_manager()
+            self._check_loras_on(field_name)
             loaded = f"loaded: {list(self._loras)}" if self._loras else "none is loaded"
             raise ValueError(f"{field_name}: no LoRA adapter named {name!r} is loaded in the pool ({loaded})")
         return info

@@ -117,8 +117,8 @@ def test_pool_serves_loads_swaps_and_pushes_adapters_like_one_engine(base, adapt
 
         # a load worker 1 refuses (its slots are full) is undone on worker 0: no worker serves it
         assert ray.get(pool.workers[1].load_lora.remote("filler", str(adapters["b"])))["ok"]
-        with pytest.raises(ValueError, match=r"load_lora\('b', .*\) refused, loaded on no worker: worker 1: ValueError: all "
-                                             r"EngineConfig.max_loras=2 adapter slots are in use") as err:
+        with pytest.raises(ValueError, match=r"load_lora\('b', .*\) refused, loaded on no worker: worker 1: "
+                                             r"ValueError: all EngineConfig.max_loras=2 adapter slots are in use") as err:
             pool.load_lora("b", str(adapters["b"]))
         assert "worker 0" not in str(err.value)
         assert [[i.name for i in got] for got in on_workers("list_loras")] == [["a"], ["a", "filler"]]
@@ -139,7 +139,8 @@ def test_pool_serves_loads_swaps_and_pushes_adapters_like_one_engine(base, adapt
             assert (d.version, d.lora_version, d.num_dense, d.num_patch) == (p.version, p.lora_version, p.num_dense,
                                                                                  p.num_patch)
         assert dense[0].num_patch == 0 and patch[0].num_patch > 0 and patch[0].nbytes < dense[0].nbytes
-        assert (patch[0].version, patch[0].lora_version) == (2, 2) == (pool.policy_version, pool.list_loras()[0].version)
+        assert (patch[0].version, patch[0].lora_version) == (2, 2)
+        assert (pool.policy_version, pool.list_loras()[0].version) == (2, 2)
         assert on_workers("policy_version") == [2, 2]
         pushed = pool.generate(prompts, params)
         _same(pushed, local.generate(prompts, params))
@@ -193,6 +194,15 @@ def test_pool_serves_loads_swaps_and_pushes_adapters_like_one_engine(base, adapt
         _same(pool.generate(prompts, params), want)  # both shards, the restarted worker's included
         assert all(o.outputs[0].policy_versions == [3] * 8 for o in want)
         assert [o.outputs[0].lora_versions for o in want[:3]] == [[2] * 8, None, [0] * 8]
+
+        # a worker dead at a push takes no part in it and is restarted afterwards with the pushed adapter
+        ray.kill(pool.workers[1], no_restart=True)
+        perturb_lora(trainer, seed=2, fraction=0.05)
+        for bridge in (pool_bridge, local_bridge):
+            assert bridge.push_weights(trainer).lora_version == 3
+        assert pool.num_restarts == [1, 1] and on_workers("policy_version") == [4, 4]
+        assert [[(i.name, i.version) for i in got] for got in on_workers("list_loras")] == [[("a", 3), ("b", 0)]] * 2
+        _same(pool.generate(prompts, params), local.generate(prompts, params))
     finally:
         if pool is not None:
             pool.shutdown()

@@ -18,9 +18,9 @@ them up with `input_ids` for `TrainingModel.token_logprobs(..., routed_experts=.
 
 The engine behind it is a local `rollout.Engine` (same process) or a `rollout.pool.RolloutPool`; both
 offer `generate`, `weight_specs`, `apply_weight_update` and `policy_version` (with LoRA, `lora_specs` and
-`apply_lora_update`), which is all this module uses. The bridge keeps the trainer-side snapshot (the `WeightDiffer`), so each push after the first is a
-sparse patch wherever that is smaller. It does not compute losses or rewards, and does not own the
-optimizer: see `trainer_bridge.grpo` / `trainer_bridge.ppo`.
+`apply_lora_update`), which is all this module uses. The bridge keeps the trainer-side snapshot (the
+`WeightDiffer`), so each push after the first is a sparse patch wherever that is smaller. It does not compute
+losses or rewards, and does not own the optimizer: see `trainer_bridge.grpo` / `trainer_bridge.ppo`.
 """
 
 from __future__ import annotations
