@@ -494,6 +494,33 @@ class Engine:
         Returns the session's result (its `version` is the adapter's)."""
         return self._lora_manager().apply(name, updates, version)
 
+    def prepare_lora_update(self, name: str, updates, version: int | None = None) -> None:
+        """`apply_lora_update` staged for peers that must agree (the workers of a `RolloutPool`), as
+        `prepare_weight_update` stages a base update: validate every record, write nothing (a ValueError, and nothing
+        staged, if refused); then `commit_lora_update()` and `publish_lora_update()`, or `drop_lora_update()` at any
+        point before publishing. While it is staged the engine takes no base update, no other push, no unload of the
+        adapter and no sleep, and must not step between commit and publish."""
+        self._lora_manager().prepare(name, updates, version)
+
+    def commit_lora_update(self) -> None:
+        """Write and verify the staged adapter push; the versions do not move yet. A failure writes the old values
+        back, leaves nothing staged and raises."""
+        self._lora_manager().commit()
+
+    def publish_lora_update(self) -> "UpdateResult":
+        """Make the committed adapter push current: the adapter's version and `policy_version` move by one."""
+        return self._lora_manager().publish()
+
+    def drop_lora_update(self) -> str:
+        """Drop the staged adapter push, writing back what its commit wrote; what was restored, in words ("nothing
+        staged" if no push is)."""
+        return self._lora_manager().drop()
+
+    def export_lora(self, name: str) -> list:
+        """Every A / B tensor of adapter `name` as a full `Dense` record in PEFT's names (copies), e.g. to bring
+        another engine's load of the same adapter to its pushed weights (`apply_lora_update`)."""
+        return self._lora_manager().export(name)
+
     def _lora_manager(self):
         if self._loras is None:
             raise ValueError("this engine serves no LoRA adapters (EngineConfig.max_loras is 0)")
@@ -510,7 +537,7 @@ class Engine:
         """
         if self.has_unfinished_requests():
             raise ValueError("sleep() with unfinished requests: finish or abort them first")
-        if self._weights.staged is not None:
+        if self._weights.staged is not None or (self._loras is not None and self._loras.staged is not None):
             raise ValueError("sleep() with a staged weight update: publish or drop it first")
         self._sleep.sleep(level)
 

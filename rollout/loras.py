@@ -6,6 +6,9 @@
     Engine.list_loras()                       LoraInfo of each loaded adapter
     Engine.apply_lora_update(name, updates)   Dense / Patch records of its A / B tensors (PEFT names), validated,
                                               written in place into its slot; its version moves by one
+    Engine.prepare / commit / publish / drop_lora_update
+                                              the same steps one at a time, for peers that must agree (a pool)
+    Engine.export_lora(name)                  its A / B tensors as Dense records (to bring a peer to them)
     SamplingParams(lora=name)                 a request of it (`Engine._add` calls `use`)
 
 Identity: every load gets a new load id, so an adapter unloaded and loaded again under the same name (or another
@@ -17,8 +20,12 @@ unload waits for no one because it is refused while any unfinished request holds
 Versions: an adapter's version counts its pushes (0 at load). A push is a weight update of the engine: it runs
 between steps (the step in flight is finished first), and on success the engine's `policy_version` moves by one
 (so no new request reuses prefix-cache blocks computed before it, as after a base update) and the adapter's
-version by one. Each adapter keeps the policy version its every version started at (`history`), so a token's
-adapter version follows from the policy version it was sampled under (`CompletionOutput.lora_versions`).
+version by one. Staged one step at a time (`prepare_lora_update`: validate, write nothing; `commit_lora_update`:
+write and verify; `publish_lora_update`: the versions move; or `drop_lora_update`, which writes back what a commit
+wrote), a push holds the engine as a staged base update does: no base update, no other adapter push, no unload of
+the adapter and no sleep until it is published or dropped. Each adapter keeps the policy version its every
+version started at (`history`), so a token's adapter version follows from the policy version it was sampled under
+(`CompletionOutput.lora_versions`).
 
 Merged mode (`EngineConfig.lora_merged`, max_loras=1): the one loaded adapter is folded into the base weights
 (runner/lora/merged.py) instead of a slot, and its requests run the plain model path (their slot is -1). The
@@ -41,7 +48,7 @@ from typing import TYPE_CHECKING
 
 if TYPE_CHECKING:
     from rollout.engine import Engine
-    from weight_updates import ParamSpec, UpdateResult, WeightReceiver
+    from weight_updates import Dense, ParamSpec, UpdateResult, UpdateSession, WeightReceiver
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)
@@ -105,6 +112,7 @@ class EngineLoras:
         self.loaded: dict[str, LoadedLora] = {}  # by name, in load order
         self._load_ids = itertools.count()
         self._receivers: dict[int, "WeightReceiver"] = {}  # load id -> the receiver of its pushes
+        self.staged: tuple[LoadedLora, "UpdateSession"] | None = None  # a push prepared, until published or dropped
         self.merged = None  # runner.lora.merged.MergedLora in merged mode
         if merged:
             from runner.lora.merged import MergedLora
@@ -124,10 +132,14 @@ class EngineLoras:
                              f"the adapter, or unload it first")
 
     def check_base_update(self) -> None:
-        """ValueError unless the base weights may be updated now (not while an adapter is merged into them)."""
-        if self.merged is not None and self.loaded:
-            from weight_updates import WeightUpdateError
+        """ValueError unless the base weights may be updated now (not while an adapter is merged into them, nor
+        while an adapter push is staged)."""
+        from weight_updates import WeightUpdateError
 
+        if self.staged is not None:
+            raise WeightUpdateError(f"a base weight update while a push of LoRA adapter {self.staged[0].name!r} is "
+                                    f"staged ({self.staged[1].state}): publish or drop it first")
+        if self.merged is not None and self.loaded:
             raise WeightUpdateError(f"a base weight update while adapter {self._merged_name()!r} is merged into the "
                                     f"base weights (EngineConfig.lora_merged) would mix the two: unload it first "
                                     f"(push the adapter with apply_lora_update)")
@@ -187,6 +199,9 @@ class EngineLoras:
 
     def unload(self, name: str) -> None:
         lora = self.get(name, "lora_name")
+        if self.staged is not None and self.staged[0] is lora:
+            raise ValueError(f"lora_name: a push of adapter {name!r} is staged ({self.staged[1].state}): publish or "
+                             f"drop it first")
         e = self._engine
         e._drain()  # a request that ends in the step in flight no longer holds the adapter
         users = sum(1 for req in e.scheduler.requests.values() if req.lora is lora)
@@ -205,11 +220,29 @@ class EngineLoras:
         """PEFT tensor name -> (shape, dtype) of every tensor a push to `name` may carry."""
         return dict(self._receiver(self.get(name)).specs)
 
+    def export(self, name: str) -> list["Dense"]:
+        """Every A / B tensor of adapter `name` as a Dense record (copies, PEFT names)."""
+        from weight_updates import Dense
+
+        target = self._receiver(self.get(name)).target
+        return [Dense.of(n, target.read_checkpoint_tensor(n).clone()) for n in target.checkpoint_specs()]
+
     def apply(self, name: str, updates, version: int | None) -> "UpdateResult":
+        self.prepare(name, updates, version)
+        self.commit()
+        return self.publish()
+
+    def prepare(self, name: str, updates, version: int | None) -> None:
+        """Validate a push to adapter `name` and stage it (nothing written); raises, staging nothing, if refused."""
+        from weight_updates import WeightUpdateError
+
         lora = self.get(name)
+        if self.staged is not None:
+            raise WeightUpdateError(f"a push of LoRA adapter {self.staged[0].name!r} is staged already "
+                                    f"({self.staged[1].state}): publish or drop it first")
         e = self._engine
         if e._weights.staged is not None:
-            raise ValueError("a LoRA update while a base weight update is staged: publish or drop it first")
+            raise WeightUpdateError("a LoRA update while a base weight update is staged: publish or drop it first")
         e._drain()  # tokens of the step in flight were sampled with the old adapter
         if self.merged is not None:
             e._sleep.check_awake("apply_lora_update (merged into the weights)", "weights")
@@ -217,17 +250,49 @@ class EngineLoras:
         session.start(lora.version + 1 if version is None else version)
         session.add(updates)
         session.prepare()
+        self.staged = (lora, session)
+
+    def commit(self) -> None:
+        """Write and verify the staged push (a failure writes the old values back and unstages it)."""
+        _, session = self._staged_in("commit_lora_update", "prepared")
         try:
             session.commit()
+        except BaseException:
+            self.staged = None
+            raise
         finally:
             if self.merged is not None:  # what the commit wrote (or wrote back after a failed read-back)
                 self.merged.fold_written()
+
+    def publish(self) -> "UpdateResult":
+        """Make the committed push current: the adapter's version and the engine's policy version move."""
+        lora, session = self._staged_in("publish_lora_update", "committed")
+        self.staged = None
         result = session.publish()
+        e = self._engine
         policy_version = e.policy_version + 1
         lora.version = result.version
         lora.history.append((policy_version, result.version))
         e.scheduler.on_weights_updated(policy_version)
         return result
+
+    def drop(self) -> str:
+        """Unstage the push, writing back what its commit wrote; what was restored, in words."""
+        if self.staged is None:
+            return "nothing staged"
+        (_, session), self.staged = self.staged, None
+        restored = session.rollback()
+        if self.merged is not None:
+            self.merged.fold_written()
+        return restored
+
+    def _staged_in(self, call: str, state: str) -> tuple[LoadedLora, "UpdateSession"]:
+        if self.staged is None or self.staged[1].state != state:
+            from weight_updates import WeightUpdateError
+
+            held = "nothing is staged" if self.staged is None else f"the staged push is {self.staged[1].state}"
+            raise WeightUpdateError(f"{call}() needs a staged LoRA push that is {state}; {held}")
+        return self.staged
 
     def _receiver(self, lora: LoadedLora) -> "WeightReceiver":
         receiver = self._receivers.get(lora.load_id)

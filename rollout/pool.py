@@ -8,23 +8,43 @@
                                          all validate and stage, then all commit or all drop, then publish
     pool.weight_specs(), pool.policy_version, pool.shutdown()
 
+LoRA adapters (`engine.max_loras > 0`; rollout/loras.py is one engine's side):
+
+    pool.load_lora(name, path)           every worker loads the PEFT directory (which each must be able to read);
+                                         if any refuses, or reads another rank or modules, the loads that
+                                         succeeded are undone: every worker serves the same adapters
+    pool.unload_lora(name), pool.list_loras()
+    pool.submit / generate(..., SamplingParams(lora=name))
+                                         outputs carry the adapter and its version per token, as an engine's
+    pool.apply_lora_update(name, updates), pool.lora_specs(name)
+                                         an adapter push (what `TrainerBridge(pool, lora=name).push_weights(peft_
+                                         model)` sends) in the same two phases as a base push: a record any worker
+                                         refuses (a wrong rank, an unknown module) changes no worker; on success
+                                         the adapter's version and `policy_version` move by one on every worker
+
 Failures: a worker that dies mid-rollout has its shard re-run on a live worker and is restarted from the
 checkpoint, then brought to the pool's weights (a full Dense export from a live worker, applied as a
 normal update), so no sample is lost. A weight push that one worker refuses or fails (a worker asleep
 at level 2, out of memory, a corrupt copy) leaves every worker on the old weights and version
 (`weight_updates.transports.protocol.commit_on_all`); a worker that dies during a push is restarted with
-the pool's weights afterwards. A seeded request gives the same tokens on any worker, as on a local
+the pool's weights afterwards. A restarted worker gets the pool's adapters back before it serves a request:
+each loaded again from its path, in the pool's load order, and brought to its pushed tensors by a full Dense
+export of that adapter from a live worker, applied as a push at the adapter's version (see `RolloutPool._restart`).
+The pool keeps no copy of any tensor; merged mode (`engine.lora_merged`) is refused, because a live worker's
+weights then hold its adapter. A seeded request gives the same tokens on any worker, as on a local
 engine, because seeded sampling is batch-invariant. No torch tensor is pickled: weights travel as numpy
 bytes plus JSON, samples as plain lists.
 
 Ray is imported inside the functions that need it, so `import rollout` stays free of Ray. This module
-does not choose encodings (weight_updates.differ) and does not batch requests across calls.
+does not choose encodings (weight_updates.differ), does not batch requests across calls, and does not read
+adapter files itself (each worker does).
 """
 
 from __future__ import annotations
 
 import functools
 import json
+import logging
 import os
 import time
 import warnings
@@ -37,7 +57,11 @@ from rollout.outputs import RequestOutput
 from rollout.sampling_params import SamplingParams
 
 if TYPE_CHECKING:
+    from rollout.loras import LoraInfo
     from weight_updates.transports.protocol import SendResult
+
+logger = logging.getLogger(__name__)
+
 
 @dataclass(kw_only=True, slots=True)
 class WorkerResources:
@@ -81,7 +105,9 @@ class PoolConfig:
             raise ValueError(f"max_restarts must be >= 0, got {self.max_restarts}")
         if isinstance(self.resources, dict):
             self.resources = from_mapping(WorkerResources, self.resources, "resources")
-        self.engine_config()  # unknown engine keys and bad values fail here, naming the key
+        if self.engine_config().lora_merged:  # unknown engine keys and bad values fail here, naming the key
+            raise ValueError("engine.lora_merged is not offered by RolloutPool (a restarted worker copies a live "
+                             "worker's weights, which then hold the merged adapter): use adapter slots (max_loras)")
         self.default_sampling()
 
     def engine_config(self) -> EngineConfig:
@@ -158,6 +184,55 @@ class _EngineWorker:
         """Every parameter as Dense records, in the same message format as `apply_update` takes."""
         return _pack(self.engine.export_weights())
 
+    def policy_version(self) -> int:
+        return self.engine.policy_version
+
+    # LoRA adapters. Loads, unloads and the phases of a push return an `answer`, so the pool hears every worker.
+    def list_loras(self) -> list:
+        return self.engine.list_loras()
+
+    def load_lora(self, name: str, path: str) -> dict:
+        from weight_updates.transports.protocol import answer
+
+        return answer(self.engine.load_lora, name, path)
+
+    def unload_lora(self, name: str) -> dict:
+        from weight_updates.transports.protocol import answer
+
+        return answer(self.engine.unload_lora, name)
+
+    def lora_specs(self, name: str) -> dict[str, tuple[list[int], str]]:
+        specs = self.engine.lora_specs(name)
+        return {n: (list(s.shape), str(s.dtype).removeprefix("torch.")) for n, s in specs.items()}
+
+    def apply_lora_update(self, name: str, version: int, message: dict) -> dict:
+        """For a restarted worker catching up (pushes go through the phases below); the UpdateResult as JSON."""
+        return self.engine.apply_lora_update(name, _records(message), version).to_json()
+
+    def prepare_lora_update(self, name: str, version: int, message: dict) -> dict:
+        from weight_updates.transports.protocol import answer
+
+        return answer(lambda: self.engine.prepare_lora_update(name, _records(message), version))
+
+    def commit_lora_update(self) -> dict:
+        from weight_updates.transports.protocol import answer
+
+        return answer(self.engine.commit_lora_update)
+
+    def publish_lora_update(self) -> dict:
+        from weight_updates.transports.protocol import answer
+
+        return answer(lambda: self.engine.publish_lora_update().to_json())
+
+    def drop_lora_update(self) -> dict:
+        from weight_updates.transports.protocol import answer
+
+        return answer(self.engine.drop_lora_update)
+
+    def export_lora(self, name: str) -> dict:
+        """Adapter `name`'s A / B tensors as Dense records, in the message format `apply_lora_update` takes."""
+        return _pack(self.engine.export_lora(name))
+
 
 def _records(message: dict) -> list:
     """The records of a message made by `_pack`: views into its (read-only) array."""
@@ -202,7 +277,7 @@ class PendingRollout:
 
 class RolloutPool:
     """Engine workers as Ray actors; offers generate / weight_specs / apply_weight_update / policy_version /
-    sleep / wake_up."""
+    sleep / wake_up, and the LoRA calls load_lora / unload_lora / list_loras / lora_specs / apply_lora_update."""
 
     def __init__(self, config: PoolConfig) -> None:
         import ray
@@ -222,6 +297,8 @@ class RolloutPool:
         self.workers = [self._spawn() for _ in range(config.num_workers)]
         ray.get([w.ready.remote() for w in self.workers])
         self._version = 0
+        self._base_updated = False  # whether a base push happened (a restarted worker then copies the weights)
+        self._loras: dict[str, "LoraInfo"] = {}  # what every worker serves, in load order; versions as pushed
         self.num_restarts = [0] * config.num_workers
         self._specs = None
 
@@ -274,6 +351,9 @@ class RolloutPool:
         params = list(params)
         if len(params) != len(prompts):
             raise ValueError(f"got {len(params)} SamplingParams for {len(prompts)} prompts")
+        for p in params:  # refused here, before any shard is sent
+            if p.lora is not None:
+                self._lora(p.lora, "SamplingParams.lora")
         size = -(-len(prompts) // len(self.workers)) if prompts else 1
         shards = [
             _Shard(start=s, prompts=prompts[s : s + size], params=params[s : s + size])
@@ -317,7 +397,6 @@ class RolloutPool:
         takes no part in it and is restarted afterwards with the pool's weights.
         """
         import ray
-        from ray.exceptions import RayActorError
 
         from weight_updates import UpdateResult
         from weight_updates.transports.protocol import SendResult, commit_on_all
@@ -329,23 +408,135 @@ class RolloutPool:
         died: set[int] = set()
 
         def run(step: str) -> list[dict | None]:
-            """`step` on every live worker at once; per worker its answer, None once it died."""
-            args = (version, ref) if step == "prepare" else ()
-            refs = [None if i in died else getattr(w, f"{step}_update").remote(*args) for i, w in enumerate(self.workers)]
-            replies: list[dict | None] = []
-            for i, r in enumerate(refs):
-                try:
-                    replies.append(None if r is None else ray.get(r))
-                except RayActorError:
-                    died.add(i)
-                    replies.append(None)
-            return replies
+            return self._ask(f"{step}_update", *((version, ref) if step == "prepare" else ()), died=died)
 
         try:
             published = commit_on_all(version, run)
             self._version = version
+            self._base_updated = True
         finally:
             if len(died) < len(self.workers):  # restarted after the others published or dropped: they copy the pool's weights
+                for i in sorted(died):
+                    self._restart(i)
+        received = [UpdateResult.from_json(r["result"]) for r in published if r is not None]
+        return SendResult.of(version, updates, started, num_receivers=len(received), received=received)
+
+    # ---- LoRA adapters -------------------------------------------------------------------------------
+    def load_lora(self, name: str, path: str) -> "LoraInfo":
+        """`Engine.load_lora(name, path)` on every worker, all or none. Every worker reads `path` itself (a directory
+        each can read: shared storage across nodes), and must keep being able to: a restarted worker reads it again.
+        A relative `path` is made absolute here. If any worker refuses (a ValueError naming the field: a full
+        `max_loras`, a rank above `max_lora_rank`, a missing file) or reads another rank or modules than the others,
+        the loads that succeeded are unloaded again and a ValueError names each refusing worker; no worker then
+        serves `name`. Returns worker 0's LoraInfo (its `slot` is that worker's). A worker that dies meanwhile is
+        restarted with the pool's adapters."""
+        self._check_loras_on("load_lora")
+        if name in self._loras:
+            raise ValueError(f"lora_name: an adapter named {name!r} is loaded already; unload it first")
+        path = os.path.abspath(path)  # the workers' working directory need not be this process's
+        died: set[int] = set()
+        replies = self._ask("load_lora", name, path, died=died)
+        if len(died) == len(self.workers):
+            raise RuntimeError(f"every pool worker is gone (at load_lora of {name!r})")
+        loaded = {i: r["result"] for i, r in enumerate(replies) if r is not None and r["ok"]}
+        errors = [None if r is None or r["ok"] else str(r["error"]) for r in replies]
+        if loaded and not any(errors):  # one adapter everywhere: the same files behind `path` on every worker
+            first, info = next(iter(loaded.items()))
+            errors = [None if got is None or (got.rank, got.modules) == (info.rank, info.modules) else
+                      f"read rank {got.rank} on {list(got.modules)} from {path} where worker {first} read rank "
+                      f"{info.rank} on {list(info.modules)}: the path must hold one adapter for every worker"
+                      for got in map(loaded.get, range(len(self.workers)))]
+        restart = set(died)
+        try:
+            if any(errors):
+                undo = self._ask("unload_lora", name, skip=set(range(len(self.workers))) - loaded.keys(), died=died)
+                restart |= died | {i for i, r in enumerate(undo) if r is not None and not r["ok"]}  # to the pool's set
+                raise ValueError(f"load_lora({name!r}, {path!r}) refused, loaded on no worker: "
+                                 + "; ".join(f"worker {i}: {e}" for i, e in enumerate(errors) if e))
+            self._loras[name] = info
+        finally:
+            for i in sorted(restart):
+                self._restart(i)
+        return info
+
+    def unload_lora(self, name: str) -> None:
+        """`Engine.unload_lora(name)` on every worker. Refused (ValueError, nothing changed) when the pool has no such
+        adapter or every worker refuses; a worker that refuses while others unloaded (unfinished requests left by a
+        failed generate) is restarted, which brings it to the pool's adapters without `name`. Collect every rollout
+        that uses the adapter first: a shard re-run after a worker died would no longer find it."""
+        self._lora(name, "lora_name")
+        died: set[int] = set()
+        replies = self._ask("unload_lora", name, died=died)
+        if len(died) == len(self.workers):
+            raise RuntimeError(f"every pool worker is gone (at unload_lora of {name!r})")
+        refused = {i: str(r["error"]) for i, r in enumerate(replies) if r is not None and not r["ok"]}
+        restart = set(died)
+        try:
+            if len(refused) == len(self.workers) - len(died) and refused:
+                raise ValueError(f"unload_lora({name!r}) refused by every worker, unloaded nowhere: "
+                                 + "; ".join(f"worker {i}: {e}" for i, e in refused.items()))
+            del self._loras[name]
+            restart |= refused.keys()
+            for i, e in refused.items():
+                logger.warning("pool worker %d refused unload_lora(%r) (%s): restarting it without the adapter", i,
+                               name, e)
+        finally:
+            for i in sorted(restart):
+                self._restart(i)
+
+    def list_loras(self) -> list["LoraInfo"]:
+        """The adapters every worker serves, in load order, with their versions (`slot`: worker 0's at the load)."""
+        return list(self._loras.values())
+
+    def lora_specs(self, name: str) -> dict:
+        """PEFT tensor name -> ParamSpec of every tensor a push to adapter `name` may carry (`Engine.lora_specs`)."""
+        import ray
+        import torch
+
+        from weight_updates import ParamSpec
+
+        self._lora(name, "lora")
+        raw = ray.get(self.workers[0].lora_specs.remote(name))
+        return {n: ParamSpec(tuple(shape), getattr(torch, dtype)) for n, (shape, dtype) in raw.items()}
+
+    def apply_lora_update(self, name: str, updates, version: int | None = None) -> "SendResult":
+        """Push Dense / Patch records of adapter `name`'s A / B tensors (PEFT names, `lora_specs`) to every worker as
+        one Ray object, in the two phases of `apply_weight_update`: every worker validates and stages it
+        (`Engine.prepare_lora_update`), then all commit it or all drop it, then all publish. `version`, the adapter's
+        new version, defaults to its current one + 1; on success every worker's adapter holds it and every worker's
+        `policy_version` (and the pool's) moves by one. Returns a `SendResult` whose `version` is the adapter's.
+
+        Raises a WeightUpdateError (a ValueError) naming the adapter and each worker that refused or failed it (a
+        wrong rank or shape, an unknown module); every worker then holds the adapter's tensors and versions it had.
+        A worker that dies during the push is restarted afterwards with the pool's adapters."""
+        import dataclasses
+
+        import ray
+
+        from weight_updates import UpdateResult, WeightUpdateError
+        from weight_updates.transports.protocol import SendResult, commit_on_all
+
+        info = self._lora(name, "lora")
+        version = info.version + 1 if version is None else version
+        if not isinstance(version, int) or isinstance(version, bool) or version <= info.version:
+            raise ValueError(f"version must be an int > LoRA adapter {name!r}'s current version {info.version}, got "
+                             f"{version!r}")
+        started, updates = time.perf_counter(), list(updates)
+        ref = ray.put(_pack(updates))
+        died: set[int] = set()
+
+        def run(step: str) -> list[dict | None]:
+            return self._ask(f"{step}_lora_update", *((name, version, ref) if step == "prepare" else ()), died=died)
+
+        try:
+            try:
+                published = commit_on_all(version, run)
+            except WeightUpdateError as e:
+                raise WeightUpdateError(f"LoRA adapter {name!r}: {e}") from None
+            self._loras[name] = dataclasses.replace(info, version=version)
+            self._version += 1
+        finally:
+            if len(died) < len(self.workers):
                 for i in sorted(died):
                     self._restart(i)
         received = [UpdateResult.from_json(r["result"]) for r in published if r is not None]
@@ -377,8 +568,48 @@ class RolloutPool:
         shard.worker = worker
         shard.ref = self.workers[worker].generate.remote(shard.prompts, shard.params)
 
+    def _ask(self, method: str, *args, died: set[int], skip: set[int] = frozenset()) -> list[dict | None]:
+        """`method(*args)` on every worker not in `died` or `skip`, all at once; per worker its reply, None for one
+        not asked or gone (a worker that dies now is added to `died`)."""
+        import ray
+        from ray.exceptions import RayActorError
+
+        refs = [None if i in died or i in skip else getattr(w, method).remote(*args)
+                for i, w in enumerate(self.workers)]
+        replies: list[dict | None] = []
+        for i, r in enumerate(refs):
+            try:
+                replies.append(None if r is None else ray.get(r))
+            except RayActorError:
+                died.add(i)
+                replies.append(None)
+        return replies
+
+    def _check_loras_on(self, field_name: str) -> None:
+        if not self.config.engine_config().max_loras:
+            raise ValueError(f"{field_name}: this pool's workers serve no LoRA adapters (engine.max_loras is 0)")
+
+    def _lora(self, name: str, field_name: str) -> "LoraInfo":
+        """The pool's adapter `name`; a ValueError naming `field_name` when there is none."""
+        info = self._loras.get(name)
+        if info is None:
+            self._check_loras_on(field_name)
+            loaded = f"loaded: {list(self._loras)}" if self._loras else "none is loaded"
+            raise ValueError(f"{field_name}: no LoRA adapter named {name!r} is loaded in the pool ({loaded})")
+        return info
+
     def _restart(self, i: int) -> None:
-        """Replace worker i with a fresh actor holding the pool's current weights."""
+        """Replace worker i with a fresh actor holding the pool's current weights and adapters.
+
+        A live worker (the next one) is the donor. The base: its full Dense export, once a base push happened.
+        The adapters: each loaded again from its path, in the pool's load order; one pushed since its load then
+        gets the donor's export of its A / B tensors as a push at its version (so its tensors and version are the
+        donor's, whatever the files on disk hold now), and one never pushed is compared with the donor's bit for
+        bit (files changed on disk since the load: RuntimeError). Re-reading the path and copying a live worker
+        keeps the pool free of tensor copies, as for the base weights. Versions: each adapter push moves the policy
+        version by one, so the base goes first at the pool's version less the pushes restored after it (with no
+        records when the base was never pushed), and the worker ends at the pool's version."""
+        import numpy as np
         import ray
 
         if self.num_restarts[i] >= self.config.max_restarts:
@@ -386,9 +617,25 @@ class RolloutPool:
         self.num_restarts[i] += 1
         ray.kill(self.workers[i])
         worker = self._spawn()
-        if self._version > 0:
-            donor = self.workers[(i + 1) % len(self.workers)]
-            ray.get(worker.apply_update.remote(self._version, donor.export_weights.remote()))
+        donor = self.workers[(i + 1) % len(self.workers)]
+        base_version = self._version - sum(info.version > 0 for info in self._loras.values())
+        if base_version > 0:  # > 0 whenever a base push happened (each push raised the version past the ones before)
+            weights = donor.export_weights.remote() if self._base_updated else _pack([])
+            ray.get(worker.apply_update.remote(base_version, weights))
         else:
             ray.get(worker.ready.remote())
+        for info in self._loras.values():
+            reply = ray.get(worker.load_lora.remote(info.name, info.path))
+            if not reply["ok"]:
+                raise RuntimeError(f"pool worker {i} was restarted but cannot load LoRA adapter {info.name!r} again "
+                                   f"from {info.path}: {reply['error']}")
+            if info.version > 0:
+                ray.get(worker.apply_lora_update.remote(info.name, info.version, donor.export_lora.remote(info.name)))
+                continue
+            mine, theirs = ray.get([worker.export_lora.remote(info.name), donor.export_lora.remote(info.name)])
+            if mine["header"] != theirs["header"] or not np.array_equal(mine["data"], theirs["data"]):
+                raise RuntimeError(f"pool worker {i} was restarted, but LoRA adapter {info.name!r} read again from "
+                                   f"{info.path} differs from what the other workers hold (its files changed since "
+                                   f"the load): unload it and load it again")
+        assert ray.get(worker.policy_version.remote()) == self._version, (i, self._version)
         self.workers[i] = worker

@@ -9,17 +9,18 @@
 LoRA: `TrainerBridge(engine, lora=name)` rolls out with the engine's adapter `name` (unless a rollout's sampling names
 another) and pushes only the adapter: `push_weights(peft_model)` (or its adapter state dict, PEFT's names with or
 without the adapter segment) sends its lora_A / lora_B tensors, dense the first time and then as patches, into the
-adapter's slot (`Engine.apply_lora_update`), which validates them all before writing.
+adapter's slot (`Engine.apply_lora_update`; a `RolloutPool`'s does the same on every worker, all or none), which
+validates them all before writing.
 
 MoE routing replay (R3): with `routed_experts` on (the default when the engine's model routes), every sample
 carries the experts the rollout chose at each of its input positions, and `PaddedBatch.routed_experts` lines
 them up with `input_ids` for `TrainingModel.token_logprobs(..., routed_experts=...)`.
 
 The engine behind it is a local `rollout.Engine` (same process) or a `rollout.pool.RolloutPool`; both
-offer `generate`, `weight_specs`, `apply_weight_update` and `policy_version`, which is all this module
-uses. The bridge keeps the trainer-side snapshot (the `WeightDiffer`), so each push after the first is a
-sparse patch wherever that is smaller. It does not compute losses or rewards, and does not own the
-optimizer: see `trainer_bridge.grpo` / `trainer_bridge.ppo`.
+offer `generate`, `weight_specs`, `apply_weight_update` and `policy_version` (with LoRA, `lora_specs` and
+`apply_lora_update`), which is all this module uses. The bridge keeps the trainer-side snapshot (the
+`WeightDiffer`), so each push after the first is a sparse patch wherever that is smaller. It does not compute
+losses or rewards, and does not own the optimizer: see `trainer_bridge.grpo` / `trainer_bridge.ppo`.
 """
 
 from __future__ import annotations
@@ -269,7 +270,7 @@ class TrainerBridge:
     (`SamplingParams.return_routed_experts`), and its samples and padded batches carry them. None: on when the
     engine (or pool) says its model routes (`routed_experts_shape`).
 
-    `lora` (a local `Engine` with the adapter loaded): the bridge trains that LoRA adapter. Rollouts sample with it
+    `lora` (an `Engine` or a `RolloutPool` with the adapter loaded): the bridge trains that LoRA adapter. Rollouts sample with it
     (a `sampling.lora` of its own wins) and pushes carry only its A / B tensors (see `push_weights`).
     """
 
@@ -287,7 +288,7 @@ class TrainerBridge:
         """The engine's LoRA adapter this bridge rolls out with and pushes to; None: the base weights."""
         if lora is not None:
             if not hasattr(engine, "apply_lora_update"):
-                raise ValueError(f"lora needs a local Engine (pushes go into its adapter slot), got "
+                raise ValueError(f"lora needs an Engine or a RolloutPool (pushes go into the adapter's slot), got "
                                  f"{type(engine).__name__}")
             if rank_local:
                 raise ValueError("lora and rank_local cannot be combined: an adapter push goes to the engine's slot")
