@@ -54,7 +54,8 @@ def configs(sweep: bool) -> tuple[dict, dict]:
                   "w8": LoraKernelConfig(num_warps=8),
                   "two_groups2": LoraKernelConfig(fused=False, groups_per_tile_row=2),
                   "split256": LoraKernelConfig(split_k_chunk=256, max_split_k=64)}
-        overlapped |= {"overlap_groups2": LoraKernelConfig(groups_per_tile_row=2),
+        overlapped |= {"overlap_groups1": LoraKernelConfig(groups_per_tile_row=1),
+                       "overlap_groups2": LoraKernelConfig(groups_per_tile_row=2),
                        "overlap_bn256_w8": LoraKernelConfig(block_n=256, num_warps=8)}
     return named, overlapped
 
