@@ -91,7 +91,7 @@ case "${1:-tests}" in
   decode)
     timeout 130 python3 bench/profile_decode.py --shape qwen3-30b-a3b --batch 1 --batch 2 --moe-decode off \
       --moe-decode on --steps 32 > "$OUT/moe_decode.jsonl" 2>> "$OUT/decode.log"
-    timeout 70 python3 bench/lora_kernels.py > "$OUT/lora_kernels.jsonl" 2>> "$OUT/decode.log"
+    timeout 90 python3 bench/lora_kernels.py > "$OUT/lora_kernels.jsonl" 2>> "$OUT/decode.log"
     timeout 140 python3 bench/lora.py --device cuda --profile > "$OUT/lora.jsonl" 2>> "$OUT/decode.log"
     timeout 100 python3 bench/weight_sync.py --device cuda --model 8b > "$OUT/weight_sync_8b.jsonl" 2>> "$OUT/decode.log"
     grep -h -E '"moe_decode"|overhead|summary' "$OUT"/*.jsonl | cut -c 1-400

@@ -4,13 +4,17 @@ milliseconds against a dense push of the base model. Prints one JSON line per me
 
     python bench/lora.py --device cuda          # Llama-3.1-8B shape, bf16, one GPU
     python bench/lora.py --device cuda --profile  # and per case the top kernels of one decode graph replay
+    python bench/lora.py --device cuda --lora-overlap both  # the LoRA engine with and without the overlap
     python bench/lora.py --quick                # CPU, a tiny Llama: a smoke test of the script
 
 The base weights are random (`EngineConfig(load_format="dummy")`; the model directory holds only config.json). One
 random adapter of every module (q/k/v/o/gate/up/down) is written once as a PEFT directory and loaded under
 `--loras` names (the kernels' cost does not depend on the values). The batch's requests take the distinct adapters
 round-robin. `overhead` = base tokens/s / LoRA tokens/s - 1 (the issue's target: <= 0.15 at rank 16); the LoRA
-engine with an all-base batch is reported too (its decode steps replay the graphs captured without LoRA).
+engine with an all-base batch is reported too (its decode steps replay the graphs captured without LoRA). Every
+LoRA line says which hook ran: `lora_overlap` (`EngineConfig.lora_overlap`: true, the default, each linear's
+shrink on a side stream beside its matmul; false, all of the LoRA work after the matmul); `--lora-overlap both`
+measures a LoRA engine of each kind in the same run, against the same base.
 
 `--profile` (CUDA): per case, one more batch is started and a few of its decode steps run, then the step's
 captured decode graph is replayed: its device time (`graph_replay_ms`, over 20 replays), the kernels it launches
@@ -71,12 +75,13 @@ def write_adapter(path: str, cfg: dict, rank: int) -> None:
         json.dump({"peft_type": "LORA", "r": rank, "lora_alpha": 2 * rank, "target_modules": MODULES}, f)
 
 
-def make_engine(path: str, args, max_loras: int):
+def make_engine(path: str, args, max_loras: int, lora_overlap: bool = True):
     from rollout import Engine, EngineConfig
 
     return Engine(EngineConfig(model=path, device=args.device, dtype=args.dtype, load_format="dummy",
                                max_num_seqs=args.batch, max_model_len=args.prompt_len + args.new_tokens + 16,
-                               gpu_memory_utilization=0.6, max_loras=max_loras, max_lora_rank=args.rank))
+                               gpu_memory_utilization=0.6, max_loras=max_loras, max_lora_rank=args.rank,
+                               lora_overlap=lora_overlap))
 
 
 def timed_decode(engine, args, loras: list[str | None]) -> float:
@@ -176,6 +181,8 @@ def main() -> None:
     ap.add_argument("--profile", action="store_true", help="per case, the device time and top kernels of one decode "
                     "graph replay (CUDA)")
     ap.add_argument("--top", type=int, default=14, help="kernels listed by --profile")
+    ap.add_argument("--lora-overlap", choices=("on", "off", "both"), default="on",
+                    help="EngineConfig.lora_overlap of the LoRA engine (both: one engine of each, one after the other)")
     args = ap.parse_args()
     cuda = args.device.startswith("cuda")
     if args.profile and not cuda:
@@ -206,23 +213,31 @@ def main() -> None:
         del engine
         release_memory()
 
-        engine = make_engine(model_dir, args, max_loras=num_loras)
-        t = time.perf_counter()
-        names = [f"lora{i}" for i in range(num_loras)]
-        for name in names:
-            engine.load_lora(name, adapter_dir)
-        emit(kind="lora_load", adapters=num_loras, ms_each=round(1e3 * (time.perf_counter() - t) / num_loras, 2),
-             **common)
-        for k in [0] + distinct:
-            tps = timed_decode(engine, args, names[:k] if k else [None])
-            emit(kind="decode", system="lora", loras_loaded=num_loras, distinct=k, tokens_per_s=round(tps, 1),
-                 overhead=round(base_tps / tps - 1, 4), **common)
-            if args.profile:
-                profile_graph(engine, args, names[:k] if k else [None], common, system="lora", distinct=k)
-        if len(names) > 1:
-            bench_adapter_push(engine, args, names[1], common, report=False)
-        bench_adapter_push(engine, args, names[0], common)
-        engine.close()
+        modes = {"on": [True], "off": [False], "both": [True, False]}[args.lora_overlap]
+        for run, overlap in enumerate(modes):
+            if run:
+                release_memory()
+            engine = make_engine(model_dir, args, max_loras=num_loras, lora_overlap=overlap)
+            overlap = engine.runner.lora.overlap  # what the hooks run (the runner's, from the engine's config)
+            t = time.perf_counter()
+            names = [f"lora{i}" for i in range(num_loras)]
+            for name in names:
+                engine.load_lora(name, adapter_dir)
+            emit(kind="lora_load", adapters=num_loras, ms_each=round(1e3 * (time.perf_counter() - t) / num_loras, 2),
+                 **common)
+            for k in [0] + distinct:
+                tps = timed_decode(engine, args, names[:k] if k else [None])
+                emit(kind="decode", system="lora", lora_overlap=overlap, loras_loaded=num_loras, distinct=k,
+                     tokens_per_s=round(tps, 1), overhead=round(base_tps / tps - 1, 4), **common)
+                if args.profile:
+                    profile_graph(engine, args, names[:k] if k else [None], common, system="lora", distinct=k,
+                                  lora_overlap=overlap)
+            if run == 0:  # the pushes do not depend on the hook
+                if len(names) > 1:
+                    bench_adapter_push(engine, args, names[1], common, report=False)
+                bench_adapter_push(engine, args, names[0], common)
+            engine.close()
+            del engine
 
 
 if __name__ == "__main__":

@@ -1,8 +1,9 @@
 """The LoRA kernels alone at decode: one step's 32 layers of the Llama-3.1-8B shape (qkv, o, gate_up, down; bf16),
 batch `--tokens` with `--slots` rank-`--rank` adapter slots per layer, 1 / 4 / 16 distinct adapters in the batch,
 each launch shape of `kernels.lora.LoraKernelConfig` (one launch per layer or two, tile groups, column block, warps,
-split-K chunk) and, with `--baseline FILE`, another version of kernels/lora.py (e.g. main's) in the same run.
-Prints one JSON line per measurement (CUDA only; about 40 s on an H200).
+split-K chunk), the overlapped hook (the shrink on a side stream beside the base GEMM, the expand after it: what the
+engine runs with `EngineConfig.lora_overlap`) and, with `--baseline FILE`, another version of kernels/lora.py
+(e.g. main's) in the same run. Prints one JSON line per measurement (CUDA only; about a minute on an H200).
 
     python bench/lora_kernels.py
     git show main:kernels/lora.py > bench/lora_baseline.py  # where git is; then, on the GPU:
@@ -10,12 +11,15 @@ Prints one JSON line per measurement (CUDA only; about 40 s on an H200).
 
 Each case is a CUDA graph of one step: the tile plan (`lora_batch`, once) and per layer the four base GEMMs
 (`torch.mm` against random weights, 8B's 14 GB, so the adapters' weights come from memory as in the model) each
-followed by its `add_lora`; the same graph without LoRA is the base. `step_ms`: the median replay of the graph
+followed by its `add_lora` (systems `default`, `two_launches`, ...: `overlap: false`) or, in the `overlap*` systems
+(`overlap: true`), each GEMM with its `lora_shrink_partials` forked onto a side stream before it and its
+`lora_expand_partials` joined after it; the same graph without LoRA is the base. `step_ms`: the median replay of the graph
 (`--replays` replays, best of 3 rounds); `lora_ms` = step_ms - base step_ms, `lora_us_per_hook` = lora_ms over the
 128 hooks, `overhead_of_step` = lora_ms / `--step-ms` (the engine's whole base decode step at batch 64, 5.53 ms
 measured on one H200 by `bench/lora.py --profile`; the issue's target is <= 0.15). `lora_only_ms`: a graph of the
 LoRA work alone (no GEMMs between the hooks). `bitwise_equal_to_default`: the case's outputs against the default
-config's (every config but the split-K chunk must match; the baseline too, when its arithmetic is unchanged).
+config's (every config but the split-K chunk must match, the overlapped systems included; the baseline too, when
+its arithmetic is unchanged).
 """
 
 from __future__ import annotations
@@ -25,6 +29,8 @@ import importlib.util
 import os
 import statistics
 import sys
+from collections.abc import Callable
+from typing import NamedTuple
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
@@ -36,17 +42,48 @@ LAYERS = {"qkv": (4096, (4096, 1024, 1024)), "o": (4096, (4096,)), "gate_up": (4
           "down": (14336, (4096,))}  # fused linear -> (in features, output slices), Llama-3.1-8B
 
 
-def configs(sweep: bool) -> dict:
+def configs(sweep: bool) -> tuple[dict, dict]:
+    """(name -> config of `add_lora` after the GEMM, name -> config of the overlapped halves)."""
     from kernels.lora import LoraKernelConfig
 
     named = {"default": LoraKernelConfig(), "two_launches": LoraKernelConfig(fused=False),
              "groups2": LoraKernelConfig(groups_per_tile_row=2), "bn256_w8": LoraKernelConfig(block_n=256, num_warps=8)}
+    overlapped = {"overlap": LoraKernelConfig()}
     if sweep:
         named |= {"groups8": LoraKernelConfig(groups_per_tile_row=8), "bn64": LoraKernelConfig(block_n=64),
                   "w8": LoraKernelConfig(num_warps=8),
                   "two_groups2": LoraKernelConfig(fused=False, groups_per_tile_row=2),
                   "split256": LoraKernelConfig(split_k_chunk=256, max_split_k=64)}
-    return named
+        overlapped |= {"overlap_groups1": LoraKernelConfig(groups_per_tile_row=1),
+                       "overlap_groups2": LoraKernelConfig(groups_per_tile_row=2),
+                       "overlap_bn256_w8": LoraKernelConfig(block_n=256, num_warps=8)}
+    return named, overlapped
+
+
+class Hook(NamedTuple):
+    """How a case runs LoRA: `plan(idx, num_slots)` once per step; per layer `start(x, A, plan)` before the GEMM
+    (None: nothing before it), then `finish(out, x, A, B, plan, scaling, slices, started)` after it."""
+
+    plan: Callable
+    finish: Callable
+    start: Callable | None = None
+
+
+def after_gemm(lora_batch, add_lora, **kw) -> Hook:
+    """`add_lora` (with keyword arguments `kw`) after each GEMM."""
+    return Hook(lora_batch, lambda out, x, A, B, plan, scaling, slices, started: add_lora(
+        out, x, A, B, plan, scaling, slices=slices, **kw))
+
+
+def overlapped(config) -> Hook:
+    """Each layer's shrink forked onto a side stream before its GEMM, joined by the expand after it."""
+    from kernels.lora import lora_batch, lora_expand_partials, lora_shrink_partials
+
+    side = torch.cuda.Stream(priority=-1)  # as runner/lora/runtime.py makes it
+    return Hook(lora_batch,
+                lambda out, x, A, B, plan, scaling, slices, started: lora_expand_partials(
+                    out, started, B, scaling, slices=slices),
+                lambda x, A, plan: lora_shrink_partials(x, A, plan, stream=side, config=config))
 
 
 def load_baseline(path: str):
@@ -82,15 +119,16 @@ class Step:
         self.out = {name: torch.empty(args.tokens, sum(s), dtype=dt, device=dev) for name, (_, s) in LAYERS.items()}
         self.num_slots = args.slots
 
-    def run(self, hook, gemms: bool = True) -> None:
-        plan = hook[0](self.idx, self.num_slots) if hook is not None else None
+    def run(self, hook: Hook | None, gemms: bool = True) -> None:
+        plan = hook.plan(self.idx, self.num_slots) if hook is not None else None
         for layer in self.layers:
             for name, t in layer.items():
-                out = self.out[name]
+                out, x = self.out[name], self.x[name]
+                started = hook.start(x, t["A"], plan) if hook is not None and hook.start is not None else None
                 if gemms:
-                    torch.mm(self.x[name], t["W"].t(), out=out)
+                    torch.mm(x, t["W"].t(), out=out)
                 if hook is not None:
-                    hook[1](out, self.x[name], t["A"], t["B"], plan, self.scaling, slices=t["slices"])
+                    hook.finish(out, x, t["A"], t["B"], plan, self.scaling, t["slices"], started)
 
 
 def timed_graph(step: Step, hook, args, gemms: bool = True) -> float:
@@ -149,11 +187,12 @@ def main() -> None:
                   layers=args.layers, hooks=4 * args.layers, device=torch.cuda.get_device_name())
     base_ms = timed_graph(step, None, args)
     emit(kind="lora_kernels", system="base", step_ms=round(base_ms, 4), **common)
-    hooks = {name: (lora_batch, lambda *a, config=config, **k: add_lora(*a, **k, config=config))
-             for name, config in configs(args.sweep).items()}
+    named, overlaps = configs(args.sweep)
+    hooks = {name: after_gemm(lora_batch, add_lora, config=config) for name, config in named.items()}
+    hooks |= {name: overlapped(config) for name, config in overlaps.items()}
     if args.baseline:
         old = load_baseline(args.baseline)
-        hooks["baseline"] = (old.lora_batch, old.add_lora)
+        hooks["baseline"] = after_gemm(old.lora_batch, old.add_lora)
     for distinct in [int(d) for d in args.distinct.split(",")]:
         assign(step, distinct, args)
         reference = None
@@ -164,7 +203,8 @@ def main() -> None:
             outs = torch.cat([o.flatten() for o in step.out.values()])
             reference = outs if reference is None else reference
             lora_ms = step_ms - base_ms
-            emit(kind="lora_kernels", system=name, distinct=distinct, step_ms=round(step_ms, 4),
+            emit(kind="lora_kernels", system=name, overlap=hook.start is not None, distinct=distinct,
+                 step_ms=round(step_ms, 4),
                  lora_ms=round(lora_ms, 4), lora_us_per_hook=round(1e3 * lora_ms / (4 * args.layers), 2),
                  overhead_of_step=round(lora_ms / args.step_ms, 4), lora_only_ms=round(lora_only, 4),
                  bitwise_equal_to_default=bool(torch.equal(outs, reference)), **common)

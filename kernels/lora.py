@@ -21,9 +21,18 @@ how many slots the step uses, and programs past the tiles in use stop after one 
 lower program ids and the expand programs follow them, so every shrink program is dispatched before any expand
 program (the GPU hands out a 1-D grid's blocks in id order, the assumption CUB's single-pass scan makes too) and
 a shrink program never waits on anything: the waits always end. The expand's loads of B and of the base rows
-overlap the shrink. With `fused=False` the same two parts are two launches (the second finds every counter
-complete): the fallback, bitwise equal. Each tile's counter is taken back to zero by the last expand program to
-pass it (the counter also counts the expand programs), so every launch leaves the counters as it found them.
+overlap the shrink. Each tile's counter is taken back to zero by the last expand program to pass it (the counter
+also counts the expand programs), so every launch leaves the counters as it found them.
+
+The two parts also run as two launches, bitwise equal to the one: `lora_shrink_partials` launches the shrink
+(the partials allocated on the caller's stream) and returns a `LoraPartials`; `lora_expand_partials` launches the
+expand from it. Those launches neither count nor wait: the stream orders them, and the counters stay at zero.
+Given a second stream, `lora_shrink_partials` forks the shrink onto it (that stream waits for the caller's), so
+the caller's stream can run the base layer's matmul meanwhile (the shrink needs only the layer's input), and
+`lora_expand_partials` joins it back (the caller's stream waits for it) before the expand: the LoRA work left
+after the matmul is the expand alone (runner/lora/runtime.py does this, `EngineConfig.lora_overlap`). The fork
+and the join are stream waits, which a CUDA-graph capture records as edges. `config.fused=False` is the same two
+launches on one stream.
 
 Rows of tokens without an adapter (-1, or outside the stacks) are in no tile: nothing reads or writes them (the
 public `lora_shrink` returns zeros there, `lora_expand(accumulate=False)` zeroes them). Nothing is read back to
@@ -62,7 +71,8 @@ class LoraKernelConfig:
     token's bits (they fix the shrink's sums); everything else only moves work between programs."""
 
     fused: bool = True
-    """`add_lora` in one launch (expand programs wait on the shrink's per-tile counters); False: two launches."""
+    """`add_lora` in one launch (expand programs wait on the shrink's per-tile counters); False: two launches that
+    the stream orders (`lora_shrink_partials` then `lora_expand_partials`)."""
     groups_per_tile_row: int = 4
     """Tile groups (programs along the tile axis) per BLOCK_M tokens of the step, at most the tiles there can
     be: 4 gives a decode batch of 64 sixteen groups, one tile each even when 16 adapters share it."""
@@ -288,22 +298,24 @@ def _expand_tiles(pid, part_ptr, b_ptr, out_ptr, scaling_ptr, tile_tokens_ptr, t
 @triton.jit
 def _lora_shrink_kernel(x_ptr, a_ptr, part_ptr, tile_tokens_ptr, tile_slot_ptr, arrivals_ptr, num_tile_rows, groups,
                         rows, in_features, k_per_split, stride_xt, stride_as, stride_ar, stride_pp, stride_pt,
-                        SPLITS: tl.constexpr, SYNC: tl.constexpr, FLAG_STRIDE: tl.constexpr, BLOCK_M: tl.constexpr,
-                        BLOCK_R: tl.constexpr, BLOCK_K: tl.constexpr):
+                        SPLITS: tl.constexpr, FLAG_STRIDE: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_R: tl.constexpr,
+                        BLOCK_K: tl.constexpr):
+    """The shrink alone (no arrival counts: the stream orders the expand after it)."""
     _shrink_tiles(tl.program_id(0), x_ptr, a_ptr, part_ptr, tile_tokens_ptr, tile_slot_ptr, arrivals_ptr,
                   num_tile_rows, groups, rows, in_features, k_per_split, stride_xt, stride_as, stride_ar, stride_pp,
-                  stride_pt, SPLITS, SYNC, FLAG_STRIDE, BLOCK_M, BLOCK_R, BLOCK_K)
+                  stride_pt, SPLITS, False, FLAG_STRIDE, BLOCK_M, BLOCK_R, BLOCK_K)
 
 
 @triton.jit
 def _lora_expand_kernel(part_ptr, b_ptr, out_ptr, scaling_ptr, tile_tokens_ptr, tile_slot_ptr, arrivals_ptr,
                         num_tile_rows, groups, col_blocks, blocks0, blocks1, rank, width0, width1, width2,
-                        stride_pp, stride_pt, stride_bs, stride_bn, stride_ot, SPLITS: tl.constexpr, SYNC: tl.constexpr,
+                        stride_pp, stride_pt, stride_bs, stride_bn, stride_ot, SPLITS: tl.constexpr,
                         FLAG_STRIDE: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
                         BLOCK_R: tl.constexpr, RANK_CHUNKS: tl.constexpr):
+    """The expand alone, of a shrink the stream (or a join of streams) ordered before it: no waits."""
     _expand_tiles(tl.program_id(0), part_ptr, b_ptr, out_ptr, scaling_ptr, tile_tokens_ptr, tile_slot_ptr,
                   arrivals_ptr, num_tile_rows, groups, col_blocks, blocks0, blocks1, rank, width0, width1, width2,
-                  stride_pp, stride_pt, stride_bs, stride_bn, stride_ot, SPLITS, SYNC, FLAG_STRIDE, BLOCK_M, BLOCK_N,
+                  stride_pp, stride_pt, stride_bs, stride_bn, stride_ot, SPLITS, False, FLAG_STRIDE, BLOCK_M, BLOCK_N,
                   BLOCK_R, RANK_CHUNKS)
 
 
@@ -399,35 +411,34 @@ def _expand_args(part: torch.Tensor, B: torch.Tensor, out: torch.Tensor, batch: 
     return args, sum(blocks)
 
 
-def _shrink(x: torch.Tensor, A: torch.Tensor, batch: LoraBatch, part: torch.Tensor, config: LoraKernelConfig,
-            sync: bool) -> None:
+def _shrink(x: torch.Tensor, A: torch.Tensor, batch: LoraBatch, part: torch.Tensor,
+            config: LoraKernelConfig) -> None:
     """part[split] [T, R] float32 (the adapter tokens' rows written; the others left as they were): the shrink's
-    partial sums, one launch. `sync`: count into the arrival counters (an expand with sync must follow)."""
+    partial sums, one launch on the current stream."""
     block_k = _block_k(x.dtype)
     splits, per_split = _shrink_split(x.shape[1], block_k, config)
     assert part.shape == (splits, x.shape[0], A.shape[1]) and part.stride(2) == 1, (tuple(part.shape), splits)
     groups = _tile_groups(x.shape[0], batch.num_slots, config.groups_per_tile_row)
     _lora_shrink_kernel[(splits * groups,)](
-        x, A, part, *_shrink_args(x, A, part, batch, groups, per_split), SPLITS=splits, SYNC=sync,
-        FLAG_STRIDE=_FLAG_STRIDE, BLOCK_M=BLOCK_M, BLOCK_R=_block_r(A.shape[1]), BLOCK_K=block_k,
-        num_warps=config.num_warps)
+        x, A, part, *_shrink_args(x, A, part, batch, groups, per_split), SPLITS=splits, FLAG_STRIDE=_FLAG_STRIDE,
+        BLOCK_M=BLOCK_M, BLOCK_R=_block_r(A.shape[1]), BLOCK_K=block_k, num_warps=config.num_warps)
 
 
 def _expand(part: torch.Tensor, B: torch.Tensor, batch: LoraBatch, scaling: torch.Tensor, out: torch.Tensor,
-            slices: tuple[int, ...], config: LoraKernelConfig, sync: bool) -> None:
-    """out[adapter tokens] += scaling * (the sum of part's splits) @ B[slot]^T per slice, one launch. `sync`:
-    after a `_shrink` with sync over the same batch (waits for it, and takes the counters back to zero)."""
+            slices: tuple[int, ...], config: LoraKernelConfig) -> None:
+    """out[adapter tokens] += scaling * (the sum of part's splits) @ B[slot]^T per slice, one launch on the current
+    stream, which must have the shrink that wrote `part` ordered before it."""
     groups = _tile_groups(out.shape[0], batch.num_slots, config.groups_per_tile_row)
     args, col_blocks = _expand_args(part, B, out, batch, groups, slices, config.block_n)
     _lora_expand_kernel[(col_blocks * groups,)](
-        part, B, out, scaling, *args, SPLITS=part.shape[0], SYNC=sync, FLAG_STRIDE=_FLAG_STRIDE, BLOCK_M=BLOCK_M,
+        part, B, out, scaling, *args, SPLITS=part.shape[0], FLAG_STRIDE=_FLAG_STRIDE, BLOCK_M=BLOCK_M,
         BLOCK_N=config.block_n, BLOCK_R=_block_r(B.shape[2]), RANK_CHUNKS=triton.cdiv(B.shape[2], _block_r(B.shape[2])),
         num_warps=config.num_warps)
 
 
 def _fused(x: torch.Tensor, A: torch.Tensor, part: torch.Tensor, B: torch.Tensor, batch: LoraBatch,
            scaling: torch.Tensor, out: torch.Tensor, slices: tuple[int, ...], config: LoraKernelConfig) -> None:
-    """`_shrink` then `_expand` with sync, in one launch."""
+    """`_shrink` then `_expand`, in one launch: the expand programs wait on the shrink's arrival counters."""
     block_k = _block_k(x.dtype)
     splits, per_split = _shrink_split(x.shape[1], block_k, config)
     groups = _tile_groups(x.shape[0], batch.num_slots, config.groups_per_tile_row)
@@ -440,6 +451,12 @@ def _fused(x: torch.Tensor, A: torch.Tensor, part: torch.Tensor, B: torch.Tensor
         RANK_CHUNKS=triton.cdiv(B.shape[2], _block_r(B.shape[2])), num_warps=config.num_warps)
 
 
+def _empty_partials(x: torch.Tensor, A: torch.Tensor, config: LoraKernelConfig) -> torch.Tensor:
+    """The shrink's partial sums, unset: [splits, T, R] float32 on x's device (the current stream's memory)."""
+    splits, _ = _shrink_split(x.shape[1], _block_k(x.dtype), config)
+    return torch.empty(splits, x.shape[0], A.shape[1], dtype=torch.float32, device=x.device)
+
+
 def lora_shrink(x: torch.Tensor, A: torch.Tensor, lora: torch.Tensor | LoraBatch, *,
                 config: LoraKernelConfig = DEFAULT_CONFIG) -> torch.Tensor:
     """x [T, in], A [S, R, in] (x's dtype), lora: idx [T] or its `lora_batch` -> y [T, R] float32:
@@ -447,12 +464,11 @@ def lora_shrink(x: torch.Tensor, A: torch.Tensor, lora: torch.Tensor | LoraBatch
     bits `add_lora` rounds)."""
     _check_x_a(x, A)
     batch = _as_batch(lora, x.shape[0], A.shape[0])
-    splits, _ = _shrink_split(x.shape[1], _block_k(x.dtype), config)
-    part = torch.zeros(splits, x.shape[0], A.shape[1], dtype=torch.float32, device=x.device)  # [splits, T, R]
+    part = _empty_partials(x, A, config).zero_()
     if x.shape[0]:
-        _shrink(x, A, batch, part, config, sync=False)
+        _shrink(x, A, batch, part, config)
     y = part[0]
-    for p in range(1, splits):
+    for p in range(1, part.shape[0]):
         y += part[p]
     return y
 
@@ -474,7 +490,69 @@ def lora_expand(y: torch.Tensor, B: torch.Tensor, lora: torch.Tensor | LoraBatch
     if not accumulate:
         out.zero_()
     if out.shape[0]:
-        _expand(y.unsqueeze(0), B, batch, scaling, out, slices, config, sync=False)
+        _expand(y.unsqueeze(0), B, batch, scaling, out, slices, config)
+    return out
+
+
+def _check_layer(out: torch.Tensor, x: torch.Tensor, A: torch.Tensor, B: torch.Tensor, scaling: torch.Tensor,
+                 slices: tuple[int, ...] | None) -> tuple[int, ...]:
+    """The slices, after checking one layer's out, x, A, B and scaling against each other (x and A already
+    checked by `_check_x_a`)."""
+    slices = _check_expand(B, scaling, out, slices)
+    if B.shape[0] != A.shape[0] or B.dtype != x.dtype or A.shape[1] != len(slices) * B.shape[2]:
+        raise ValueError(f"A [S, num_slices * r_max, in] and B [S, N, r_max] must agree in S, r_max and dtype; got "
+                         f"A {A.dtype} {tuple(A.shape)}, B {B.dtype} {tuple(B.shape)}, {len(slices)} slices")
+    if out.shape[0] != x.shape[0] or out.device != x.device:
+        raise ValueError(f"out must have x's {x.shape[0]} rows on x's device; got {tuple(out.shape)} on {out.device}")
+    return slices
+
+
+@dataclass(frozen=True, slots=True)
+class LoraPartials:
+    """One layer's shrink, launched by `lora_shrink_partials`, for its `lora_expand_partials`."""
+
+    part: torch.Tensor  # [splits, T, R] float32: the shrink's split-K partial sums (adapter tokens' rows only)
+    x: torch.Tensor  # [T, in]: the shrink's input, held until the expand (another stream may still read it)
+    A: torch.Tensor  # [S, R, in]
+    batch: LoraBatch
+    config: LoraKernelConfig
+    stream: torch.cuda.Stream | None  # the stream the shrink runs on when not the caller's; the expand joins it
+
+
+def lora_shrink_partials(x: torch.Tensor, A: torch.Tensor, lora: torch.Tensor | LoraBatch, *,
+                         stream: torch.cuda.Stream | None = None,
+                         config: LoraKernelConfig = DEFAULT_CONFIG) -> LoraPartials:
+    """The first half of `add_lora` (x [T, in], A [S, R, in], lora: idx [T] or its `lora_batch`): the shrink's
+    partial sums, for `lora_expand_partials`. The partials (and the tile plan, given idx) are allocated on the
+    current stream. With `stream` (a CUDA stream of x's device), that stream first waits for the current one,
+    then runs the shrink, so the current stream may go on with other work (the base layer's matmul) while it
+    does; the expand joins it back. In a CUDA-graph capture the fork and the join become the graph's edges."""
+    _check_x_a(x, A)
+    batch = _as_batch(lora, x.shape[0], A.shape[0])
+    if stream is not None and (not x.is_cuda or stream.device != x.device):
+        raise ValueError(f"stream must be a CUDA stream of x's device {x.device}; got {stream!r}")
+    part = _empty_partials(x, A, config)
+    if not x.shape[0]:
+        stream = None  # nothing to run: no fork
+    elif stream is None:
+        _shrink(x, A, batch, part, config)
+    else:
+        stream.wait_stream(torch.cuda.current_stream(x.device))
+        with torch.cuda.stream(stream):
+            _shrink(x, A, batch, part, config)
+    return LoraPartials(part=part, x=x, A=A, batch=batch, config=config, stream=stream)
+
+
+def lora_expand_partials(out: torch.Tensor, partials: LoraPartials, B: torch.Tensor, scaling: torch.Tensor, *,
+                         slices: tuple[int, ...] | None = None) -> torch.Tensor:
+    """The second half of `add_lora`: out [T, N] += each token's scaled LoRA delta from `partials`' shrink
+    (B [S, N, r_max], scaling [S] float32), on the current stream, after it waits for the shrink's stream when
+    there is one. The bits of `add_lora` with the same arguments. Returns out."""
+    if partials.stream is not None:
+        torch.cuda.current_stream(out.device).wait_stream(partials.stream)
+    slices = _check_layer(out, partials.x, partials.A, B, scaling, slices)
+    if out.shape[0]:
+        _expand(partials.part, B, partials.batch, scaling, out, slices, partials.config)
     return out
 
 
@@ -482,22 +560,14 @@ def add_lora(out: torch.Tensor, x: torch.Tensor, A: torch.Tensor, B: torch.Tenso
              scaling: torch.Tensor, *, slices: tuple[int, ...] | None = None,
              config: LoraKernelConfig = DEFAULT_CONFIG) -> torch.Tensor:
     """out [T, N] (the base layer's output) += each token's scaled LoRA delta: the shrink then the expand, in
-    one launch (`config.fused`) or two, bitwise the same as each other and as `lora_shrink` then `lora_expand`.
-    x [T, in], A [S, R, in], B [S, N, r_max], scaling [S] float32, all but scaling in one dtype. Returns out."""
+    one launch (`config.fused`) or two (`lora_shrink_partials` then `lora_expand_partials` on the current stream),
+    bitwise the same as each other and as `lora_shrink` then `lora_expand`. x [T, in], A [S, R, in],
+    B [S, N, r_max], scaling [S] float32, all but scaling in one dtype. Returns out."""
     _check_x_a(x, A)
-    slices = _check_expand(B, scaling, out, slices)
-    if B.shape[0] != A.shape[0] or B.dtype != x.dtype or A.shape[1] != len(slices) * B.shape[2]:
-        raise ValueError(f"A [S, num_slices * r_max, in] and B [S, N, r_max] must agree in S, r_max and dtype; got "
-                         f"A {A.dtype} {tuple(A.shape)}, B {B.dtype} {tuple(B.shape)}, {len(slices)} slices")
-    if out.shape[0] != x.shape[0] or out.device != x.device:
-        raise ValueError(f"out must have x's {x.shape[0]} rows on x's device; got {tuple(out.shape)} on {out.device}")
+    slices = _check_layer(out, x, A, B, scaling, slices)
     batch = _as_batch(lora, x.shape[0], A.shape[0])
+    if not config.fused:
+        return lora_expand_partials(out, lora_shrink_partials(x, A, batch, config=config), B, scaling, slices=slices)
     if x.shape[0]:
-        splits, _ = _shrink_split(x.shape[1], _block_k(x.dtype), config)
-        part = torch.empty(splits, x.shape[0], A.shape[1], dtype=torch.float32, device=x.device)  # [splits, T, R]
-        if config.fused:
-            _fused(x, A, part, B, batch, scaling, out, slices, config)
-        else:
-            _shrink(x, A, batch, part, config, sync=True)
-            _expand(part, B, batch, scaling, out, slices, config, sync=True)
+        _fused(x, A, _empty_partials(x, A, config), B, batch, scaling, out, slices, config)
     return out

@@ -6,7 +6,8 @@ row's reduction order fixed: `kernels/matmul.py` on CUDA, `kernels/matmul_ref.py
 `F.linear`. A forward of at most `gemv_rows` rows (the engine sets it on CUDA outside deterministic mode,
 `EngineConfig.fused_gemv_rows`) runs the Triton matrix-vector kernel `kernels.gemv.fused_gemv` instead. A layer
 that LoRA adapters target gets a `lora` hook (runner/lora/runtime.py), which adds each token's adapter delta to
-the output in place. Not here: tensor-parallel sharding.
+the output in place; its `start(x)` runs before the matmul, so that (on CUDA) the adapters' shrink can run on a
+side stream beside it. Not here: tensor-parallel sharding.
 """
 
 from __future__ import annotations
@@ -41,19 +42,20 @@ class Linear(nn.Module):
         self.weight = nn.Parameter(torch.empty(out_features, in_features))
         self.bias = nn.Parameter(torch.empty(out_features)) if bias else None
         self.deterministic = False
-        self.lora = None  # runner.lora.runtime.LoraHook when adapters target this layer: lora(out, x) adds them
+        self.lora = None  # runner.lora.runtime.LoraHook when adapters target this layer: lora(out, x, lora.start(x))
 
     def set_deterministic(self, deterministic: bool) -> None:
         self.deterministic = deterministic
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        partials = None if self.lora is None else self.lora.start(x)  # the LoRA shrink, beside the matmul
         if self.takes_gemv(x):
             from kernels.gemv import fused_gemv
 
             out = fused_gemv(x, self.weight, self.bias)
         else:
             out = linear(x, self.weight, self.bias, self.deterministic)
-        return out if self.lora is None else self.lora(out, x)
+        return out if self.lora is None else self.lora(out, x, partials)
 
     def takes_gemv(self, x: torch.Tensor) -> bool:
         """Whether a forward of x runs the matrix-vector kernel (see `gemv_rows`)."""

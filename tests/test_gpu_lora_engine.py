@@ -2,7 +2,8 @@
 decode graphs (captured once, before any adapter is loaded) give what eager steps give for a batch mixing the base
 and two adapters, and what peft gives, also when the adapter requests finish first and the last steps replay the
 graphs captured without LoRA; an adapter swapped under the same name and an adapter push are served by
-the same graphs (the slots are written in place); the Triton path's logits match peft's."""
+the same graphs (the slots are written in place); the Triton path's logits match peft's; `lora_overlap` on and off
+give the same tokens and logprobs, through the graphs and eagerly."""
 
 from __future__ import annotations
 
@@ -96,3 +97,26 @@ def test_graphs_serve_mixed_adapters_swaps_and_pushes(setup):
     for prompt, out in zip(PROMPTS, graphs.generate(PROMPTS, x_params)):
         assert out.outputs[0].token_ids == hf_greedy(merged, prompt, 8)
         assert out.outputs[0].lora_versions == [2] * 8
+
+
+def test_lora_overlap_on_and_off_give_the_same_tokens(setup):
+    """The overlapped hooks (shrink on the side stream beside the matmul) against the one-launch hooks after it,
+    with the decode graphs and eagerly: the same greedy tokens and the same logprobs (the kernels' bits agree)."""
+    base, adapters = setup
+    loras = [None, "x", "y", "x", "y", None, "x", "y"]
+    prompts = [PROMPTS[i % len(PROMPTS)] for i in range(len(loras))]
+    params = [SamplingParams(temperature=0, max_tokens=10, ignore_eos=True, lora=lora) for lora in loras]
+    results = {}
+    for eager in (False, True):
+        for overlap in (True, False):
+            engine = _engine(base, lora_overlap=overlap, enforce_eager=eager)
+            assert engine.runner.lora.overlap is overlap
+            assert (engine.runner.graphs is None) is eager
+            engine.load_lora("x", str(adapters["a"]))
+            engine.load_lora("y", str(adapters["c"]))
+            outs = engine.generate(prompts, params)
+            assert (engine.runner.lora._side is not None) is overlap  # the overlapped hooks ran
+            results[eager, overlap] = ([o.outputs[0].token_ids for o in outs], [o.outputs[0].logprobs for o in outs])
+            engine.close()
+        assert results[eager, True] == results[eager, False], eager
+    assert results[False, True][0] == results[True, True][0]  # graphs and eager: the same tokens

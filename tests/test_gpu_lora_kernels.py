@@ -1,7 +1,9 @@
 """The Triton LoRA kernels on CUDA in bfloat16 at real shapes (skipped without CUDA): against the torch
 reference, a token's bits independent of its batch (decode and prefill tile groups, other adapters around
 it), and a CUDA graph of the whole step's LoRA work (tile plan + shrink and expand) replaying bitwise what
-eager computes, also after the slot assignment and the inputs change (no adapter token at all; one adapter for all).
+eager computes, also after the slot assignment and the inputs change (no adapter token at all; one adapter for all);
+the overlapped halves (the shrink forked onto a side stream beside the base GEMM, the expand joined after it) in a
+captured graph replaying `add_lora`'s eager bits across slot changes, and eagerly too.
 
 Tolerance against the reference (bfloat16): the kernel and the reference sum y in float32 in different
 orders, so y's rounding to bfloat16 may differ by one ulp (2**-8 relative) in any of its entries, and the
@@ -115,3 +117,70 @@ def test_graph_replay_equals_eager_bitwise_across_slot_changes(num_tokens):
                          slices=QKV)
         assert torch.equal(replayed, eager), trial
         assert not (idx < 0).all() or torch.equal(replayed, base)
+
+
+LLAMA_8B = {"qkv": (4096, QKV), "o": (4096, (4096,)), "gate_up": (4096, (14336, 14336)), "down": (14336, (4096,))}
+
+
+@pytest.mark.parametrize("num_tokens", [64, 256])
+def test_overlapped_halves_in_a_graph_replay_eager_add_lora_across_slot_changes(num_tokens):
+    """A step of the 8B shapes as the overlapped hook runs it (per layer: the shrink forked onto a side stream, the
+    base GEMM and a copy on the capturing stream, the expand joined after them), captured once and replayed with new
+    slot assignments, inputs and an adapter swapped in place: each output equals eager `add_lora` (one launch,
+    after the GEMM) on the graph's own GEMM output, bitwise, and the arrival counters stay at zero. The same halves
+    run eagerly give the same bits."""
+    from kernels.lora import add_lora, lora_batch, lora_expand_partials, lora_shrink_partials
+
+    g = torch.Generator().manual_seed(20 + num_tokens)
+    num_slots = 16
+    layers = {}
+    for name, (in_features, slices) in LLAMA_8B.items():
+        A, B, scaling = _stacks(g, num_slots, in_features, slices, 16, ranks=(16, 8))
+        W = (torch.randn(sum(slices), in_features, generator=g) / in_features**0.5).to("cuda", torch.bfloat16)
+        layers[name] = (W, A, B, scaling, slices)
+    xs = {name: torch.randn(num_tokens, LLAMA_8B[name][0], generator=g).to("cuda", torch.bfloat16) for name in layers}
+    gemm = {name: torch.empty(num_tokens, sum(LLAMA_8B[name][1]), dtype=torch.bfloat16, device="cuda")
+            for name in layers}  # the graph's base outputs
+    outs = {name: torch.empty_like(t) for name, t in gemm.items()}
+    idx = torch.randint(-1, num_slots, (num_tokens,), generator=g, dtype=torch.int32).cuda()
+    side = torch.cuda.Stream(priority=-1)
+    plan = []
+
+    def step():
+        batch = lora_batch(idx, num_slots)
+        plan[:] = [batch]
+        for name, (W, A, B, scaling, slices) in layers.items():
+            partials = lora_shrink_partials(xs[name], A, batch, stream=side)
+            torch.mm(xs[name], W.t(), out=gemm[name])
+            outs[name].copy_(gemm[name])
+            lora_expand_partials(outs[name], partials, B, scaling, slices=slices)
+
+    stream = torch.cuda.Stream()
+    stream.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(stream):
+        step()  # compiles outside the capture
+    torch.cuda.current_stream().wait_stream(stream)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        step()
+    captured = plan[0]
+    for trial, fill in enumerate((None, 3, -1, None, None)):
+        if fill is None:
+            idx.copy_(torch.randint(-1, num_slots, (num_tokens,), generator=g, dtype=torch.int32))
+        else:
+            idx.fill_(fill)
+        for x in xs.values():
+            x.copy_(torch.randn(x.shape, generator=g))
+        layers["qkv"][1][trial].mul_(-1)  # an adapter swapped in place
+        graph.replay()
+        torch.cuda.synchronize()
+        for name, (W, A, B, scaling, slices) in layers.items():
+            eager = add_lora(gemm[name].clone(), xs[name], A, B, idx, scaling, slices=slices)
+            assert torch.equal(outs[name], eager), (trial, name)
+            if fill == -1:
+                assert torch.equal(outs[name], gemm[name])
+        assert not captured.arrivals.any()
+        step()  # the halves eagerly, on the default stream and the side stream
+        for name, (W, A, B, scaling, slices) in layers.items():
+            assert torch.equal(outs[name], add_lora(gemm[name].clone(), xs[name], A, B, idx, scaling,
+                                                    slices=slices)), (trial, name)

@@ -170,16 +170,16 @@ def _launch_patch_kernels(g: torch.Generator) -> None:
 
 def _launch_lora_kernels(g: torch.Generator, h: torch.dtype) -> None:
     """The tile plan; the one-launch shrink + expand (split-K partials summed by the expand) over fused q|k|v
-    slices, and the same as two launches; a plain shrink (one split), and an expand that replaces."""
-    from kernels.lora import LoraKernelConfig, add_lora, lora_expand, lora_shrink
+    slices, and the same as two launches (`lora_shrink_partials` + `lora_expand_partials`, what the overlapped hook
+    and `fused=False` run); a plain shrink (one split), and an expand that replaces."""
+    from kernels.lora import add_lora, lora_expand, lora_expand_partials, lora_shrink, lora_shrink_partials
 
     S, r, width = 3, 8, 600  # width > one shrink split
     idx = torch.tensor([1, -1, 0, 1], dtype=torch.int32)
     x, scaling = torch.randn(4, width, generator=g).to(h), torch.rand(S, generator=g)
     A, B = torch.randn(S, 3 * r, width, generator=g).to(h), torch.randn(S, 32, r, generator=g).to(h)
     add_lora(torch.zeros(4, 32, dtype=h), x, A, B, idx, scaling, slices=(16, 8, 8))
-    add_lora(torch.zeros(4, 32, dtype=h), x, A, B, idx, scaling, slices=(16, 8, 8),
-             config=LoraKernelConfig(fused=False))
+    lora_expand_partials(torch.zeros(4, 32, dtype=h), lora_shrink_partials(x, A, idx), B, scaling, slices=(16, 8, 8))
     idx = torch.arange(70, dtype=torch.int32) % (S + 1) - 1
     y = lora_shrink(torch.randn(70, 16, generator=g).to(h), A[:, :r, :16].contiguous(), idx)
     lora_expand(y, B[:, :16], idx, scaling, torch.zeros(70, 16, dtype=h), False)

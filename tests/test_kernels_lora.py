@@ -1,7 +1,8 @@
 """The Triton LoRA kernels (kernels/lora.py) against the torch reference (kernels/lora_ref.py) and a naive
 per-token loop in float64, under the interpreter on the CPU (float32, tiny shapes): many slots in one batch with
 tokens without an adapter, ranks below the slots' r_max, one token, the slices of a fused output, a shrink
-with several splits; `add_lora` equals `lora_shrink` then `lora_expand` bitwise, its one launch equals its two,
+with several splits; `add_lora` equals `lora_shrink` then `lora_expand` bitwise, its one launch equals its two
+and the split halves the overlapped hook runs (`lora_shrink_partials` / `lora_expand_partials`),
 every launch shape (`LoraKernelConfig` but the split-K chunk) gives the same bits, zero padding changes no bit,
 and a token's result does not depend on the batch around it. With CUDA (skipped without), the same at the
 Llama-3.1-8B shapes in bfloat16 for decode at batch 64 and across CUDA graph replays; more real shapes:
@@ -18,8 +19,8 @@ import torch
 if not torch.cuda.is_available():
     os.environ.setdefault("TRITON_INTERPRET", "1")
 
-from kernels.lora import (BLOCK_M, LoraKernelConfig, add_lora, lora_batch, lora_expand, lora_shrink,  # noqa: E402
-                          max_tiles)
+from kernels.lora import (BLOCK_M, LoraKernelConfig, add_lora, lora_batch, lora_expand,  # noqa: E402
+                          lora_expand_partials, lora_shrink, lora_shrink_partials, max_tiles)
 from kernels.lora_ref import add_lora_ref, lora_expand_ref, lora_shrink_ref  # noqa: E402
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
@@ -117,6 +118,64 @@ def test_fused_entry_equals_shrink_then_expand_bitwise():
     fused = add_lora(base.clone(), x, A, B, idx, scaling, slices=(16, 8, 8))
     two = lora_expand(lora_shrink(x, A, idx), B, idx, scaling, base.clone(), slices=(16, 8, 8))
     assert torch.equal(fused, two)
+
+
+@pytest.mark.parametrize("config", [LoraKernelConfig(), LoraKernelConfig(groups_per_tile_row=1, block_n=16)],
+                         ids=["default", "narrow"])
+@pytest.mark.parametrize(("num_tokens", "in_features"), [(1, 40), (30, 1100), (19, 9000)])  # splits: 1, 3, 16
+def test_split_shrink_then_expand_equals_add_lora_bitwise(config, num_tokens, in_features):
+    """`lora_shrink_partials` then `lora_expand_partials` (the overlapped hook's halves, here on one stream) give
+    `add_lora`'s bits, layer after layer over one plan, touch no row without an adapter and leave the arrival
+    counters at zero; the partials are the splits `lora_shrink` sums."""
+    g = torch.Generator().manual_seed(num_tokens + in_features)
+    slices = (16, 8, 8)
+    A, B, scaling = _stacks(g, in_features, slices, 8, ranks=(8, 2, 7, 8))
+    idx = _idx(g, num_tokens)
+    if num_tokens > 2:
+        idx[:3] = torch.tensor([-1, 3, 0])
+    batch = lora_batch(idx, S)
+    for layer in range(2):
+        x = torch.randn(num_tokens, in_features, generator=g).to(DEVICE)
+        base = torch.randn(num_tokens, 32, generator=g).to(DEVICE)
+        partials = lora_shrink_partials(x, A, batch if layer else idx, config=config)  # a plan, or built from idx
+        assert partials.stream is None and partials.part.shape[1:] == (num_tokens, 24)
+        assert not batch.arrivals.any() and not partials.batch.arrivals.any()
+        ours = lora_expand_partials(base.clone(), partials, B, scaling, slices=slices)
+        for fused in (True, False):
+            one = LoraKernelConfig(fused=fused, groups_per_tile_row=config.groups_per_tile_row, block_n=config.block_n)
+            assert torch.equal(ours, add_lora(base.clone(), x, A, B, batch, scaling, slices=slices, config=one)), layer
+        assert torch.equal(ours[idx < 0], base[idx < 0])
+        assert not batch.arrivals.any() and not partials.batch.arrivals.any()
+        rows = idx >= 0
+        assert torch.equal(_split_sum(partials.part)[rows], lora_shrink(x, A, batch, config=config)[rows])
+    torch.testing.assert_close(ours, add_lora_ref(base.clone(), x, A, B, idx, scaling, slices=slices),
+                               rtol=1e-5, atol=1e-5)
+
+
+def _split_sum(part):
+    """The splits of a shrink's partials summed in split order (as the expand and `lora_shrink` sum them)."""
+    y = part[0].clone()
+    for p in range(1, part.shape[0]):
+        y += part[p]
+    return y
+
+
+def test_split_halves_refuse_bad_arguments():
+    A, B, scaling = torch.zeros(S, 8, 16), torch.zeros(S, 12, 8), torch.ones(S)
+    x, idx = torch.zeros(3, 16), torch.zeros(3, dtype=torch.int32)
+    if DEVICE == "cpu":
+        with pytest.raises(ValueError, match="stream must be a CUDA stream"):
+            lora_shrink_partials(x, A, idx, stream=object())
+    partials = lora_shrink_partials(x.to(DEVICE), A.to(DEVICE), idx.to(DEVICE))
+    with pytest.raises(ValueError, match="must agree in S, r_max"):
+        lora_expand_partials(torch.zeros(3, 12, device=DEVICE), partials, B.to(DEVICE), scaling.to(DEVICE),
+                             slices=(6, 6))
+    with pytest.raises(ValueError, match="out must have x's 3 rows"):
+        lora_expand_partials(torch.zeros(4, 12, device=DEVICE), partials, B.to(DEVICE), scaling.to(DEVICE))
+    empty = lora_shrink_partials(torch.zeros(0, 16, device=DEVICE), A.to(DEVICE),
+                                 torch.zeros(0, dtype=torch.int32, device=DEVICE))
+    assert lora_expand_partials(torch.zeros(0, 12, device=DEVICE), empty, B.to(DEVICE),
+                                scaling.to(DEVICE)).shape == (0, 12)
 
 
 def test_zero_padding_to_r_max_changes_no_bit():

@@ -405,6 +405,53 @@ def test_config_checks():
         SamplingParams(lora="")
 
 
+def test_lora_overlap_reaches_the_runner_and_the_cpu_runs_the_reference_whole(engine, base):
+    """`EngineConfig.lora_overlap` is the runner's (True by default, False kept); on the CPU the runtime never forks
+    (no side stream: `start` gives None and the hook runs add_lora_ref); a YAML mapping sets it too."""
+    from rollout.config import from_mapping
+
+    assert EngineConfig(model="m").lora_overlap is True
+    assert EngineConfig(model="m", lora_overlap=False).runner_config().lora_overlap is False
+    assert EngineConfig(model="m").runner_config().lora_overlap is True
+    assert from_mapping(EngineConfig, {"model": "m", "lora_overlap": False}).lora_overlap is False
+    runtime = engine.runner.lora
+    assert runtime.overlap is False and runtime._side is None
+    hook = engine.runner.model.model.layers[0].self_attn.qkv_proj.lora
+    with runtime.tokens(torch.zeros(3, dtype=torch.int64)):
+        assert hook.start(torch.zeros(3, hook.stack.A.shape[2])) is None
+
+
+def test_linear_starts_its_hook_before_the_matmul_and_hands_it_the_result(monkeypatch):
+    import runner.layers
+    from runner.layers import Linear
+
+    events = []
+    real = runner.layers.linear
+
+    def recording_linear(*args):
+        events.append("matmul")
+        return real(*args)
+
+    class Hook:
+        def start(self, x):
+            events.append("start")
+            return "partials"
+
+        def __call__(self, out, x, partials):
+            events.append(partials)
+            return out + 1
+
+    monkeypatch.setattr(runner.layers, "linear", recording_linear)
+    layer = Linear(4, 3)
+    torch.nn.init.normal_(layer.weight)
+    x = torch.randn(2, 4)
+    plain = layer(x)
+    layer.lora = Hook()
+    events.clear()
+    assert torch.equal(layer(x), plain + 1)
+    assert events == ["start", "matmul", "partials"]
+
+
 def test_target_modules_limit_the_slots(base, adapters):
     engine = Engine(config(base, lora_target_modules=["q_proj", "v_proj"]))
     assert {fused for _, fused in engine.runner.lora.slots.stacks} == {"qkv_proj"}

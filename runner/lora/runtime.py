@@ -6,11 +6,17 @@ per-token slot assignment, and the weight-update target of one slot.
 `down_proj`; `runner.layers.Linear.lora`). A forward that serves adapters runs inside `runtime.tokens(idx)`:
 idx [T] holds each token's slot (-1: the base model), turned once per forward into the `kernels.lora.LoraBatch`
 every hook of the forward shares (on CUDA, one launch; inside a captured decode graph that is part of the graph,
-so a replay re-sorts the tokens of each step's idx), and each hook adds `add_lora` (CUDA) / `add_lora_ref` (CPU)
-of its layer's stack to the base output. Outside `tokens` (or with idx None) the hooks add nothing, so scoring and
-the profile run see the base model unless they ask, and a step without adapter tokens costs what the base
-model's does (the runner's decode graphs have a variant captured that way, runner/cuda_graph.py). A row-parallel layer (o_proj, down_proj) adds its delta
-to its own output, which without tensor parallelism is the whole sum; the engine refuses LoRA under tensor
+so a replay re-sorts the tokens of each step's idx), and each hook adds its layer's stack's delta to the base
+output: `add_lora_ref` on the CPU; on CUDA, with `overlap` (`EngineConfig.lora_overlap`, the default), in two
+halves around the base matmul: `start(x)`, called by the Linear before its matmul, forks the shrink onto the
+runtime's side stream (`kernels.lora.lora_shrink_partials`; one high-priority stream per runtime, made on first
+use), so it runs while the current stream runs the matmul, and the hook called on the output joins it and runs the
+expand (`lora_expand_partials`); in a captured decode graph the fork and the join are the graph's edges (the
+shrink a branch beside the matmul). Without `overlap`, `add_lora` after the matmul (one launch). Both give the
+same bits. Outside `tokens` (or with idx None) the hooks add nothing, so scoring and the profile run see the base
+model unless they ask, and a step without adapter tokens costs what the base model's does (the runner's decode
+graphs have a variant captured that way, runner/cuda_graph.py). A row-parallel layer (o_proj, down_proj) adds its
+delta to its own output, which without tensor parallelism is the whole sum; the engine refuses LoRA under tensor
 parallelism, whose shards of A and B the slots do not hold.
 
 Slots are written only in place (`load`, `clear`, `LoraSlotTarget` writes), so captured graphs stay valid across
@@ -34,18 +40,36 @@ _PARENTS = {"qkv_proj": "self_attn", "o_proj": "self_attn", "gate_up_proj": "mlp
 
 
 class LoraHook:
-    """What a targeted `Linear` calls on its output: out += the delta of each token's adapter (in place)."""
+    """What a targeted `Linear` calls: `start(x)` before its matmul, then the hook itself on the output, which adds
+    the delta of each token's adapter to it (in place)."""
 
     __slots__ = ("runtime", "stack")
 
     def __init__(self, runtime: "LoraRuntime", stack: LoraStack) -> None:
         self.runtime, self.stack = runtime, stack
 
-    def __call__(self, out: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
+    def start(self, x: torch.Tensor):
+        """With `runtime.overlap` in a forward with adapter tokens on CUDA: this layer's shrink of x [T, in] forked
+        onto the side stream, a `kernels.lora.LoraPartials` to pass to the call; otherwise None (the call does all
+        of the work)."""
+        runtime = self.runtime
+        if runtime.current is None or not runtime.overlap:
+            return None
+        from kernels.lora import lora_shrink_partials
+
+        return lora_shrink_partials(x, self.stack.A, runtime.current, stream=runtime.side_stream(x.device))
+
+    def __call__(self, out: torch.Tensor, x: torch.Tensor, partials=None) -> torch.Tensor:
+        """out [T, N] += the adapters' delta for x [T, in]; `partials`: what `start(x)` returned."""
         tokens = self.runtime.current
         if tokens is None:
+            assert partials is None
             return out
         stack, scaling = self.stack, self.runtime.slots.scaling
+        if partials is not None:
+            from kernels.lora import lora_expand_partials
+
+            return lora_expand_partials(out, partials, stack.B, scaling, slices=stack.slices)
         if out.is_cuda:
             from kernels.lora import add_lora
 
@@ -59,7 +83,8 @@ class LoraRuntime:
     """`max_loras` adapter slots of up to rank `max_rank` on the model's device, hooked into `model`."""
 
     def __init__(self, model: torch.nn.Module, model_config: ModelConfig, *, max_loras: int, max_rank: int,
-                 target_modules: tuple[str, ...] | None, device: torch.device, dtype: torch.dtype) -> None:
+                 target_modules: tuple[str, ...] | None, device: torch.device, dtype: torch.dtype,
+                 overlap: bool = True) -> None:
         if target_modules is None:  # every module the model supports (a MoE model: the attention projections)
             target_modules = tuple(m for m in LORA_MODULES if m in lora_module_shapes(model_config))
         try:
@@ -69,6 +94,8 @@ class LoraRuntime:
             raise ValueError(f"EngineConfig.lora_target_modules / max_loras / max_lora_rank: {e}") from None
         self.model_config = model_config
         self.current = None  # the running forward's LoraBatch (CUDA) or idx [T] (CPU); None: no adapter
+        self.overlap = overlap and device.type == "cuda"  # each hook's shrink on the side stream, beside the matmul
+        self._side = None  # torch.cuda.Stream: the side stream, made on first use
         for (layer, fused), stack in self.slots.stacks.items():
             module = getattr(getattr(model.model.layers[layer], _PARENTS[fused], None), fused, None)
             assert isinstance(module, Linear), f"layer {layer}: no {fused} Linear to hook LoRA into"
@@ -79,6 +106,13 @@ class LoraRuntime:
     @property
     def max_loras(self) -> int:
         return self.slots.max_loras
+
+    def side_stream(self, device: torch.device) -> torch.cuda.Stream:
+        """The stream the hooks' shrinks run on (high priority: its programs go first when the matmul beside it
+        leaves room on the device)."""
+        if self._side is None:
+            self._side = torch.cuda.Stream(device=device, priority=-1)
+        return self._side
 
     @contextmanager
     def tokens(self, idx: torch.Tensor | None) -> Iterator[None]:
