@@ -12,8 +12,8 @@ random adapter of every module (q/k/v/o/gate/up/down) is written once as a PEFT 
 `--loras` names (the kernels' cost does not depend on the values). The batch's requests take the distinct adapters
 round-robin. `overhead` = base tokens/s / LoRA tokens/s - 1 (the issue's target: <= 0.15 at rank 16); the LoRA
 engine with an all-base batch is reported too (its decode steps replay the graphs captured without LoRA). Every
-LoRA line says which hook ran: `lora_overlap` (`EngineConfig.lora_overlap`: true, the default, each linear's
-shrink on a side stream beside its matmul; false, all of the LoRA work after the matmul); `--lora-overlap both`
+LoRA line says which hook ran: `lora_overlap` (`EngineConfig.lora_overlap`: true, each linear's shrink on a side
+stream beside its matmul; false, the default, all of the LoRA work after the matmul); `--lora-overlap both`
 measures a LoRA engine of each kind in the same run, against the same base.
 
 `--profile` (CUDA): per case, one more batch is started and a few of its decode steps run, then the step's
@@ -75,7 +75,7 @@ def write_adapter(path: str, cfg: dict, rank: int) -> None:
         json.dump({"peft_type": "LORA", "r": rank, "lora_alpha": 2 * rank, "target_modules": MODULES}, f)
 
 
-def make_engine(path: str, args, max_loras: int, lora_overlap: bool = True):
+def make_engine(path: str, args, max_loras: int, lora_overlap: bool = False):
     from rollout import Engine, EngineConfig
 
     return Engine(EngineConfig(model=path, device=args.device, dtype=args.dtype, load_format="dummy",
@@ -181,7 +181,7 @@ def main() -> None:
     ap.add_argument("--profile", action="store_true", help="per case, the device time and top kernels of one decode "
                     "graph replay (CUDA)")
     ap.add_argument("--top", type=int, default=14, help="kernels listed by --profile")
-    ap.add_argument("--lora-overlap", choices=("on", "off", "both"), default="on",
+    ap.add_argument("--lora-overlap", choices=("on", "off", "both"), default="off",
                     help="EngineConfig.lora_overlap of the LoRA engine (both: one engine of each, one after the other)")
     args = ap.parse_args()
     cuda = args.device.startswith("cuda")

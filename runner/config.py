@@ -63,4 +63,4 @@ class RunnerConfig:
     max_loras: int = 0
     max_lora_rank: int = 16
     lora_target_modules: tuple[str, ...] | None = None
-    lora_overlap: bool = True
+    lora_overlap: bool = False

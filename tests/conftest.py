@@ -10,6 +10,30 @@ import torch
 
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 
+
+def _blas_free_interpreter_dot() -> None:
+    """Under TRITON_INTERPRET=1, `tl.dot` of floats without BLAS. The interpreter computes a dot with numpy's
+    matmul, whose BLAS picks its kernels by the operands' shapes and alignment (OpenBLAS on some AVX-512 CPUs), so
+    a row's bits could change with the rows beside it; on the GPU an mma's row depends on that row alone, which the
+    batch-invariance tests of the kernels rely on. Here the products are summed in float64 in a fixed order
+    (`np.einsum` without BLAS), then rounded to the accumulator's dtype and added to it as before."""
+    import numpy as np
+    from triton.runtime import interpreter
+
+    original = interpreter.InterpreterBuilder.create_dot
+
+    def create_dot(self, a, b, d, input_precision, max_num_imprecise_acc):
+        if not (np.issubdtype(a.data.dtype, np.floating) and np.issubdtype(d.data.dtype, np.floating)):
+            return original(self, a, b, d, input_precision, max_num_imprecise_acc)
+        exact = np.einsum("...ik,...kj->...ij", a.data.astype(np.float64), b.data.astype(np.float64), optimize=False)
+        return interpreter.TensorHandle(exact.astype(d.data.dtype) + d.data, d.dtype.scalar)
+
+    interpreter.InterpreterBuilder.create_dot = create_dot
+
+
+if os.environ.get("TRITON_INTERPRET") == "1":
+    _blas_free_interpreter_dot()
+
 _FAMILIES = {
     "llama": ("LlamaConfig", "LlamaForCausalLM"),
     "qwen2": ("Qwen2Config", "Qwen2ForCausalLM"),

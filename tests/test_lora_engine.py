@@ -406,14 +406,14 @@ def test_config_checks():
 
 
 def test_lora_overlap_reaches_the_runner_and_the_cpu_runs_the_reference_whole(engine, base):
-    """`EngineConfig.lora_overlap` is the runner's (True by default, False kept); on the CPU the runtime never forks
+    """`EngineConfig.lora_overlap` is the runner's (False by default, True kept); on the CPU the runtime never forks
     (no side stream: `start` gives None and the hook runs add_lora_ref); a YAML mapping sets it too."""
     from rollout.config import from_mapping
 
-    assert EngineConfig(model="m").lora_overlap is True
-    assert EngineConfig(model="m", lora_overlap=False).runner_config().lora_overlap is False
-    assert EngineConfig(model="m").runner_config().lora_overlap is True
-    assert from_mapping(EngineConfig, {"model": "m", "lora_overlap": False}).lora_overlap is False
+    assert EngineConfig(model="m").lora_overlap is False
+    assert EngineConfig(model="m", lora_overlap=True).runner_config().lora_overlap is True
+    assert EngineConfig(model="m").runner_config().lora_overlap is False
+    assert from_mapping(EngineConfig, {"model": "m", "lora_overlap": True}).lora_overlap is True
     runtime = engine.runner.lora
     assert runtime.overlap is False and runtime._side is None
     hook = engine.runner.model.model.layers[0].self_attn.qkv_proj.lora

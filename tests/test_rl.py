@@ -22,18 +22,19 @@ def _short(tmp_path, *extra: str):
 
 
 def test_grpo_short_runs_raise_held_out_reward(tmp_path):
-    # Three short GRPO runs (seeds 0, 1, 2; 40 steps each) must each raise the held-out reward by >= 0.03 and by
-    # >= 0.05 on average. Every seed is fixed (problems, init, warm-up, sampling), so on one machine the runs
-    # are deterministic; the margins are set from the spread over seeds, not from one seed. Seeds 1 and 2
-    # start from seed 0's warm-up model (`model=`), as their own warm-ups would double the test's time (the
-    # 500 warm-up steps are half of a run) and vary more than GRPO does. Measured (2 cores), reward gain
-    # after 40 steps from seed 0's warm-up, seeds 0..7: 0.088 0.152 0.131 0.066 0.094 0.072 0.092 0.084
-    # (mean 0.097, sd 0.029): 0.03 is 2.3 sd below the mean for one seed, 0.05 2.8 sd below it for the mean
-    # of three (a normal model puts ~1% and ~0.3% below). For the record, with each seed's own warm-up and
-    # 60 steps, seeds 0..7: 0.111 0.055 0.068 0.137 0.096 0.074 0.012 0.092; seed 6's warm-up reaches only
-    # 0.07 reward, too little signal for GRPO in 60 steps. The runs fail if the loss sign, the advantages or
-    # the weight push break: negated advantages took the three seeds to -0.24, -0.26 and -0.32, and without
-    # pushes the engine's reward cannot move at all (the evaluation's sampling is seeded, so the gain is 0).
+    # Three short GRPO runs (seeds 0, 1, 2; 40 steps each) must each raise the held-out reward by >= 0.005 and by
+    # >= 0.02 on average. Every seed is fixed (problems, init, warm-up, sampling), so on one machine the runs
+    # are deterministic, but the CPU's float kernels (the BLAS numpy and torch pick for it) change the runs
+    # between machines; the margins are set from the spread over seeds on two machines, not from one seed.
+    # Seeds 1 and 2 start from seed 0's warm-up model (`model=`), as their own warm-ups would double the test's
+    # time (the 500 warm-up steps are half of a run) and vary more than GRPO does. Measured (2 cores), reward
+    # gain after 40 steps from seed 0's warm-up, seeds 0..7: on one machine 0.088 0.152 0.131 0.066 0.094 0.072
+    # 0.092 0.084 (mean 0.097, sd 0.029); on an AMD EPYC one 0.037 0.053 0.047 0.018 0.045 0.053 0.065 0.055
+    # (mean 0.046, sd 0.014). On the second, 0.005 is 2.9 sd below the mean for one seed and 0.02 3.2 sd below it
+    # for the mean of three (a normal model puts ~0.2% and ~0.1% below); on the first, further. The runs fail if
+    # the loss sign, the advantages or the weight push break: negated advantages took the three seeds to -0.24,
+    # -0.26 and -0.32, and without pushes the engine's reward cannot move at all (the evaluation's sampling is
+    # seeded, so the gain is 0).
     steps, gains = 40, []
     for seed in (0, 1, 2):
         out = tmp_path / f"seed{seed}"
@@ -46,7 +47,7 @@ def test_grpo_short_runs_raise_held_out_reward(tmp_path):
         assert len(train_rows) == steps and all(r["mismatch_abs_mean"] < 1e-4 for r in train_rows)  # fp32 both sides
         assert all(r["version_lag_max"] == 0 for r in train_rows)
         assert json.loads((out / "summary.json").read_text())["reward_final"] == summary["reward_final"]
-    assert min(gains) >= 0.03 and sum(gains) / len(gains) >= 0.05, gains
+    assert min(gains) >= 0.005 and sum(gains) / len(gains) >= 0.02, gains
 
 
 def test_ppo_smoke(tmp_path):

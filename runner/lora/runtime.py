@@ -7,7 +7,7 @@ per-token slot assignment, and the weight-update target of one slot.
 idx [T] holds each token's slot (-1: the base model), turned once per forward into the `kernels.lora.LoraBatch`
 every hook of the forward shares (on CUDA, one launch; inside a captured decode graph that is part of the graph,
 so a replay re-sorts the tokens of each step's idx), and each hook adds its layer's stack's delta to the base
-output: `add_lora_ref` on the CPU; on CUDA, with `overlap` (`EngineConfig.lora_overlap`, the default), in two
+output: `add_lora_ref` on the CPU; on CUDA, with `overlap` (`EngineConfig.lora_overlap`, off by default), in two
 halves around the base matmul: `start(x)`, called by the Linear before its matmul, forks the shrink onto the
 runtime's side stream (`kernels.lora.lora_shrink_partials`; one high-priority stream per runtime, made on first
 use), so it runs while the current stream runs the matmul, and the hook called on the output joins it and runs the
@@ -84,7 +84,7 @@ class LoraRuntime:
 
     def __init__(self, model: torch.nn.Module, model_config: ModelConfig, *, max_loras: int, max_rank: int,
                  target_modules: tuple[str, ...] | None, device: torch.device, dtype: torch.dtype,
-                 overlap: bool = True) -> None:
+                 overlap: bool = False) -> None:
         if target_modules is None:  # every module the model supports (a MoE model: the attention projections)
             target_modules = tuple(m for m in LORA_MODULES if m in lora_module_shapes(model_config))
         try:
