@@ -21,6 +21,7 @@ import math
 import time
 from pathlib import Path
 
+import numpy as np
 import torch
 
 from runner.model_config import ModelConfig
@@ -295,6 +296,7 @@ class CheckpointWeights:
         self.layout: dict[str, CheckpointSlot] = model.checkpoint_layout()
         self._params = dict(model.named_parameters())
         self.device = next(iter(self._params.values())).device
+        self._places: dict[str, tuple[str, int] | None] = {}  # name -> (parameter, element offset), `writable_addresses`
 
     def view(self, name: str) -> torch.Tensor:
         slot = self.layout[name]
@@ -321,8 +323,35 @@ class CheckpointWeights:
         """The live views of `names` for patches scattered straight into them (flat indices are checkpoint
         coordinates); None unless each view is a whole, contiguous checkpoint tensor (not a TP shard)."""
         views = [self.view(name) for name in names]
-        whole = all(v.is_contiguous() and self.layout[n].is_whole for n, v in zip(names, views))
-        return views if whole else None
+        return views if all(self._lends(n, v) for n, v in zip(names, views)) else None
+
+    def _lends(self, name: str, view: torch.Tensor) -> bool:
+        """Whether `view` (of `name`) can be lent for flat checkpoint indices: whole and contiguous."""
+        return view.is_contiguous() and self.layout[name].is_whole
+
+    def writable_addresses(self, names: list[str]) -> tuple[list[torch.Tensor], np.ndarray] | None:
+        """What `writable_views` lends, without making a view per name: (the parameters' data holding them, to keep
+        alive while they are written; [k] int64 data pointers of the views), or None where it gives None. Each
+        name's offset into its parameter is found once (the layout is fixed; the parameters stay contiguous when
+        their data moves, as `sleep` moves it)."""
+        places = []
+        for name in names:
+            if name not in self._places:
+                view, base = self.view(name), self._params[self.layout[name].param].data
+                lends = base.is_contiguous() and self._lends(name, view)
+                self._places[name] = (self.layout[name].param, view.storage_offset() - base.storage_offset()) if lends else None
+            places.append(self._places[name])
+        if any(p is None for p in places):
+            return None
+        data: dict[str, torch.Tensor] = {}
+        addresses = np.empty(len(names), dtype=np.int64)
+        for i, (param, offset) in enumerate(places):
+            tensor = data.get(param)
+            if tensor is None:
+                tensor = data[param] = self._params[param].data
+                assert tensor.is_contiguous(), param
+            addresses[i] = tensor.data_ptr() + offset * tensor.element_size()
+        return list(data.values()), addresses
 
     def write_patch(self, name: str, flat_indices: torch.Tensor, values: torch.Tensor) -> None:
         view = self.view(name)

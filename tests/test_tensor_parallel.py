@@ -194,6 +194,13 @@ def test_patches_scatter_straight_into_whole_tensors_only(engine_1, engine_tp):
     sharded = engine_tp.runner.weights
     assert sharded.writable_views(["model.norm.weight"]) is not None
     assert sharded.writable_views(names) is None  # q_proj is split over the ranks
+    # the same through the data pointers: every checkpoint name of the engine, also the fused q / k / v rows
+    every = list(engine_1.runner.weights.layout)
+    held, addresses = engine_1.runner.weights.writable_addresses(every)
+    assert addresses.tolist() == [v.data_ptr() for v in engine_1.runner.weights.writable_views(every)]
+    assert len(held) < len(every) and all(t.is_contiguous() for t in held)  # one per parameter, fused ones once
+    assert sharded.writable_addresses(["model.norm.weight"]) is not None
+    assert sharded.writable_addresses(names) is None
 
 
 def test_tp_async_scheduling_equals_sync(tp_model_dir, single_thread):

@@ -216,3 +216,28 @@ def test_a_bad_record_among_many_is_refused_by_name_and_nothing_is_written(case,
     assert receiver.version == 0
     receiver.apply(1, patches)  # the intact push still applies afterwards
     _assert_bitwise(_state(receiver), w1)
+
+
+@pytest.mark.parametrize("family", ["qwen3", "qwen3_moe"])
+def test_an_engines_weights_take_block_patches_through_their_addresses(ckpt_factory, family):
+    """The engine's own target (`CheckpointWeights`: fused q / k / v and gate / up rows, stacked experts) lends its
+    live tensors by data pointer (`writable_addresses`, no view per name); patches of about 1% of every tensor's
+    elements land bitwise where the torch path puts them, on another engine over the same checkpoint."""
+    from rollout import Engine, EngineConfig
+
+    path = ckpt_factory(family)
+    engines = [Engine(EngineConfig(model=str(path), dtype="float32", max_num_seqs=2, num_kv_blocks=16, device=d))
+               for d in (DEVICES[0], "cpu")]
+    targets = [e.runner.weights for e in engines]
+    names = list(targets[0].layout)
+    assert targets[0].writable_addresses(names) is not None
+    gen = torch.Generator().manual_seed(0)
+    w0 = {n: targets[1].read_checkpoint_tensor(n).clone() for n in names}
+    w1 = {n: _changed(w0[n], gen, max(1, w0[n].numel() // 100), spread=1 << 12) for n in names}
+    patches = [_patch(n, w0[n], w1[n], torch.uint8, delta=i % 2 == 0) for i, n in enumerate(names)]
+    for target, batched in zip(targets, (True, False)):
+        receiver = WeightReceiver(target, batched_scatter=batched)
+        receiver.apply(1, _on(patches, str(target.device)))
+        _assert_bitwise({n: target.read_checkpoint_tensor(n).cpu() for n in names}, w1)
+    for e in engines:
+        e.close()

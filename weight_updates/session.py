@@ -38,7 +38,8 @@ Cost: nothing per parameter on the device. All patches of one dtype are validate
 streams decoded together, bounds clamped per element so the old values can be gathered before the checks
 are read, bit deltas decoded, checksum changes summed per member) in a fixed number of kernels; dense
 records are checksummed in one launch per element size on CUDA. Where the target lends its live tensors
-(``writable_views``, on CUDA by default: ``batched_scatter``) a group goes block by block
+(``writable_addresses``, their data pointers without a view per name, or ``writable_views``; on CUDA by
+default: ``batched_scatter``) a group goes block by block
 (`kernels/patch.py`): two launches per run of one gap dtype and one kind of values decode and read
 everything, reading each element's gap and value once and writing its int32 index, old and new value;
 the checks and checksum changes are sums over the blocks; writing, rollback and read-back are one launch
@@ -129,7 +130,7 @@ class _GroupPlan:
     num_delta: int  # how many members are bit-delta patches
     runs: list[tuple[int, int]]  # [start, stop) of each run of members with one gap dtype and one kind of values
     columns: np.ndarray  # [_META_ROWS, k] int64: the rows of the group's meta
-    views: list[torch.Tensor] | None = None  # the members' live tensors where the target lends them (block path)
+    views: list[torch.Tensor] | None = None  # what holds the members' live tensors where the target lends them (block path)
     blocks: tuple[np.ndarray, np.ndarray] | None = None  # with views: ([k] blocks per member, [k] live data pointers)
 
 
@@ -196,7 +197,7 @@ class _BlockPatchGroup:
     meta: torch.Tensor  # [6, k] int64 on the device, as in _PatchGroup
     table: torch.Tensor  # [B, kernels.patch.NCOL] int64 on the device: the blocks
     blocks: torch.Tensor  # [k] int64 on the device: blocks per member
-    views: list[torch.Tensor]  # the members' live tensors, whose addresses ``table`` holds (kept alive here)
+    views: list[torch.Tensor]  # what holds the members' live tensors, whose addresses ``table`` holds (kept alive here)
     indices: torch.Tensor  # [n] int32 flat indices, clamped into each member's bounds
     faults_: torch.Tensor  # [k, 5] int64, as _PatchGroup.faults
     predicted: torch.Tensor  # [k] int64 checksums after the patch, predicted before writing
@@ -521,7 +522,7 @@ class UpdateSession:
             tensor = records[i].tensor
             payload = tensor if tensor.get_device() == here else tensor.to(device, non_blocking=True)
             dense.append(_DenseRecord(update=records[i], row=i, payload=payload))
-        lend = getattr(target, "writable_views", None) if receiver.batched_scatter else None
+        lend = self._lender(target) if receiver.batched_scatter else None
         plans = self._plan_groups(records, rows, lend)
         # Every host-side number of the session in one copy: checksums, table rows, dense positions, group columns
         # and, for block groups, their blocks per member and live data pointers.
@@ -635,15 +636,38 @@ class UpdateSession:
             columns[_ROWS] = at
             columns[_TABLE] = rows[at]
             members = [records[i] for i in at.tolist()]
-            views = None if lend is None else lend([p.name for p in members])
-            blocks = None
-            if views is not None:
+            lent = None if lend is None else lend([p.name for p in members], dtype)
+            views = blocks = None
+            if lent is not None:
                 from kernels.patch import blocks_per_patch
 
-                blocks = (blocks_per_patch(columns[_SIZES]), self._addresses(views, dtype))
+                views, addresses = lent
+                blocks = (blocks_per_patch(columns[_SIZES]), addresses)
             plans.append(_GroupPlan(dtype=dtype, members=members, num_delta=num_delta[dtype], runs=runs[dtype], columns=columns,
                                     views=views, blocks=blocks))
         return plans
+
+    def _lender(self, target: WeightTarget):
+        """What lends a group's live tensors to the block path: ``lend(names, dtype)`` -> (tensors holding them, kept
+        alive while they are written; [k] int64 data pointers) or None; from the target's ``writable_addresses``
+        (no view per name) or ``writable_views``. None: the target lends nothing."""
+        here = device_index(target.device)
+        fast = getattr(target, "writable_addresses", None)
+        if fast is not None:
+            def lend(names: list[str], dtype: torch.dtype):
+                lent = fast(names)
+                assert lent is None or all(t.get_device() == here and t.dtype == dtype for t in lent[0]), \
+                    f"writable_addresses must lend {dtype} tensors on the target's device"
+                return lent
+            return lend
+        views_of = getattr(target, "writable_views", None)
+        if views_of is None:
+            return None
+
+        def lend_views(names: list[str], dtype: torch.dtype):
+            views = views_of(names)
+            return None if views is None else (views, self._addresses(views, dtype))
+        return lend_views
 
     def _addresses(self, views: list[torch.Tensor], dtype: torch.dtype) -> np.ndarray:
         """[k] int64 data pointers of the live tensors a target lent, checked: contiguous, ``dtype``, on its device."""

@@ -50,6 +50,9 @@ class WeightTarget(Protocol):
     #   writable_views(names) -> list[torch.Tensor] | None: contiguous checkpoint-shaped tensors sharing the
     #     live storage, which a session may scatter patches into directly (None where the layout does not
     #     allow it, e.g. column shards).
+    #   writable_addresses(names) -> (list[torch.Tensor], np.ndarray [k] int64) | None: the same lent through the
+    #     data pointers of those views (and the tensors holding them, kept alive while written), without making
+    #     a view per name; preferred where present.
 
     @property
     def device(self) -> torch.device: ...

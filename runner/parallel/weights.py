@@ -73,10 +73,9 @@ class RankLocalWeights(CheckpointWeights):
     def _own_part(self, name: str, tensor: torch.Tensor) -> torch.Tensor:
         return tensor  # records are the rank's part already
 
-    def writable_views(self, names: list[str]) -> list[torch.Tensor] | None:
-        """The live views of `names` (flat indices are shard coordinates); None unless all are contiguous."""
-        views = [self.view(name) for name in names]
-        return views if all(v.is_contiguous() for v in views) else None
+    def _lends(self, name: str, view: torch.Tensor) -> bool:
+        """Any contiguous view is lent: flat indices are shard coordinates."""
+        return view.is_contiguous()
 
 
 def local_flat_indices(slot: CheckpointSlot, flat: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
