@@ -34,7 +34,7 @@ _CHUNK_BITS = 22  # w(i) = T[i mod 2**22] + 2 * (i div 2**22), as in weight_upda
 _ALIGN = 16  # bytes; addresses that are all multiples of this get vector loads
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["num_tensors"])  # one compilation for any number of tensors
 def _checksum_blocks_kernel(
     anchor_ptr, offsets_ptr, numels_ptr, first_block_ptr, num_tensors, out_ptr,
     ELEM: tl.constexpr, BLOCK: tl.constexpr, CHUNK_BITS: tl.constexpr, ALIGNED: tl.constexpr,

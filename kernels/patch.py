@@ -71,7 +71,7 @@ def _gaps(gaps_ptr, offs, mask, GAP_BITS: tl.constexpr, WIDE: tl.constexpr = Tru
     return g
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["block0", "shift"])  # no new compilation per run's first block / element
 def _counts_kernel(table_ptr, gaps_ptr, deltas_ptr, out_ptr, block0, shift,
                    NCOL: tl.constexpr, GAP_BITS: tl.constexpr, DELTA: tl.constexpr, BLOCK: tl.constexpr):
     b = block0 + tl.program_id(0).to(tl.int64)
@@ -90,7 +90,7 @@ def _counts_kernel(table_ptr, gaps_ptr, deltas_ptr, out_ptr, block0, shift,
         tl.store(out_ptr + b * 4 + 3, tl.sum(((d == 0) & mask).to(tl.int64), 0))
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["block0", "shift"])
 def _decode_kernel(table_ptr, gaps_ptr, overflow_ptr, values_ptr, escapes_ptr, idx_ptr, old_ptr, new_ptr, terms_ptr,
                    block0, shift, NCOL: tl.constexpr, GAP_BITS: tl.constexpr, DELTA: tl.constexpr,
                    ELEM: tl.constexpr, BLOCK: tl.constexpr, CHUNK_BITS: tl.constexpr, WIDE: tl.constexpr):
