@@ -54,6 +54,8 @@ class CheckpointSlot:
     index: tuple[int, ...] = ()  # leading indices into a stacked parameter, e.g. (expert,)
     narrows: tuple[tuple[int, int, int], ...] = ()  # (dim, start, length) of param[index], applied in order
     init: str = "normal"  # random-checkpoint writer: "normal" (std-scaled) or "ones" (1 + small noise: norms)
+    shard_shape: tuple[int, ...] = dataclasses.field(init=False, repr=False, compare=False)
+    """The shape of this rank's part of the checkpoint tensor (the shape of `view`), from the fields above."""
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "shape", tuple(self.shape))
@@ -62,12 +64,7 @@ class CheckpointSlot:
         start, end = self.shard
         assert 0 <= self.dim < len(self.shape) and 0 <= start <= end <= self.shape[self.dim], self
         assert self.init in INITS, self.init
-
-    @property
-    def shard_shape(self) -> tuple[int, ...]:
-        """The shape of this rank's part of the checkpoint tensor (the shape of `view`)."""
-        start, end = self.shard
-        return tuple(end - start if d == self.dim else n for d, n in enumerate(self.shape))
+        object.__setattr__(self, "shard_shape", tuple(end - start if d == self.dim else n for d, n in enumerate(self.shape)))
 
     @property
     def is_empty(self) -> bool:
