@@ -244,15 +244,26 @@ def in_process_round(specs, w0, w1, device: torch.device, quiet: bool):
     return patch, dense, dense_nr, equal, snapshot_bytes
 
 
-def patch_sweep(spec: str, specs, w0, w1, device: torch.device, dense_update_s: float) -> None:
-    """The in-process patch push with each (elements per program, decode warps) of ``spec`` ("2048:4,1024:8"):
-    a warm-up round, then the best of two, against the dense update of the main rounds (``dense_update_s``)."""
+def sweep_pairs(spec: str) -> list[tuple[int, int]]:
+    """``--patch-sweep``'s "BLOCK:WARPS,..." as pairs of positive ints (argparse's type: bad input is a usage error)."""
+    try:
+        pairs = [tuple(int(v) for v in item.split(":")) for item in spec.split(",")]
+    except ValueError:
+        pairs = []
+    if not pairs or any(len(p) != 2 or min(p) < 1 for p in pairs):
+        raise argparse.ArgumentTypeError(f"expected BLOCK:WARPS pairs of positive ints, comma-separated; got {spec!r}")
+    return pairs
+
+
+def patch_sweep(pairs: list[tuple[int, int]], specs, w0, w1, device: torch.device, dense_update_s: float) -> None:
+    """The in-process patch push with each (elements per program, decode warps) of ``pairs``: a warm-up round,
+    then the best of two, against the dense update of the main rounds (``dense_update_s``)."""
     import kernels.patch as kp
 
     default = kp.BLOCK, kp.DECODE_WARPS
     try:
-        for item in spec.split(","):
-            kp.BLOCK, kp.DECODE_WARPS = (int(v) for v in item.split(":"))
+        for block, warps in pairs:
+            kp.BLOCK, kp.DECODE_WARPS = block, warps
             rounds = [in_process_round(specs, w0, w1, device, quiet=True) for _ in range(3)][1:]
             best = min((r[0] for r in rounds), key=lambda r: r["apply_verify_s"])
             emit(event="patch_sweep", block=kp.BLOCK, decode_warps=kp.DECODE_WARPS, bitwise_equal=all(r[3] for r in rounds),
@@ -381,7 +392,7 @@ def main() -> None:
                         help="also profile one more in-process round and print its top operators and op counts (JSON lines)")
     parser.add_argument("--batched-scatter", action="store_true",
                         help="use the block kernels of patch sessions on the CPU too (needs TRITON_INTERPRET=1)")
-    parser.add_argument("--patch-sweep", default=None, metavar="BLOCK:WARPS,...",
+    parser.add_argument("--patch-sweep", type=sweep_pairs, default=None, metavar="BLOCK:WARPS,...",
                         help="also time the patch push with the block kernels' elements per program and decode warps "
                              "set to each pair (kernels.patch.BLOCK / DECODE_WARPS; CUDA), e.g. 1024:4,2048:8")
     parser.add_argument("--host-snapshot", action="store_true",

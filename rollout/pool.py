@@ -161,24 +161,16 @@ class _EngineWorker:
 
     # The two phases of a push (weight_updates.transports.protocol.commit_on_all); each returns an `answer`.
     def prepare_update(self, version: int, message: dict) -> dict:
-        from weight_updates.transports.protocol import answer
-
-        return answer(lambda: self.engine.prepare_weight_update(version, _records(message)))
+        return _answer(lambda: self.engine.prepare_weight_update(version, _records(message)))
 
     def commit_update(self) -> dict:
-        from weight_updates.transports.protocol import answer
-
-        return answer(self.engine.commit_weight_update)
+        return _answer(self.engine.commit_weight_update)
 
     def publish_update(self) -> dict:
-        from weight_updates.transports.protocol import answer
-
-        return answer(lambda: self.engine.publish_weight_update().to_json())
+        return _answer(lambda: self.engine.publish_weight_update().to_json())
 
     def drop_update(self) -> dict:
-        from weight_updates.transports.protocol import answer
-
-        return answer(self.engine.drop_weight_update)
+        return _answer(self.engine.drop_weight_update)
 
     def export_weights(self) -> dict:
         """Every parameter as Dense records, in the same message format as `apply_update` takes."""
@@ -192,14 +184,10 @@ class _EngineWorker:
         return self.engine.list_loras()
 
     def load_lora(self, name: str, path: str) -> dict:
-        from weight_updates.transports.protocol import answer
-
-        return answer(self.engine.load_lora, name, path)
+        return _answer(self.engine.load_lora, name, path)
 
     def unload_lora(self, name: str) -> dict:
-        from weight_updates.transports.protocol import answer
-
-        return answer(self.engine.unload_lora, name)
+        return _answer(self.engine.unload_lora, name)
 
     def lora_specs(self, name: str) -> dict[str, tuple[list[int], str]]:
         specs = self.engine.lora_specs(name)
@@ -210,28 +198,28 @@ class _EngineWorker:
         return self.engine.apply_lora_update(name, _records(message), version).to_json()
 
     def prepare_lora_update(self, name: str, version: int, message: dict) -> dict:
-        from weight_updates.transports.protocol import answer
-
-        return answer(lambda: self.engine.prepare_lora_update(name, _records(message), version))
+        return _answer(lambda: self.engine.prepare_lora_update(name, _records(message), version))
 
     def commit_lora_update(self) -> dict:
-        from weight_updates.transports.protocol import answer
-
-        return answer(self.engine.commit_lora_update)
+        return _answer(self.engine.commit_lora_update)
 
     def publish_lora_update(self) -> dict:
-        from weight_updates.transports.protocol import answer
-
-        return answer(lambda: self.engine.publish_lora_update().to_json())
+        return _answer(lambda: self.engine.publish_lora_update().to_json())
 
     def drop_lora_update(self) -> dict:
-        from weight_updates.transports.protocol import answer
-
-        return answer(self.engine.drop_lora_update)
+        return _answer(self.engine.drop_lora_update)
 
     def export_lora(self, name: str) -> dict:
         """Adapter `name`'s A / B tensors as Dense records, in the message format `apply_lora_update` takes."""
         return _pack(self.engine.export_lora(name))
+
+
+def _answer(call, *args) -> dict:
+    """A worker's reply to a step the pool drives on every worker: `weight_updates.transports.protocol.answer`, the
+    result or the error as text, so the pool hears every worker."""
+    from weight_updates.transports.protocol import answer
+
+    return answer(call, *args)
 
 
 def _records(message: dict) -> list:

@@ -130,8 +130,8 @@ class _GroupPlan:
     num_delta: int  # how many members are bit-delta patches
     runs: list[tuple[int, int]]  # [start, stop) of each run of members with one gap dtype and one kind of values
     columns: np.ndarray  # [_META_ROWS, k] int64: the rows of the group's meta
-    views: list[torch.Tensor] | None = None  # what holds the members' live tensors where the target lends them (block path)
-    blocks: tuple[np.ndarray, np.ndarray] | None = None  # with views: ([k] blocks per member, [k] live data pointers)
+    held: list[torch.Tensor] | None = None  # tensors holding the members' live storage where the target lends it (block path)
+    blocks: tuple[np.ndarray, np.ndarray] | None = None  # with held: ([k] blocks per member, [k] live data pointers)
 
 
 def _fault_flag(faults: torch.Tensor, numels: torch.Tensor) -> torch.Tensor:
@@ -197,7 +197,7 @@ class _BlockPatchGroup:
     meta: torch.Tensor  # [6, k] int64 on the device, as in _PatchGroup
     table: torch.Tensor  # [B, kernels.patch.NCOL] int64 on the device: the blocks
     blocks: torch.Tensor  # [k] int64 on the device: blocks per member
-    views: list[torch.Tensor]  # what holds the members' live tensors, whose addresses ``table`` holds (kept alive here)
+    held: list[torch.Tensor]  # tensors holding the members' live storage, whose addresses ``table`` holds (kept alive here)
     indices: torch.Tensor  # [n] int32 flat indices, clamped into each member's bounds
     faults_: torch.Tensor  # [k, 5] int64, as _PatchGroup.faults
     predicted: torch.Tensor  # [k] int64 checksums after the patch, predicted before writing
@@ -637,14 +637,14 @@ class UpdateSession:
             columns[_TABLE] = rows[at]
             members = [records[i] for i in at.tolist()]
             lent = None if lend is None else lend([p.name for p in members], dtype)
-            views = blocks = None
+            held = blocks = None
             if lent is not None:
                 from kernels.patch import blocks_per_patch
 
-                views, addresses = lent
+                held, addresses = lent
                 blocks = (blocks_per_patch(columns[_SIZES]), addresses)
             plans.append(_GroupPlan(dtype=dtype, members=members, num_delta=num_delta[dtype], runs=runs[dtype], columns=columns,
-                                    views=views, blocks=blocks))
+                                    held=held, blocks=blocks))
         return plans
 
     def _lender(self, target: WeightTarget):
@@ -764,7 +764,7 @@ class UpdateSession:
         faults = torch.stack([sums[:, 0] - 1, (sums[:, 1] != meta[_OVERFLOW]).to(torch.int64),
                               (sums[:, 3] != meta[_ESCAPES]).to(torch.int64), bad_overflow, sums[:, 2]], 1)
         predicted = self._receiver._table.index_select(0, meta[_TABLE]) + sums[:, 4]
-        return _BlockPatchGroup(members=members, meta=meta, table=table, blocks=blocks, views=plan.views, indices=indices,
+        return _BlockPatchGroup(members=members, meta=meta, table=table, blocks=blocks, held=plan.held, indices=indices,
                                 faults_=faults, predicted=predicted, old=old, new=new)
 
     def _check_all(self, records: list[Update], groups: list["_PatchGroup | _BlockPatchGroup"], predicted: torch.Tensor,
