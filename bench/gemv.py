@@ -1,12 +1,13 @@
 """Small-batch projections: the fused Triton GEMV (`kernels/gemv.py`) against what it replaces. JSON lines.
 
-    python bench/gemv.py                 # GPU: every shape at 1, 2, 4 and 8 rows, plus a tile sweep at 1 row (about 2 minutes)
+    python bench/gemv.py                 # GPU: every shape at 1, 2, 4 and 8 rows, plus a tile sweep at 1 row (about 4 minutes)
     python bench/gemv.py --no-sweep
 
 Per (model shape, projection, rows) one row: `ref_us` for the unfused path the engine runs otherwise (the
 norm or activation kernel, then cuBLAS through `F.linear`), `fused_us` for `fused_gemv` with its default
 tiles and the prologue inside, `split_us` for the norm or activation kernel followed by the plain `fused_gemv`
-(the engine's path for weights above `kernels.gemv.PROLOGUE_MAX_WEIGHT_BYTES`), `best_us` / `best` for the fastest tile choice of the sweep, and each one's `gbps` = weight bytes /
+(the engine's path for weights above `kernels.gemv.PROLOGUE_MAX_WEIGHT_BYTES`), `best_us` / `best` for the fastest tile choice of the sweep over the engine's path (`engine_path`: fused where
+`fuses_prologue`, else split), and each one's `gbps` = weight bytes /
 time (the weights dominate the bytes at these row counts). Times come from a CUDA graph of many calls
 that walk through enough weight copies to exceed the L2 cache (as a decode step does: every weight is
 read once per step), so they hold no launch gaps a graph replay would not have. The copy bandwidth
@@ -22,12 +23,13 @@ import sys
 from pathlib import Path
 
 import torch
+import triton
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from bench.generate import copy_bandwidth  # noqa: E402
 from kernels.activation import silu_and_mul  # noqa: E402
-from kernels.gemv import GemvConfig, fused_gemv, pick_config  # noqa: E402
+from kernels.gemv import GemvConfig, fused_gemv, fuses_prologue, pick_config  # noqa: E402
 from kernels.norm import fused_add_rms_norm  # noqa: E402
 
 # (shape, projection, N, K, prologue, bias)
@@ -44,7 +46,7 @@ CASES = [
     ("qwen3-8b", "lm_head", 151936, 4096, "none", False),
     ("qwen3-30b-a3b", "qkv", 5120, 2048, "rms_norm", False),
     ("qwen3-30b-a3b", "o", 2048, 4096, "none", False),
-    ("qwen3-30b-a3b", "router", 128, 2048, "none", False),
+    ("qwen3-30b-a3b", "router", 128, 2048, "rms_norm", False),
 ]
 L2_BYTES = 256 << 20  # walk through at least this many weight bytes per graph (H200's L2: 50 MB)
 
@@ -95,7 +97,7 @@ def bench_case(shape, proj, n, k, prologue, has_bias, rows, dtype, sweep) -> dic
             h = x
         return torch.nn.functional.linear(h, w, bias)
 
-    def split(i):  # the engine's path for weights too large for a fused prologue: the kernel, then the plain GEMV
+    def split(i, cfg=None):  # the engine's path for weights too large for a fused prologue: the kernel, then the plain GEMV
         w = weights[i % copies]
         if prologue == "rms_norm":
             h, _ = fused_add_rms_norm(x, residual, norm_w, 1e-6)
@@ -103,7 +105,7 @@ def bench_case(shape, proj, n, k, prologue, has_bias, rows, dtype, sweep) -> dic
             h = silu_and_mul(x)
         else:
             h = x
-        return fused_gemv(h, w, bias)
+        return fused_gemv(h, w, bias, config=cfg)
 
     def fused(cfg):
         kw = dict(norm_weight=norm_w, residual=residual) if prologue == "rms_norm" else {}
@@ -115,16 +117,24 @@ def bench_case(shape, proj, n, k, prologue, has_bias, rows, dtype, sweep) -> dic
     row = {"shape": shape, "proj": proj, "rows": rows, "n": n, "k": k, "prologue": prologue,
            "ref_us": round(graph_us(ref, calls), 2), "fused_us": round(graph_us(fused(None), calls), 2),
            "split_us": round(graph_us(split, calls), 2),
-           "default": list(vars_of(pick_config(rows, n, k, x.device)))}
+           "default": list(vars_of(pick_config(rows, n, k, x.device, prologue))),
+           "split_default": list(vars_of(pick_config(rows, n, k, x.device)))}
+    # the sweep times the engine's path: the prologue inside the product where `fuses_prologue`, else split
+    fuses = prologue == "none" or fuses_prologue(prologue, weights[0])
+    row["engine_path"] = "fused" if fuses else "split"
     if sweep:
         timed = []
-        for bn, bkk, nw in itertools.product((4, 8, 16, 32, 64), (256, 512, 1024), (4, 8)):
-            if bn * bkk * rows > 65536 or bkk > 2 * max(k, 256) or (nw == 8 and bkk < 1024):
+        for bn, bkk, nw in itertools.product((1, 2, 4, 8, 16, 32), (256, 512, 1024, 2048, 4096), (2, 4, 8, 16)):
+            per_thread = bn * bkk * rows // (32 * nw)  # weight elements each thread holds per K step
+            if not 8 <= per_thread <= 64 or bkk > max(triton.next_power_of_2(k), 256):
                 continue
             cfg = GemvConfig(block_n=bn, block_k=bkk, num_warps=nw)
-            timed.append((graph_us(fused(cfg), calls), (bn, bkk, nw)))
-        best_us, best = min(timed)
-        row.update(best_us=round(best_us, 2), best=list(best))
+            fn = fused(cfg) if fuses else (lambda i, c=cfg: split(i, c))
+            timed.append((graph_us(fn, calls), (bn, bkk, nw)))
+        timed.sort()
+        best_us, best = timed[0]
+        row.update(best_us=round(best_us, 2), best=list(best),
+                   next_best=[[round(us, 2), *cfg] for us, cfg in timed[1:4]], configs_timed=len(timed))
     for key in ("ref_us", "fused_us", "split_us", "best_us"):
         if key in row:
             row[key.replace("_us", "_gbps")] = round(wbytes / row[key] / 1e3, 1)

@@ -24,7 +24,7 @@ Routing replay: the same batch-64 workload with `return_routed_experts=True` aga
 Weight push: the tensors of the first `--push-layers` layers (all their experts, attention, norms, router)
 pushed as a patch after about 1% of their elements changed and as a full dense copy, through the engine's
 own receiving path (`apply_weight_update`); bytes, milliseconds and the whole-model extrapolation. A first
-untimed round compiles the receiver's kernels for these shapes.
+untimed round compiles the receiver's kernels for these shapes; two timed rounds follow.
 """
 
 from __future__ import annotations
@@ -152,7 +152,8 @@ def bench_push(engine, args, common) -> None:
     nbytes = sum(t.numel() * t.element_size() for t in w0.values())
     total = byte_counts(QWEN3_30B_A3B if not args.quick else TINY, torch.finfo(getattr(torch, args.dtype)).bits // 8)["total"]
     version, state = engine.policy_version, w0
-    for timed in (False, True):  # the first round compiles the receiver's kernels for these shapes
+    for round_ in range(3):  # the first round compiles the receiver's kernels for these shapes; two timed rounds
+        timed = round_ > 0
         state = changed(state)
         for mode in ("patch", "dense"):
             sync(args.device)
@@ -174,7 +175,7 @@ def bench_push(engine, args, common) -> None:
             if not timed:
                 continue
             ok = all(torch.equal(weights.view(n), state[n]) for n in names)
-            emit(kind="weight_push", mode=mode, tensors=len(names), layers=args.push_layers, tensor_bytes=nbytes,
+            emit(kind="weight_push", mode=mode, round=round_, tensors=len(names), layers=args.push_layers, tensor_bytes=nbytes,
                  payload_bytes=payload, encode_ms=round(1e3 * (t1 - t0), 2), apply_ms=round(1e3 * (t2 - t1), 2),
                  bitwise_equal=ok, whole_model_apply_ms_estimate=round(1e3 * (t2 - t1) * total / nbytes, 1),
                  whole_model_payload_bytes_estimate=int(payload * total / nbytes), **common)
@@ -184,6 +185,9 @@ LAYER_CONFIGS = {  # moe_decode tile variants the --layer run times (DecodeConfi
     "default": {}, "up_n16": {"up_block_n": 16}, "up_k128": {"up_block_k": 128, "up_stages": 4},
     "down_cols64": {"down_columns": 64}, "down_cols256": {"down_columns": 256, "down_stages": 2},
     "down_k256": {"down_block_k": 256, "down_stages": 2}, "warps8": {"num_warps": 8},
+    "up_s2": {"up_stages": 2}, "up_n64": {"up_block_n": 64, "up_stages": 2},
+    "up_n16_k512": {"up_block_n": 16, "up_block_k": 512, "up_stages": 2}, "up_k512_s2": {"up_block_k": 512, "up_stages": 2},
+    "down_cols64_k256": {"down_columns": 64, "down_block_k": 256, "down_stages": 2}, "down_s4": {"down_stages": 4},
 }
 
 

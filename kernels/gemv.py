@@ -19,7 +19,7 @@ Against the unfused layers: float32 within 1e-5, bfloat16 within a few ulps of t
 Kernel structure: grid = (cdiv(N, BLOCK_N),); one program owns BLOCK_N output columns for all M rows
 (at most `MAX_ROWS`), walks K in BLOCK_K steps and reduces a [M, BLOCK_N, BLOCK_K] product per step on the
 CUDA cores (the rows are few: the weight's bytes are the cost), program 0 writing the residual sum s as it
-goes. Tiles are chosen by shape: long K steps (16 KiB of weight per step at one row) and 4 or 8 columns per
+goes. Tiles are chosen by shape and prologue (`pick_config`): long K steps (up to 4096) and few columns per
 program, as measured fastest at one row by `bench/gemv.py`. Each extra row costs a weight-sized product
 more; past one or two rows a GEMM library is faster (the engine's default is one row).
 
@@ -112,18 +112,33 @@ def _num_sms(index: int | None) -> int:
     return torch.cuda.get_device_properties(index or 0).multi_processor_count
 
 
-def pick_config(rows: int, n: int, k: int, device: torch.device) -> GemvConfig:
-    """Tiles by shape: K steps of up to 1024, 8 columns per program where that still gives two programs per
-    SM (else 4); as rows add registers (at most 8192 products per step), fewer columns, then shorter steps."""
-    block_k = min(1024, triton.next_power_of_2(max(k, 16)))
-    want = 2 * _num_sms(device.index if device.type == "cuda" else None)
-    block_n = 8 if triton.cdiv(n, 8) >= want else 4
-    while triton.next_power_of_2(rows) * block_n * block_k > 8192:
+def pick_config(rows: int, n: int, k: int, device: torch.device, prologue: str = "none") -> GemvConfig:
+    """Tiles by shape and prologue, as measured fastest at one row on an H200 (`bench/gemv.py`'s sweep,
+    2026-12-02). Without a prologue and with "silu_mul", long K steps (up to 4096: fewer serial loads per program)
+    over tiles of 8192 (16384 with "silu_mul", at 8 warps) weight elements, as few columns per program as that
+    leaves while the grid still fills the SMs (the 8B o projection 10.8 us against 12.5 with 1024-long steps, the
+    0.5B down 7.4 against 8.9, the MoE o 6.9 against 8.7); so too with "rms_norm" over few columns (the MoE
+    router's 128: 2.6 against 3.7 us). Otherwise with "rms_norm", whose steps also load the residual stream and the
+    norm weight, and at more than one row (not swept): steps of up to 1024 and 8 columns where that gives two
+    programs per SM (else 4). As rows add registers (at most 64 products per thread per step), fewer columns, then
+    shorter steps."""
+    sms = _num_sms(device.index if device.type == "cuda" else None)
+    if rows > 1 or (prologue == "rms_norm" and triton.cdiv(n, 4) >= sms):
+        block_k = min(1024, triton.next_power_of_2(max(k, 16)))
+        block_n = 8 if triton.cdiv(n, 8) >= 2 * sms else 4
+        num_warps = 4
+    else:
+        block_k = min(4096, triton.next_power_of_2(max(k, 16)))
+        num_warps = 8 if prologue == "silu_mul" else 4
+        block_n = max(1, 64 * 32 * num_warps // block_k)
+        while block_n > 1 and triton.cdiv(n, block_n) < sms:
+            block_n //= 2
+    while triton.next_power_of_2(rows) * block_n * block_k > 64 * 32 * num_warps:
         if block_n > 2:
             block_n //= 2
         else:
             block_k //= 2
-    return GemvConfig(block_n=block_n, block_k=block_k, num_warps=4)
+    return GemvConfig(block_n=block_n, block_k=block_k, num_warps=num_warps)
 
 
 # Largest weight (bytes) whose product takes its layer before it as a prologue: measured at one row on an H200
@@ -176,7 +191,7 @@ def fused_gemv(
             raise ValueError(f"residual must be {tuple(x.shape)} {x.dtype}, contiguous in K")
     elif norm_weight is not None or residual is not None:
         raise ValueError("norm_weight and residual belong to prologue 'rms_norm'")
-    cfg = config or pick_config(rows, n, k, x.device)
+    cfg = config or pick_config(rows, n, k, x.device, prologue)
     out = torch.empty((rows, n), dtype=x.dtype, device=x.device)
     summed = torch.empty_like(x) if residual is not None else x  # [M, K]
     res = residual if residual is not None else x
