@@ -86,6 +86,25 @@ def test_default_tiles_cover_the_output():
     _close(fused_gemv(x, w), fused_gemv_ref(x, w))
 
 
+@pytest.mark.parametrize("prologue", ["none", "rms_norm", "silu_mul"])
+def test_default_one_row_tiles_cover_the_output(prologue):
+    """At one row the tiles take long K steps over few columns; K (300) is no multiple of the step and N (10)
+    fills few programs, so the masks at both ends are exercised."""
+    n, k = 10, 300
+    cfg = pick_config(1, n, k, DEVICE, prologue)
+    assert cfg.block_k >= k or prologue == "rms_norm"
+    x = _rand(1, 2 * k if prologue == "silu_mul" else k, dtype=torch.float32, seed=18)
+    w = _rand(n, k, dtype=torch.float32, seed=19, scale=0.1)
+    if prologue == "rms_norm":
+        nw, r = _rand(k, dtype=torch.float32, seed=20), _rand(1, k, dtype=torch.float32, seed=21)
+        out, summed = fused_gemv(x, w, prologue=prologue, norm_weight=nw, residual=r)
+        ref, ref_sum = fused_gemv_ref(x, w, prologue=prologue, norm_weight=nw, residual=r)
+        assert torch.equal(summed, ref_sum)
+        _close(out, ref)
+    else:
+        _close(fused_gemv(x, w, prologue=prologue), fused_gemv_ref(x, w, prologue=prologue))
+
+
 def test_bad_inputs_name_the_rule():
     x = _rand(2, 32, dtype=torch.float32, seed=15)
     w = _rand(8, 32, dtype=torch.float32, seed=16)
