@@ -88,11 +88,12 @@ def test_default_tiles_cover_the_output():
 
 @pytest.mark.parametrize("prologue", ["none", "rms_norm", "silu_mul"])
 def test_default_one_row_tiles_cover_the_output(prologue):
-    """At one row the tiles take long K steps over few columns; K (300) is no multiple of the step and N (10)
-    fills few programs, so the masks at both ends are exercised."""
+    """At one row over few columns (N = 10 fills fewer programs than there are SMs) the tiles take one column per
+    program and the whole of K (300, no multiple of the step) in one step, for every prologue; the masks at both
+    ends of K are exercised."""
     n, k = 10, 300
     cfg = pick_config(1, n, k, DEVICE, prologue)
-    assert cfg.block_k >= k or prologue == "rms_norm"
+    assert cfg.block_n == 1 and cfg.block_k >= k, cfg
     x = _rand(1, 2 * k if prologue == "silu_mul" else k, dtype=torch.float32, seed=18)
     w = _rand(n, k, dtype=torch.float32, seed=19, scale=0.1)
     if prologue == "rms_norm":
