@@ -7,7 +7,7 @@ Per (model shape, projection, rows) one row: `ref_us` for the unfused path the e
 norm or activation kernel, then cuBLAS through `F.linear`), `fused_us` for `fused_gemv` with its default
 tiles and the prologue inside, `split_us` for the norm or activation kernel followed by the plain `fused_gemv`
 (the engine's path for weights above `kernels.gemv.PROLOGUE_MAX_WEIGHT_BYTES`), `best_us` / `best` for the fastest tile choice of the sweep over the engine's path (`engine_path`: fused where
-`fuses_prologue`, else split), and each one's `gbps` = weight bytes /
+`fuses_prologue`, else split; `default` / `split_default`: the tiles `pick_config` gives each path), and each one's `gbps` = weight bytes /
 time (the weights dominate the bytes at these row counts). Times come from a CUDA graph of many calls
 that walk through enough weight copies to exceed the L2 cache (as a decode step does: every weight is
 read once per step), so they hold no launch gaps a graph replay would not have. The copy bandwidth
