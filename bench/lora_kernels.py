@@ -13,13 +13,17 @@ Each case is a CUDA graph of one step: the tile plan (`lora_batch`, once) and pe
 (`torch.mm` against random weights, 8B's 14 GB, so the adapters' weights come from memory as in the model) each
 followed by its `add_lora` (systems `default`, `two_launches`, ...: `overlap: false`) or, in the `overlap*` systems
 (`overlap: true`), each GEMM with its `lora_shrink_partials` forked onto a side stream before it and its
-`lora_expand_partials` joined after it; the same graph without LoRA is the base. `step_ms`: the median replay of the graph
-(`--replays` replays, best of 3 rounds); `lora_ms` = step_ms - base step_ms, `lora_us_per_hook` = lora_ms over the
-128 hooks, `overhead_of_step` = lora_ms / `--step-ms` (the engine's whole base decode step at batch 64, 5.53 ms
-measured on one H200 by `bench/lora.py --profile`; the issue's target is <= 0.15). `lora_only_ms`: a graph of the
-LoRA work alone (no GEMMs between the hooks). `bitwise_equal_to_default`: the case's outputs against the default
-config's (every config but the split-K chunk must match, the overlapped systems included; the baseline too, when
-its arithmetic is unchanged).
+`lora_expand_partials` joined after it; `side_delta` / `side_delta_deferred` put the whole LoRA of each layer on the
+side stream into a float32 delta (`side_delta()` says how each is joined); the same graph without LoRA is the
+base. `step_ms`: the median replay of the graph (`--replays` replays, best of 3 rounds); `lora_ms` = step_ms - base
+step_ms, `lora_us_per_hook` = lora_ms over the 128 hooks, `overhead_of_step` = lora_ms / `--step-ms` (the
+engine's whole base decode step at batch 64, 5.53 ms measured on one H200 by `bench/lora.py --profile`; the
+issue's target is <= 0.15). `lora_only_ms`: a graph of the LoRA work alone (no GEMMs between the hooks). `bitwise_equal_to_default`: the case's outputs against the default
+config's, or the first system's when `--systems` leaves the default out (every config but the split-K chunk and
+the shrink's K step must match, the overlapped systems included; the baseline too, when its arithmetic is
+unchanged; `side_delta` rounds the base output plus the float32 delta in torch, the default in the kernel).
+`k64_unpipelined` is the shrink loop before its K step grew to 256 with two pipeline stages (8 dependent steps of
+64 per split).
 """
 
 from __future__ import annotations
@@ -47,13 +51,16 @@ def configs(sweep: bool) -> tuple[dict, dict]:
     from kernels.lora import LoraKernelConfig
 
     named = {"default": LoraKernelConfig(), "two_launches": LoraKernelConfig(fused=False),
-             "groups2": LoraKernelConfig(groups_per_tile_row=2), "bn256_w8": LoraKernelConfig(block_n=256, num_warps=8)}
+             "groups2": LoraKernelConfig(groups_per_tile_row=2), "bn256_w8": LoraKernelConfig(block_n=256, num_warps=8),
+             "k64_unpipelined": LoraKernelConfig(block_k=64, shrink_stages=1, max_split_k=16)}
     overlapped = {"overlap": LoraKernelConfig()}
     if sweep:
         named |= {"groups8": LoraKernelConfig(groups_per_tile_row=8), "bn64": LoraKernelConfig(block_n=64),
                   "w8": LoraKernelConfig(num_warps=8),
                   "two_groups2": LoraKernelConfig(fused=False, groups_per_tile_row=2),
-                  "split256": LoraKernelConfig(split_k_chunk=256, max_split_k=64)}
+                  "split256": LoraKernelConfig(split_k_chunk=256, max_split_k=64),
+                  "k128": LoraKernelConfig(block_k=128), "k256_stages1": LoraKernelConfig(shrink_stages=1),
+                  "k256_split1024": LoraKernelConfig(split_k_chunk=1024), "k64": LoraKernelConfig(block_k=64)}
         overlapped |= {"overlap_groups1": LoraKernelConfig(groups_per_tile_row=1),
                        "overlap_groups2": LoraKernelConfig(groups_per_tile_row=2),
                        "overlap_bn256_w8": LoraKernelConfig(block_n=256, num_warps=8)}
@@ -61,12 +68,14 @@ def configs(sweep: bool) -> tuple[dict, dict]:
 
 
 class Hook(NamedTuple):
-    """How a case runs LoRA: `plan(idx, num_slots)` once per step; per layer `start(x, A, plan)` before the GEMM
-    (None: nothing before it), then `finish(out, x, A, B, plan, scaling, slices, started)` after it."""
+    """How a case runs LoRA: `plan(idx, num_slots)` once per step; per layer `start(x, A, B, plan, scaling, slices)`
+    before the GEMM (None: nothing before it), then `finish(out, x, A, B, plan, scaling, slices, started)` after
+    it; `end()` after the step's last layer (None: nothing)."""
 
     plan: Callable
     finish: Callable
     start: Callable | None = None
+    end: Callable | None = None
 
 
 def after_gemm(lora_batch, add_lora, **kw) -> Hook:
@@ -83,7 +92,38 @@ def overlapped(config) -> Hook:
     return Hook(lora_batch,
                 lambda out, x, A, B, plan, scaling, slices, started: lora_expand_partials(
                     out, started, B, scaling, slices=slices),
-                lambda x, A, plan: lora_shrink_partials(x, A, plan, stream=side, config=config))
+                lambda x, A, B, plan, scaling, slices: lora_shrink_partials(x, A, plan, stream=side, config=config))
+
+
+def side_delta(step: "Step", deferred: bool) -> Hook:
+    """Each layer's whole LoRA (shrink and expand, one launch) on a side stream beside its GEMM, into a float32
+    delta of zeros. Not deferred: the main stream joins after the GEMM and adds the delta (`out.add_`, one
+    elementwise launch). Deferred: the join waits until just before the next GEMM and nothing adds the delta: the
+    cost of a hook whose delta the kernel that reads the output adds on its way (residual + RMSNorm, rotary,
+    SiLU-and-mul), less that kernel's extra read of the delta (at most 11 MB a layer here)."""
+    from kernels.lora import add_lora, lora_batch
+
+    side = torch.cuda.Stream(priority=-1)
+    deltas = {n: torch.zeros(o.shape, dtype=torch.float32, device=o.device) for n, o in step.out.items()}
+    names = {id(x): n for n, x in step.x.items()}
+
+    def start(x, A, B, plan, scaling, slices):
+        main = torch.cuda.current_stream()
+        if deferred:
+            main.wait_stream(side)  # the previous layer's delta, as its consumer would wait for it
+        side.wait_stream(main)
+        delta = deltas[names[id(x)]]
+        with torch.cuda.stream(side):
+            delta.zero_()
+            add_lora(delta, x, A, B, plan, scaling, slices=slices)
+        return delta
+
+    def finish(out, x, A, B, plan, scaling, slices, delta):
+        if not deferred:
+            torch.cuda.current_stream().wait_stream(side)
+            out.add_(delta)
+
+    return Hook(lora_batch, finish, start, lambda: torch.cuda.current_stream().wait_stream(side))
 
 
 def load_baseline(path: str):
@@ -124,11 +164,14 @@ class Step:
         for layer in self.layers:
             for name, t in layer.items():
                 out, x = self.out[name], self.x[name]
-                started = hook.start(x, t["A"], plan) if hook is not None and hook.start is not None else None
+                started = (hook.start(x, t["A"], t["B"], plan, self.scaling, t["slices"])
+                           if hook is not None and hook.start is not None else None)
                 if gemms:
                     torch.mm(x, t["W"].t(), out=out)
                 if hook is not None:
                     hook.finish(out, x, t["A"], t["B"], plan, self.scaling, t["slices"], started)
+        if hook is not None and hook.end is not None:
+            hook.end()
 
 
 def timed_graph(step: Step, hook, args, gemms: bool = True) -> float:
@@ -177,6 +220,7 @@ def main() -> None:
     ap.add_argument("--baseline", default=None, help="another kernels/lora.py to time alongside (its add_lora and "
                     "lora_batch)")
     ap.add_argument("--sweep", action="store_true", help="more launch shapes")
+    ap.add_argument("--systems", default=None, help="comma-separated systems to run (default: all)")
     args = ap.parse_args()
     if not torch.cuda.is_available():
         raise SystemExit("bench/lora_kernels.py needs CUDA")
@@ -190,9 +234,16 @@ def main() -> None:
     named, overlaps = configs(args.sweep)
     hooks = {name: after_gemm(lora_batch, add_lora, config=config) for name, config in named.items()}
     hooks |= {name: overlapped(config) for name, config in overlaps.items()}
+    hooks |= {"side_delta": side_delta(step, deferred=False), "side_delta_deferred": side_delta(step, deferred=True)}
     if args.baseline:
         old = load_baseline(args.baseline)
         hooks["baseline"] = after_gemm(old.lora_batch, old.add_lora)
+    if args.systems:
+        wanted = args.systems.split(",")
+        unknown = sorted(set(wanted) - set(hooks))
+        if unknown:
+            raise SystemExit(f"--systems: unknown {unknown}; known: {sorted(hooks)}")
+        hooks = {name: hooks[name] for name in wanted}
     for distinct in [int(d) for d in args.distinct.split(",")]:
         assign(step, distinct, args)
         reference = None
@@ -203,11 +254,12 @@ def main() -> None:
             outs = torch.cat([o.flatten() for o in step.out.values()])
             reference = outs if reference is None else reference
             lora_ms = step_ms - base_ms
+            deferred = name == "side_delta_deferred"  # its outputs hold no delta: nothing to compare
             emit(kind="lora_kernels", system=name, overlap=hook.start is not None, distinct=distinct,
                  step_ms=round(step_ms, 4),
                  lora_ms=round(lora_ms, 4), lora_us_per_hook=round(1e3 * lora_ms / (4 * args.layers), 2),
                  overhead_of_step=round(lora_ms / args.step_ms, 4), lora_only_ms=round(lora_only, 4),
-                 bitwise_equal_to_default=bool(torch.equal(outs, reference)), **common)
+                 bitwise_equal_to_default=None if deferred else bool(torch.equal(outs, reference)), **common)
 
 
 if __name__ == "__main__":

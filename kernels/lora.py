@@ -80,17 +80,25 @@ class LoraKernelConfig:
     """Output columns per expand program."""
     split_k_chunk: int = 512
     """In-features per shrink split, rounded up to the K chunk; the splits are at most `max_split_k`."""
-    max_split_k: int = 16
-    """The most splits of the shrink (the down projection, in 14336, takes 16 at the defaults)."""
+    max_split_k: int = 32
+    """The most splits of the shrink (the down projection, in 14336, takes 28 at the defaults)."""
     num_warps: int = 4
     """Warps per program, shrink and expand."""
+    block_k: int | None = None
+    """In-features per step of the shrink's loop: None takes 256 for 16-bit weights (two steps a split, both
+    loads in flight: the shrink is bound by load latency, 8 dependent steps of 64 took 1.4x as long on an H200)
+    and 32 for float32."""
+    shrink_stages: int = 2
+    """Software-pipeline stages of the shrink's loop over its split (1: none)."""
 
     def __post_init__(self) -> None:
-        for name in ("groups_per_tile_row", "split_k_chunk", "max_split_k", "num_warps"):
+        for name in ("groups_per_tile_row", "split_k_chunk", "max_split_k", "num_warps", "shrink_stages"):
             if getattr(self, name) < 1:
                 raise ValueError(f"LoraKernelConfig.{name} must be >= 1, got {getattr(self, name)}")
         if self.block_n < 16 or self.block_n & (self.block_n - 1):
             raise ValueError(f"LoraKernelConfig.block_n must be a power of two >= 16, got {self.block_n}")
+        if self.block_k is not None and (self.block_k < 16 or self.block_k & (self.block_k - 1)):
+            raise ValueError(f"LoraKernelConfig.block_k must be None or a power of two >= 16, got {self.block_k}")
 
 
 DEFAULT_CONFIG = LoraKernelConfig()
@@ -203,7 +211,7 @@ def lora_batch(idx: torch.Tensor, num_slots: int) -> LoraBatch:
 def _shrink_tiles(pid, x_ptr, a_ptr, part_ptr, tile_tokens_ptr, tile_slot_ptr, arrivals_ptr, num_tile_rows, groups,
                   rows, in_features, k_per_split, stride_xt, stride_as, stride_ar, stride_pp, stride_pt,
                   SPLITS: tl.constexpr, SYNC: tl.constexpr, FLAG_STRIDE: tl.constexpr, BLOCK_M: tl.constexpr,
-                  BLOCK_R: tl.constexpr, BLOCK_K: tl.constexpr):
+                  BLOCK_R: tl.constexpr, BLOCK_K: tl.constexpr, STAGES: tl.constexpr):
     """Shrink program `pid` = (split, group): partial[split, token] = x[token, split's K] @ A[slot, :, same]^T
     for the tokens of the group's tiles; with SYNC, counts itself into each tile's arrival counter."""
     split = pid % SPLITS
@@ -223,7 +231,7 @@ def _shrink_tiles(pid, x_ptr, a_ptr, part_ptr, tile_tokens_ptr, tile_slot_ptr, a
             r = r0 + tl.arange(0, BLOCK_R)
             rmask = r < rows
             acc = tl.zeros((BLOCK_M, BLOCK_R), dtype=tl.float32)
-            for k in range(k_lo, k_hi, BLOCK_K):
+            for k in tl.range(k_lo, k_hi, BLOCK_K, num_stages=STAGES):
                 kk = k + kk0
                 kmask = kk < k_hi
                 xt = tl.load(x_ptr + tok[:, None] * stride_xt + kk[None, :], mask=mmask[:, None] & kmask[None, :],
@@ -299,11 +307,11 @@ def _expand_tiles(pid, part_ptr, b_ptr, out_ptr, scaling_ptr, tile_tokens_ptr, t
 def _lora_shrink_kernel(x_ptr, a_ptr, part_ptr, tile_tokens_ptr, tile_slot_ptr, arrivals_ptr, num_tile_rows, groups,
                         rows, in_features, k_per_split, stride_xt, stride_as, stride_ar, stride_pp, stride_pt,
                         SPLITS: tl.constexpr, FLAG_STRIDE: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_R: tl.constexpr,
-                        BLOCK_K: tl.constexpr):
+                        BLOCK_K: tl.constexpr, STAGES: tl.constexpr):
     """The shrink alone (no arrival counts: the stream orders the expand after it)."""
     _shrink_tiles(tl.program_id(0), x_ptr, a_ptr, part_ptr, tile_tokens_ptr, tile_slot_ptr, arrivals_ptr,
                   num_tile_rows, groups, rows, in_features, k_per_split, stride_xt, stride_as, stride_ar, stride_pp,
-                  stride_pt, SPLITS, False, FLAG_STRIDE, BLOCK_M, BLOCK_R, BLOCK_K)
+                  stride_pt, SPLITS, False, FLAG_STRIDE, BLOCK_M, BLOCK_R, BLOCK_K, STAGES)
 
 
 @triton.jit
@@ -326,13 +334,13 @@ def _lora_fused_kernel(x_ptr, a_ptr, part_ptr, b_ptr, out_ptr, scaling_ptr, tile
                        stride_pp, stride_pt, stride_bs, stride_bn, stride_ot, SPLITS: tl.constexpr,
                        FLAG_STRIDE: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_RA: tl.constexpr,
                        BLOCK_K: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_RB: tl.constexpr,
-                       RANK_CHUNKS: tl.constexpr):
+                       RANK_CHUNKS: tl.constexpr, STAGES: tl.constexpr):
     """The shrink programs (ids below `shrink_programs`), then the expand programs, which wait on them."""
     pid = tl.program_id(0)
     if pid < shrink_programs:
         _shrink_tiles(pid, x_ptr, a_ptr, part_ptr, tile_tokens_ptr, tile_slot_ptr, arrivals_ptr, num_tile_rows,
                       groups, rows, in_features, k_per_split, stride_xt, stride_as, stride_ar, stride_pp, stride_pt,
-                      SPLITS, True, FLAG_STRIDE, BLOCK_M, BLOCK_RA, BLOCK_K)
+                      SPLITS, True, FLAG_STRIDE, BLOCK_M, BLOCK_RA, BLOCK_K, STAGES)
     else:
         _expand_tiles(pid - shrink_programs, part_ptr, b_ptr, out_ptr, scaling_ptr, tile_tokens_ptr, tile_slot_ptr,
                       arrivals_ptr, num_tile_rows, groups, col_blocks, blocks0, blocks1, rank, width0, width1, width2,
@@ -379,8 +387,9 @@ def _check_expand(B: torch.Tensor, scaling: torch.Tensor, out: torch.Tensor,
     slices = (n,) if slices is None else tuple(int(w) for w in slices)
     if not 1 <= len(slices) <= _MAX_SLICES or min(slices) < 1 or sum(slices) != n:
         raise ValueError(f"slices must be 1 to {_MAX_SLICES} positive widths summing to B's N = {n}; got {slices}")
-    if out.dim() != 2 or out.shape[1] != n or out.dtype != B.dtype or out.stride(1) != 1:
-        raise ValueError(f"out must be [T, {n}] {B.dtype} with unit stride in N; got {out.dtype} {tuple(out.shape)}")
+    if out.dim() != 2 or out.shape[1] != n or out.dtype not in (B.dtype, torch.float32) or out.stride(1) != 1:
+        raise ValueError(f"out must be [T, {n}] {B.dtype} or float32 with unit stride in N; got {out.dtype} "
+                         f"{tuple(out.shape)}")
     if scaling.shape != (num_slots,) or scaling.dtype != torch.float32:
         raise ValueError(f"scaling must be [{num_slots}] float32; got {scaling.dtype} {tuple(scaling.shape)}")
     if not B.device == scaling.device == out.device:
@@ -388,8 +397,10 @@ def _check_expand(B: torch.Tensor, scaling: torch.Tensor, out: torch.Tensor,
     return slices
 
 
-def _block_k(dtype: torch.dtype) -> int:
-    return 32 if dtype == torch.float32 else 64
+def _block_k(dtype: torch.dtype, config: LoraKernelConfig) -> int:
+    if config.block_k is not None:
+        return config.block_k
+    return 32 if dtype == torch.float32 else 256
 
 
 def _shrink_args(x: torch.Tensor, A: torch.Tensor, part: torch.Tensor, batch: LoraBatch, groups: int,
@@ -415,13 +426,14 @@ def _shrink(x: torch.Tensor, A: torch.Tensor, batch: LoraBatch, part: torch.Tens
             config: LoraKernelConfig) -> None:
     """part[split] [T, R] float32 (the adapter tokens' rows written; the others left as they were): the shrink's
     partial sums, one launch on the current stream."""
-    block_k = _block_k(x.dtype)
+    block_k = _block_k(x.dtype, config)
     splits, per_split = _shrink_split(x.shape[1], block_k, config)
     assert part.shape == (splits, x.shape[0], A.shape[1]) and part.stride(2) == 1, (tuple(part.shape), splits)
     groups = _tile_groups(x.shape[0], batch.num_slots, config.groups_per_tile_row)
     _lora_shrink_kernel[(splits * groups,)](
         x, A, part, *_shrink_args(x, A, part, batch, groups, per_split), SPLITS=splits, FLAG_STRIDE=_FLAG_STRIDE,
-        BLOCK_M=BLOCK_M, BLOCK_R=_block_r(A.shape[1]), BLOCK_K=block_k, num_warps=config.num_warps)
+        BLOCK_M=BLOCK_M, BLOCK_R=_block_r(A.shape[1]), BLOCK_K=block_k, STAGES=config.shrink_stages,
+        num_warps=config.num_warps)
 
 
 def _expand(part: torch.Tensor, B: torch.Tensor, batch: LoraBatch, scaling: torch.Tensor, out: torch.Tensor,
@@ -439,7 +451,7 @@ def _expand(part: torch.Tensor, B: torch.Tensor, batch: LoraBatch, scaling: torc
 def _fused(x: torch.Tensor, A: torch.Tensor, part: torch.Tensor, B: torch.Tensor, batch: LoraBatch,
            scaling: torch.Tensor, out: torch.Tensor, slices: tuple[int, ...], config: LoraKernelConfig) -> None:
     """`_shrink` then `_expand`, in one launch: the expand programs wait on the shrink's arrival counters."""
-    block_k = _block_k(x.dtype)
+    block_k = _block_k(x.dtype, config)
     splits, per_split = _shrink_split(x.shape[1], block_k, config)
     groups = _tile_groups(x.shape[0], batch.num_slots, config.groups_per_tile_row)
     expand, col_blocks = _expand_args(part, B, out, batch, groups, slices, config.block_n)
@@ -448,12 +460,13 @@ def _fused(x: torch.Tensor, A: torch.Tensor, part: torch.Tensor, B: torch.Tensor
         groups, splits * groups, A.shape[1], x.shape[1], per_split, *expand[5:12], x.stride(0), A.stride(0),
         A.stride(1), *expand[12:], SPLITS=splits, FLAG_STRIDE=_FLAG_STRIDE, BLOCK_M=BLOCK_M,
         BLOCK_RA=_block_r(A.shape[1]), BLOCK_K=block_k, BLOCK_N=config.block_n, BLOCK_RB=_block_r(B.shape[2]),
-        RANK_CHUNKS=triton.cdiv(B.shape[2], _block_r(B.shape[2])), num_warps=config.num_warps)
+        RANK_CHUNKS=triton.cdiv(B.shape[2], _block_r(B.shape[2])), STAGES=config.shrink_stages,
+        num_warps=config.num_warps)
 
 
 def _empty_partials(x: torch.Tensor, A: torch.Tensor, config: LoraKernelConfig) -> torch.Tensor:
     """The shrink's partial sums, unset: [splits, T, R] float32 on x's device (the current stream's memory)."""
-    splits, _ = _shrink_split(x.shape[1], _block_k(x.dtype), config)
+    splits, _ = _shrink_split(x.shape[1], _block_k(x.dtype, config), config)
     return torch.empty(splits, x.shape[0], A.shape[1], dtype=torch.float32, device=x.device)
 
 
@@ -477,7 +490,7 @@ def lora_expand(y: torch.Tensor, B: torch.Tensor, lora: torch.Tensor | LoraBatch
                 out: torch.Tensor, accumulate: bool = True, *, slices: tuple[int, ...] | None = None,
                 config: LoraKernelConfig = DEFAULT_CONFIG) -> torch.Tensor:
     """y [T, R] float32 (R = num_slices * r_max), B [S, N, r_max], lora: idx [T] or its `lora_batch`,
-    scaling [S] float32, out [T, N] (B's dtype): each token's slice j of `out` gets
+    scaling [S] float32, out [T, N] (B's dtype or float32): each token's slice j of `out` gets
     scaling[slot] * y[t, j * r_max:(j + 1) * r_max] @ B[slot, slice j]^T, added in place (`accumulate`) or
     written in place of it (`out` zeroed first, so rows without a slot become zeros). `slices`: the output
     widths of a fused layer, (N,) when None. Returns out."""
@@ -562,7 +575,8 @@ def add_lora(out: torch.Tensor, x: torch.Tensor, A: torch.Tensor, B: torch.Tenso
     """out [T, N] (the base layer's output) += each token's scaled LoRA delta: the shrink then the expand, in
     one launch (`config.fused`) or two (`lora_shrink_partials` then `lora_expand_partials` on the current stream),
     bitwise the same as each other and as `lora_shrink` then `lora_expand`. x [T, in], A [S, R, in],
-    B [S, N, r_max], scaling [S] float32, all but scaling in one dtype. Returns out."""
+    B [S, N, r_max], scaling [S] float32, all but scaling in one dtype; out in that dtype or float32 (zeros: the
+    delta itself, unrounded, for a later add). Returns out."""
     _check_x_a(x, A)
     slices = _check_layer(out, x, A, B, scaling, slices)
     batch = _as_batch(lora, x.shape[0], A.shape[0])

@@ -82,6 +82,39 @@ def test_add_lora_matches_reference_and_per_token_loop(num_tokens, slices, in_fe
     assert torch.equal(ours[none], base[none])  # rows without an adapter are not touched
 
 
+@pytest.mark.parametrize("config", [LoraKernelConfig(block_k=16, shrink_stages=1, split_k_chunk=64),
+                                    LoraKernelConfig(block_k=64, shrink_stages=3, split_k_chunk=256, fused=False)],
+                         ids=["k16-unpipelined", "k64-three-stages"])
+def test_shrink_k_step_and_pipeline_stages_keep_the_reference(config):
+    """The shrink's K step and its pipeline stages (4 and 3 steps a split of a ragged 1100: partial last steps)."""
+    g = torch.Generator().manual_seed(11)
+    A, B, scaling = _stacks(g, 1100, (16, 8, 8), 8, ranks=(8, 3, 5, 1))
+    x = torch.randn(37, 1100, generator=g).to(DEVICE)
+    idx = _idx(g, 37)
+    base = torch.randn(37, 32, generator=g).to(DEVICE)
+    ours = add_lora(base.clone(), x, A, B, idx, scaling, slices=(16, 8, 8), config=config)
+    torch.testing.assert_close(ours, add_lora_ref(base.clone(), x, A, B, idx, scaling, slices=(16, 8, 8)),
+                               rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(lora_shrink(x, A, idx, config=config), lora_shrink_ref(x, A, idx), rtol=1e-5,
+                               atol=1e-5)
+
+
+def test_a_float32_out_of_zeros_receives_the_unrounded_delta_of_half_weights():
+    """out may be float32 under float16 operands: into zeros, add_lora writes each adapter token's delta unrounded
+    (the reference's, computed in float32 from the same float16 values); rows without an adapter stay zero."""
+    g = torch.Generator().manual_seed(5)
+    A, B, scaling = _stacks(g, 300, (16, 8, 8), 8, ranks=(8, 3, 5, 1), dtype=torch.float16)
+    x = torch.randn(23, 300, generator=g).to(DEVICE, torch.float16)
+    idx = _idx(g, 23)
+    idx[0], idx[1] = -1, 2
+    delta = add_lora(torch.zeros(23, 32, device=DEVICE), x, A, B, idx, scaling, slices=(16, 8, 8))
+    assert delta.dtype == torch.float32
+    ref = add_lora_ref(torch.zeros(23, 32), x.cpu().float(), A.cpu().float(), B.cpu().float(), idx.cpu(),
+                       scaling.cpu(), slices=(16, 8, 8))
+    torch.testing.assert_close(delta.cpu(), ref, rtol=2e-3, atol=2e-3)  # y rounded to float16 before the expand
+    assert not delta[idx < 0].any() and delta[idx >= 0].abs().sum() > 0
+
+
 @pytest.mark.parametrize("in_features", [24, 1100])
 def test_shrink_matches_reference_with_zero_rows_for_no_adapter(in_features):
     g = torch.Generator().manual_seed(in_features)
@@ -355,6 +388,13 @@ def test_bad_launch_configs_are_refused():
         LoraKernelConfig(block_n=96)
     with pytest.raises(ValueError, match="groups_per_tile_row must be >= 1"):
         LoraKernelConfig(groups_per_tile_row=0)
+    with pytest.raises(ValueError, match="block_k must be None or a power of two"):
+        LoraKernelConfig(block_k=48)
+    with pytest.raises(ValueError, match="or float32 with unit stride"):
+        add_lora(torch.zeros(2, 8, dtype=torch.float64), torch.zeros(2, 4), torch.zeros(1, 2, 4), torch.zeros(1, 8, 2),
+                 torch.zeros(2, dtype=torch.int32), torch.ones(1))
+    with pytest.raises(ValueError, match="shrink_stages must be >= 1"):
+        LoraKernelConfig(shrink_stages=0)
 
 
 # ---- CUDA: the Llama-3.1-8B decode shapes in bfloat16 ------------------------------------------------------------
