@@ -5,6 +5,7 @@ milliseconds against a dense push of the base model. Prints one JSON line per me
     python bench/lora.py --device cuda          # Llama-3.1-8B shape, bf16, one GPU
     python bench/lora.py --device cuda --profile  # and per case the top kernels of one decode graph replay
     python bench/lora.py --device cuda --lora-overlap both  # the LoRA engine with and without the overlap
+    python bench/lora.py --device cuda --merged  # and one adapter folded into the base (`lora_merged`)
     python bench/lora.py --quick                # CPU, a tiny Llama: a smoke test of the script
 
 The base weights are random (`EngineConfig(load_format="dummy")`; the model directory holds only config.json). One
@@ -15,6 +16,10 @@ engine with an all-base batch is reported too (its decode steps replay the graph
 LoRA line says which hook ran: `lora_overlap` (`EngineConfig.lora_overlap`: true, each linear's shrink on a side
 stream beside its matmul; false, the default, all of the LoRA work after the matmul); `--lora-overlap both`
 measures a LoRA engine of each kind in the same run, against the same base.
+
+`--merged`: after the slot engines, an engine with `EngineConfig(max_loras=1, lora_merged=True)` serves a batch
+whose every request takes its one adapter (`system: merged`, its overhead against the same base), and takes the
+same two adapter pushes (each refolds the modules it writes into the base weights).
 
 `--profile` (CUDA): per case, one more batch is started and a few of its decode steps run, then the step's
 captured decode graph is replayed: its device time (`graph_replay_ms`, over 20 replays), the kernels it launches
@@ -75,13 +80,13 @@ def write_adapter(path: str, cfg: dict, rank: int) -> None:
         json.dump({"peft_type": "LORA", "r": rank, "lora_alpha": 2 * rank, "target_modules": MODULES}, f)
 
 
-def make_engine(path: str, args, max_loras: int, lora_overlap: bool = False):
+def make_engine(path: str, args, max_loras: int, lora_overlap: bool = False, lora_merged: bool = False):
     from rollout import Engine, EngineConfig
 
     return Engine(EngineConfig(model=path, device=args.device, dtype=args.dtype, load_format="dummy",
                                max_num_seqs=args.batch, max_model_len=args.prompt_len + args.new_tokens + 16,
                                gpu_memory_utilization=0.6, max_loras=max_loras, max_lora_rank=args.rank,
-                               lora_overlap=lora_overlap))
+                               lora_overlap=lora_overlap, lora_merged=lora_merged))
 
 
 def timed_decode(engine, args, loras: list[str | None]) -> float:
@@ -132,14 +137,17 @@ def profile_graph(engine, args, loras: list[str | None], common: dict, **labels)
         engine.step()
 
 
-def bench_adapter_push(engine, args, name: str, common: dict, report: bool = True) -> None:
+def bench_adapter_push(engine, args, name: str, common: dict, report: bool = True, weights: dict | None = None,
+                       **labels) -> None:
     """The adapter's first push (dense) and a patch after about 1% of its elements changed, via TrainerBridge;
-    `report=False`: the same pushes untimed (a warm-up that compiles the push kernels)."""
+    `report=False`: the same pushes untimed (a warm-up that compiles the push kernels). `weights`: the adapter's
+    tensors in PEFT names (None: read from its slot)."""
     from trainer_bridge import TrainerBridge
 
     bridge = TrainerBridge(engine, lora=name, snapshot_device=args.device)
-    slot = next(info.slot for info in engine.list_loras() if info.name == name)
-    weights = {n: v.clone() for n, v in engine.runner.lora.target(slot).views.items()}
+    if weights is None:
+        slot = next(info.slot for info in engine.list_loras() if info.name == name)
+        weights = {n: v.clone() for n, v in engine.runner.lora.target(slot).views.items()}
     g = torch.Generator(device=args.device).manual_seed(1)
     for mode in ("dense", "patch"):
         for t in weights.values():
@@ -150,7 +158,7 @@ def bench_adapter_push(engine, args, name: str, common: dict, report: bool = Tru
         if report:
             emit(kind="lora_push", mode=mode, tensors=len(weights), payload_bytes=result.nbytes,
                  tensor_bytes=result.dense_nbytes, num_patch=result.num_patch, encode_ms=round(1e3 * result.encode_s, 2),
-                 apply_ms=round(1e3 * result.apply_s, 2), lora_version=result.lora_version, **common)
+                 apply_ms=round(1e3 * result.apply_s, 2), lora_version=result.lora_version, **labels, **common)
 
 
 def bench_base_push(engine, args, common: dict) -> None:
@@ -181,6 +189,7 @@ def main() -> None:
     ap.add_argument("--profile", action="store_true", help="per case, the device time and top kernels of one decode "
                     "graph replay (CUDA)")
     ap.add_argument("--top", type=int, default=14, help="kernels listed by --profile")
+    ap.add_argument("--merged", action="store_true", help="also one adapter merged into the base weights")
     ap.add_argument("--lora-overlap", choices=("on", "off", "both"), default="off",
                     help="EngineConfig.lora_overlap of the LoRA engine (both: one engine of each, one after the other)")
     args = ap.parse_args()
@@ -236,6 +245,21 @@ def main() -> None:
                 if len(names) > 1:
                     bench_adapter_push(engine, args, names[1], common, report=False)
                 bench_adapter_push(engine, args, names[0], common)
+            engine.close()
+            del engine
+        if args.merged:
+            release_memory()
+            engine = make_engine(model_dir, args, max_loras=1, lora_merged=True)
+            engine.load_lora("merged", adapter_dir)
+            tps = timed_decode(engine, args, ["merged"])
+            emit(kind="decode", system="merged", loras_loaded=1, distinct=1, tokens_per_s=round(tps, 1),
+                 overhead=round(base_tps / tps - 1, 4), **common)
+            from safetensors.torch import load_file
+
+            weights = {n: t.to(args.device) for n, t in load_file(os.path.join(adapter_dir,
+                                                                               "adapter_model.safetensors")).items()}
+            bench_adapter_push(engine, args, "merged", common, report=False, weights=weights, system="merged")
+            bench_adapter_push(engine, args, "merged", common, weights=weights, system="merged")
             engine.close()
             del engine
 
