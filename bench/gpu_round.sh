@@ -19,6 +19,10 @@
 #                                     bench/lora.py --profile, into four JSON-lines files and one log
 #   bash bench/gpu_round.sh decode    the batch-1/2 MoE decode path in the whole engine (off vs on), the LoRA
 #                                     kernels alone and in the engine, and the 8B weight sync (< 8 min)
+#   bash bench/gpu_round.sh lora      the LoRA round (< 10 min): its GPU tests, the kernels alone (the default
+#                                     hook, the previous shrink loop, the overlapped shrink, the side-stream delta
+#                                     added after the GEMM or left to the consumer; 1 and 16 adapters), the engine
+#                                     with 1 / 4 / 16 adapters and merged mode
 # Logs and JSON lines go under $OUT (default ./gpu_out).
 set -uo pipefail
 OUT=${OUT:-gpu_out}
@@ -96,6 +100,15 @@ case "${1:-tests}" in
     timeout 100 python3 bench/weight_sync.py --device cuda --model 8b > "$OUT/weight_sync_8b.jsonl" 2>> "$OUT/decode.log"
     grep -h -E '"moe_decode"|overhead|summary' "$OUT"/*.jsonl | cut -c 1-400
     grep -i -B2 -A3 "error\|traceback" "$OUT/decode.log" | tail -20
+    ;;
+  lora)
+    timeout 150 python3 -m pytest -q -p no:cacheprovider tests/test_gpu_lora_kernels.py tests/test_gpu_lora_engine.py \
+      tests/test_kernels_lora.py > "$OUT/lora_tests.log" 2>&1; tail -3 "$OUT/lora_tests.log"
+    timeout 120 python3 bench/lora_kernels.py --systems default,k64_unpipelined,overlap,side_delta,side_delta_deferred \
+      --distinct 1,16 > "$OUT/lora_kernels.jsonl" 2>> "$OUT/lora.log"
+    timeout 300 python3 bench/lora.py --device cuda --merged > "$OUT/lora.jsonl" 2>> "$OUT/lora.log"
+    grep -h -E '"lora_kernels"|"decode"|"lora_push"' "$OUT"/lora_kernels.jsonl "$OUT"/lora.jsonl | cut -c 1-300
+    grep -i -B2 -A3 "error\|traceback" "$OUT/lora.log" | tail -20
     ;;
   tp)
     export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1
