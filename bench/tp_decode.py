@@ -112,8 +112,8 @@ def main() -> None:
             tmp, dtype="float32" if args.device == "cpu" else "bfloat16", **SHAPES[args.shape]))
         run(model_dir, args, 1, "sharded")
         for mode in ("sharded", "allgather"):
-            run(model_dir, args, args.tp, mode)
-        run(model_dir, args, args.tp, "sharded", async_scheduling=True)
+            run(model_dir, args, args.tp, mode, async_scheduling=False)
+        run(model_dir, args, args.tp, "sharded", async_scheduling=True)  # the default on CUDA
 
 
 if __name__ == "__main__":

@@ -128,9 +128,10 @@ class EngineConfig:
     async_scheduling: bool | None = None
     """Schedule and stage step t+1 while step t runs on the device (tokens of t reach t+1 on the device);
     hides the host's per-step work behind the GPU's. Not with speculative decoding. None (the default)
-    turns it on for CUDA without tensor parallelism (on the CPU the host is the device, so there is nothing
-    to overlap and the bookkeeping only costs; under tensor parallelism it is opt-in: every rank stages its
-    next step while the current one runs); the tokens are the same either way."""
+    turns it on for CUDA, tensor parallelism included, where every rank stages its next step while the current
+    one runs (two H200s, 0.5B shape, batch 256: 55,480 tok/s against 46,653 synchronous); off on the CPU, where
+    the host is the device, so there is nothing to overlap and the bookkeeping only costs. The tokens are the
+    same either way."""
     gc_freeze: bool = True
     """After start-up, move every object then alive out of the garbage collector's reach (`gc.freeze()`):
     a decode step allocates enough to trigger collections, and a full one would otherwise scan the whole
@@ -189,7 +190,7 @@ class EngineConfig:
         if self.async_scheduling and self.speculative is not None:
             raise ValueError("async_scheduling does not support speculative decoding yet")
         if self.async_scheduling is None:
-            self.async_scheduling = self.speculative is None and self.tensor_parallel_size == 1 and self.device != "cpu"
+            self.async_scheduling = self.speculative is None and self.device != "cpu"
 
 
     def runner_config(self, model_dir: str | None = None) -> RunnerConfig:

@@ -95,8 +95,9 @@ def test_async_scheduling_default_and_errors():
     assert EngineConfig(model="m", device="cuda").async_scheduling is True  # on by default where supported
     assert EngineConfig(model="m").async_scheduling is False  # the CPU has nothing to overlap
     assert EngineConfig(model="m", device="cuda", speculative=SpeculativeConfig()).async_scheduling is False
-    assert EngineConfig(model="m", device="cuda", tensor_parallel_size=2).async_scheduling is False  # opt-in there
-    assert EngineConfig(model="m", device="cuda", tensor_parallel_size=2, async_scheduling=True).async_scheduling
+    assert EngineConfig(model="m", device="cuda", tensor_parallel_size=2).async_scheduling is True  # every rank too
+    assert not EngineConfig(model="m", device="cuda", tensor_parallel_size=2, async_scheduling=False).async_scheduling
+    assert EngineConfig(model="m", tensor_parallel_size=2).async_scheduling is False  # gloo ranks on the CPU
     assert EngineConfig(model="m", async_scheduling=False).async_scheduling is False
     with pytest.raises(ValueError, match="async_scheduling"):
         EngineConfig(model="m", async_scheduling=True, speculative=SpeculativeConfig())
