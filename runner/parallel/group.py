@@ -17,6 +17,12 @@ import torch
 import torch.distributed as dist
 
 
+CONTROL_HEAD_BYTES = 16384
+"""Bytes of a control message's first broadcast: its length (8 bytes), then as much of its JSON as fits. A step's
+message (a decode step of a few hundred requests) fits, so it costs one broadcast; a longer one sends the rest in
+a second."""
+
+
 def _gloo(store, rank: int, size: int, timeout: timedelta):
     return dist.ProcessGroupGloo(store, rank, size, timeout)
 
@@ -37,6 +43,7 @@ class TPGroup:
             self._tensors = dist.ProcessGroupNCCL(dist.PrefixStore("tensors", store), rank, size, options)
         else:
             self._tensors = _gloo(dist.PrefixStore("tensors", store), rank, size, timeout)
+        self._head = torch.empty(CONTROL_HEAD_BYTES, dtype=torch.uint8)  # a control message's first broadcast
 
     def close(self) -> None:
         """Release the NCCL communicators (gloo groups need nothing). Called when no collective is in flight,
@@ -67,17 +74,27 @@ class TPGroup:
 
     # ---- control channel (host, gloo) -----------------------------------------------------------------
     def broadcast_json(self, obj=None):
-        """Rank 0 sends `obj` (JSON-able); every rank returns it."""
+        """Rank 0 sends `obj` (JSON-able); every rank returns it. One broadcast of `CONTROL_HEAD_BYTES` (the
+        length, then the start of the JSON), and a second of the rest only when it does not fit."""
+        head, room = self._head, CONTROL_HEAD_BYTES - 8
         if self.rank == 0:
-            data = torch.frombuffer(bytearray(json.dumps(obj).encode()), dtype=torch.uint8)
-            length = torch.tensor([data.numel()], dtype=torch.int64)
-        else:
-            length = torch.zeros(1, dtype=torch.int64)
-        self._broadcast(length)
-        if self.rank != 0:
-            data = torch.empty(int(length[0]), dtype=torch.uint8)
-        self._broadcast(data)
-        return obj if self.rank == 0 else json.loads(data.numpy().tobytes())
+            data = json.dumps(obj).encode()
+            head[:8].view(torch.int64)[0] = len(data)
+            first = min(len(data), room)
+            if first:
+                head[8:8 + first].copy_(torch.frombuffer(bytearray(data[:first]), dtype=torch.uint8))
+        self._broadcast(head)
+        length = int(head[:8].view(torch.int64)[0])
+        if length > room:
+            rest = (torch.frombuffer(bytearray(data[room:]), dtype=torch.uint8) if self.rank == 0
+                    else torch.empty(length - room, dtype=torch.uint8))
+            self._broadcast(rest)
+        if self.rank == 0:
+            return obj
+        payload = head[8:8 + min(length, room)].numpy().tobytes()
+        if length > room:
+            payload += rest.numpy().tobytes()
+        return json.loads(payload)
 
     def broadcast_host_tensor(self, x: torch.Tensor) -> torch.Tensor:
         """Broadcast a contiguous CPU tensor from rank 0 in place (others pass an empty one of the same shape)."""
