@@ -4,7 +4,7 @@ as one) between two spawned gloo ranks on this host, `TPGroup.broadcast_json` ag
 message size. CPU only (the channel is host-side on every device).
 
     python bench/tp_control.py
-    python bench/tp_control.py --sizes 200,4000,12000,40000 --messages 300
+    python bench/tp_control.py --sizes 200,10000 --messages 1000
 """
 
 from __future__ import annotations
@@ -60,7 +60,7 @@ def _rank(rank: int, store: str, args, out: str) -> None:
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--sizes", default="200,4000,12000,40000", help="JSON payload characters per message")
+    ap.add_argument("--sizes", default="200,10000,40000,100000", help="JSON payload characters per message")
     ap.add_argument("--messages", type=int, default=300, help="messages per timed round")
     ap.add_argument("--rounds", type=int, default=3, help="rounds per exchange (best is reported)")
     args = ap.parse_args()

@@ -17,10 +17,11 @@ import torch
 import torch.distributed as dist
 
 
-CONTROL_HEAD_BYTES = 16384
+CONTROL_HEAD_BYTES = 65536
 """Bytes of a control message's first broadcast: its length (8 bytes), then as much of its JSON as fits. A step's
-message (a decode step of a few hundred requests) fits, so it costs one broadcast; a longer one sends the rest in
-a second."""
+message fits (a decode step of 256 requests is ~10 KB with the engine's ids, ~40 KB with the server's), so it
+costs one broadcast; a longer one sends the rest in a second. Over gloo a broadcast's latency, not its bytes,
+sets its cost at these sizes (`python bench/tp_control.py`)."""
 
 
 def _gloo(store, rank: int, size: int, timeout: timedelta):
