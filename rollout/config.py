@@ -112,6 +112,13 @@ class EngineConfig:
     64, rank 16, the overlap took 15% off the hooks' time in a graph of the layers' matmuls alone but made the
     engine 1% faster with one adapter in the batch and 3-6% slower with 4 or 16: the matmuls leave the shrink little
     room beside them). The outputs are bitwise the same either way."""
+    lora_residual: bool = False
+    """Slot mode: the adapters of `o_proj` and `down_proj`, whose outputs only join the residual stream, add their
+    delta to the residual sum instead of the layer's output (the next residual add then sums the two), and on CUDA
+    run on a second stream beside the base matmul, joined after it: their LoRA work leaves the critical path of a
+    step. The other adapted linears keep their hook after (or, with `lora_overlap`, around) the matmul. The
+    residual sum is rounded once more this way (the delta joins it rather than the layer's output), so the outputs
+    differ from the default in the last bits."""
     lora_merged: bool = False
     """Merged mode: one adapter at a time, folded into the base weights (W = W_base + scaling * B @ A, computed in
     float32 from a kept copy of the base and rounded once to the weights' dtype, so bfloat16 weights are the

@@ -57,6 +57,12 @@ class Linear(nn.Module):
             out = linear(x, self.weight, self.bias, self.deterministic)
         return out if self.lora is None else self.lora(out, x, partials)
 
+    def lora_residual(self, residual: torch.Tensor) -> None:
+        """The residual sum [T, out] this layer's next output is about to join, for a LoRA hook that adds its delta
+        there (`runner.lora.runtime.LoraHook.set_residual`); nothing without a hook."""
+        if self.lora is not None:
+            self.lora.set_residual(residual)
+
     def takes_gemv(self, x: torch.Tensor) -> bool:
         """Whether a forward of x runs the matrix-vector kernel (see `gemv_rows`)."""
         return (x.dim() == 2 and 0 < x.shape[0] <= self.gemv_rows and not self.deterministic

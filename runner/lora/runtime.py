@@ -12,7 +12,11 @@ halves around the base matmul: `start(x)`, called by the Linear before its matmu
 runtime's side stream (`kernels.lora.lora_shrink_partials`; one high-priority stream per runtime, made on first
 use), so it runs while the current stream runs the matmul, and the hook called on the output joins it and runs the
 expand (`lora_expand_partials`); in a captured decode graph the fork and the join are the graph's edges (the
-shrink a branch beside the matmul). Without `overlap`, `add_lora` after the matmul (one launch). Both give the
+shrink a branch beside the matmul). Without `overlap`, `add_lora` after the matmul (one launch). With `residual`
+(`EngineConfig.lora_residual`), the hooks of o_proj and down_proj, whose outputs only join the residual sum, add
+their delta to that sum instead: the decoder layer hands it over just before the layer (`Linear.lora_residual`),
+`start(x)` forks the whole `add_lora` into it onto the side stream and the call joins it after the matmul (on the
+CPU, `add_lora_ref` in `start`); the residual add after the layer then sums both. Both give the
 same bits. Outside `tokens` (or with idx None) the hooks add nothing, so scoring and the profile run see the base
 model unless they ask, and a step without adapter tokens costs what the base model's does (the runner's decode
 graphs have a variant captured that way, runner/cuda_graph.py). A row-parallel layer (o_proj, down_proj) adds its
@@ -37,27 +41,68 @@ from runner.model_config import ModelConfig
 from weight_updates.target import ParamSpec
 
 _PARENTS = {"qkv_proj": "self_attn", "o_proj": "self_attn", "gate_up_proj": "mlp", "down_proj": "mlp"}
+_INTO_RESIDUAL = ("o_proj", "down_proj")  # outputs that only join the residual sum (EngineConfig.lora_residual)
+
+
+class _IntoResidual:
+    """What `LoraHook.start` returns when the layer's delta went into the residual sum: the stream it runs on
+    (None: already done)."""
+
+    __slots__ = ("stream",)
+
+    def __init__(self, stream) -> None:
+        self.stream = stream
 
 
 class LoraHook:
     """What a targeted `Linear` calls: `start(x)` before its matmul, then the hook itself on the output, which adds
-    the delta of each token's adapter to it (in place)."""
+    the delta of each token's adapter to it (in place). A hook with `into_residual` (o_proj and down_proj under
+    `EngineConfig.lora_residual`) adds it to the residual sum the decoder layer gave it (`set_residual`) instead."""
 
-    __slots__ = ("runtime", "stack")
+    __slots__ = ("runtime", "stack", "into_residual", "residual")
 
-    def __init__(self, runtime: "LoraRuntime", stack: LoraStack) -> None:
-        self.runtime, self.stack = runtime, stack
+    def __init__(self, runtime: "LoraRuntime", stack: LoraStack, into_residual: bool = False) -> None:
+        self.runtime, self.stack, self.into_residual = runtime, stack, into_residual
+        self.residual = None  # [T, N]: the residual sum the next call's output joins (set_residual), or None
+
+    def set_residual(self, residual: torch.Tensor) -> None:
+        """The residual sum [T, N] the layer's next output is about to join (the decoder layer calls this just
+        before the layer): with `into_residual`, in a forward with adapter tokens, the next call adds its delta
+        there, in place."""
+        if self.into_residual and self.runtime.current is not None:
+            self.residual = residual
 
     def start(self, x: torch.Tensor):
-        """With `runtime.overlap` in a forward with adapter tokens on CUDA: this layer's shrink of x [T, in] forked
-        onto the side stream, a `kernels.lora.LoraPartials` to pass to the call; otherwise None (the call does all
-        of the work)."""
+        """In a forward with adapter tokens on CUDA: with a residual sum set, this layer's whole LoRA into it,
+        forked onto the side stream (on the CPU: done here); else with `runtime.overlap`, this layer's shrink of
+        x [T, in] forked onto the side stream, a `kernels.lora.LoraPartials`. Whatever it returns goes to the
+        call; None: the call does all of the work."""
         runtime = self.runtime
-        if runtime.current is None or not runtime.overlap:
+        if runtime.current is None:
+            return None
+        residual, self.residual = self.residual, None
+        if residual is not None and residual.dim() == 2 and residual.is_contiguous():
+            return self._into_residual(x, residual)
+        if not runtime.overlap:
             return None
         from kernels.lora import lora_shrink_partials
 
         return lora_shrink_partials(x, self.stack.A, runtime.current, stream=runtime.side_stream(x.device))
+
+    def _into_residual(self, x: torch.Tensor, residual: torch.Tensor) -> _IntoResidual:
+        stack, scaling, tokens = self.stack, self.runtime.slots.scaling, self.runtime.current
+        if not x.is_cuda:
+            from kernels.lora_ref import add_lora_ref
+
+            add_lora_ref(residual, x, stack.A, stack.B, tokens, scaling, slices=stack.slices)
+            return _IntoResidual(None)
+        from kernels.lora import add_lora
+
+        side = self.runtime.side_stream(x.device)
+        side.wait_stream(torch.cuda.current_stream(x.device))
+        with torch.cuda.stream(side):
+            add_lora(residual, x, stack.A, stack.B, tokens, scaling, slices=stack.slices)
+        return _IntoResidual(side)
 
     def __call__(self, out: torch.Tensor, x: torch.Tensor, partials=None) -> torch.Tensor:
         """out [T, N] += the adapters' delta for x [T, in]; `partials`: what `start(x)` returned."""
@@ -66,6 +111,10 @@ class LoraHook:
             assert partials is None
             return out
         stack, scaling = self.stack, self.runtime.slots.scaling
+        if isinstance(partials, _IntoResidual):  # the delta went to the residual sum: join its stream
+            if partials.stream is not None:
+                torch.cuda.current_stream(out.device).wait_stream(partials.stream)
+            return out
         if partials is not None:
             from kernels.lora import lora_expand_partials
 
@@ -84,7 +133,7 @@ class LoraRuntime:
 
     def __init__(self, model: torch.nn.Module, model_config: ModelConfig, *, max_loras: int, max_rank: int,
                  target_modules: tuple[str, ...] | None, device: torch.device, dtype: torch.dtype,
-                 overlap: bool = False) -> None:
+                 overlap: bool = False, residual: bool = False) -> None:
         if target_modules is None:  # every module the model supports (a MoE model: the attention projections)
             target_modules = tuple(m for m in LORA_MODULES if m in lora_module_shapes(model_config))
         try:
@@ -96,12 +145,14 @@ class LoraRuntime:
         self.current = None  # the running forward's LoraBatch (CUDA) or idx [T] (CPU); None: no adapter
         self.overlap = overlap and device.type == "cuda"  # each hook's shrink on the side stream, beside the matmul
         self._side = None  # torch.cuda.Stream: the side stream, made on first use
+        self.hooks: list[LoraHook] = []
         for (layer, fused), stack in self.slots.stacks.items():
             module = getattr(getattr(model.model.layers[layer], _PARENTS[fused], None), fused, None)
             assert isinstance(module, Linear), f"layer {layer}: no {fused} Linear to hook LoRA into"
             assert (module.out_features, module.in_features) == (stack.B.shape[1], stack.A.shape[2]), (
                 layer, fused, module, tuple(stack.A.shape), tuple(stack.B.shape))
-            module.lora = LoraHook(self, stack)
+            module.lora = LoraHook(self, stack, into_residual=residual and fused in _INTO_RESIDUAL)
+            self.hooks.append(module.lora)
 
     @property
     def max_loras(self) -> int:
@@ -128,6 +179,8 @@ class LoraRuntime:
             yield
         finally:
             self.current = None
+            for hook in self.hooks:  # a residual sum set for a call that did not come is dropped
+                hook.residual = None
 
     # ---- adapters in and out -----------------------------------------------------------------------------
     def load(self, slot: int, name: str, path: str) -> tuple[int, tuple[str, ...]]:

@@ -334,6 +334,7 @@ class DecoderLayer(nn.Module):
             hidden = self.input_layernorm(hidden)
         else:
             hidden, residual = self.input_layernorm(hidden, residual)
+        self.self_attn.o_proj.lora_residual(residual)  # the sum o_proj's output joins next
         hidden = self.self_attn(rope, hidden, meta)
         return self._norm_feed_forward(hidden, residual, meta)
 
@@ -341,6 +342,8 @@ class DecoderLayer(nn.Module):
         """The post-attention norm (with the residual add), then the feed-forward block -> (out, residual); a
         layer whose block fuses the norm overrides it (runner/models/qwen_moe.py)."""
         hidden, residual = self.post_attention_layernorm(hidden, residual)
+        if isinstance(self.mlp, MLP):
+            self.mlp.down_proj.lora_residual(residual)  # the sum down_proj's output joins next
         return self._feed_forward(hidden, meta), residual
 
     def _feed_forward(self, hidden, meta):
@@ -361,6 +364,7 @@ class DecoderLayer(nn.Module):
         else:
             hidden, residual = (norm(hidden), hidden) if residual is None else norm(hidden, residual)
             qkv = attn.qkv_proj(hidden)
+        attn.o_proj.lora_residual(residual)
         hidden = attn.o_proj(attn.attend(rope, qkv, meta))
         norm = self.post_attention_layernorm
         if not isinstance(mlp, MLP):
@@ -371,6 +375,7 @@ class DecoderLayer(nn.Module):
             hidden, residual = norm(hidden, residual)
             gate_up = mlp.gate_up_proj(hidden)
         if mlp.down_proj.lora is not None or not fuses_prologue("silu_mul", mlp.down_proj.weight):
+            mlp.down_proj.lora_residual(residual)
             return mlp.down(gate_up), residual
         return gemv_linear(mlp.down_proj, gate_up, silu_mul=True), residual
 
