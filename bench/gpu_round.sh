@@ -104,7 +104,7 @@ case "${1:-tests}" in
   lora)
     timeout 150 python3 -m pytest -q -p no:cacheprovider tests/test_gpu_lora_kernels.py tests/test_gpu_lora_engine.py \
       tests/test_kernels_lora.py > "$OUT/lora_tests.log" 2>&1; tail -3 "$OUT/lora_tests.log"
-    timeout 120 python3 bench/lora_kernels.py --systems default,k64_unpipelined,overlap,side_delta,side_delta_deferred \
+    timeout 120 python3 bench/lora_kernels.py --systems default,k64_unpipelined,overlap,residual,side_delta,side_delta_deferred \
       --distinct 1,16 > "$OUT/lora_kernels.jsonl" 2>> "$OUT/lora.log"
     timeout 300 python3 bench/lora.py --device cuda --merged --residual > "$OUT/lora.jsonl" 2>> "$OUT/lora.log"
     grep -h -E '"lora_kernels"|"decode"|"lora_push"' "$OUT"/lora_kernels.jsonl "$OUT"/lora.jsonl | cut -c 1-300

@@ -14,14 +14,16 @@ Each case is a CUDA graph of one step: the tile plan (`lora_batch`, once) and pe
 followed by its `add_lora` (systems `default`, `two_launches`, ...: `overlap: false`) or, in the `overlap*` systems
 (`overlap: true`), each GEMM with its `lora_shrink_partials` forked onto a side stream before it and its
 `lora_expand_partials` joined after it; `side_delta` / `side_delta_deferred` put the whole LoRA of each layer on the
-side stream into a float32 delta (`side_delta()` says how each is joined); the same graph without LoRA is the
-base. `step_ms`: the median replay of the graph (`--replays` replays, best of 3 rounds); `lora_ms` = step_ms - base
-step_ms, `lora_us_per_hook` = lora_ms over the 128 hooks, `overhead_of_step` = lora_ms / `--step-ms` (the
-engine's whole base decode step at batch 64, 5.53 ms measured on one H200 by `bench/lora.py --profile`; the
-issue's target is <= 0.15). `lora_only_ms`: a graph of the LoRA work alone (no GEMMs between the hooks). `bitwise_equal_to_default`: the case's outputs against the default
-config's, or the first system's when `--systems` leaves the default out (every config but the split-K chunk and
-the shrink's K step must match, the overlapped systems included; the baseline too, when its arithmetic is
-unchanged; `side_delta` rounds the base output plus the float32 delta in torch, the default in the kernel).
+side stream into a float32 delta (`side_delta()` says how each is joined); `residual` is
+`EngineConfig.lora_residual` (`into_residual()`); the same graph without LoRA is the base. `step_ms`: the median
+replay of the graph (`--replays` replays, best of 3 rounds); `lora_ms` = step_ms - base step_ms, `lora_us_per_hook`
+= lora_ms over the 128 hooks, `overhead_of_step` = lora_ms / `--step-ms` (the engine's whole base decode step at
+batch 64, 5.53 ms measured on one H200 by `bench/lora.py --profile`; the issue's target is <= 0.15). `lora_only_ms`:
+a graph of the LoRA work alone (no GEMMs between the hooks). `bitwise_equal_to_default`: the case's outputs against
+the default config's, or the first system's when `--systems` leaves the default out (every config but the split-K
+chunk and the shrink's K step must match, the overlapped systems included; the baseline too, when its arithmetic is
+unchanged; `side_delta` rounds the base output plus the float32 delta in torch, the default in the kernel; null
+for `side_delta_deferred` and `residual`, whose deltas are not in the outputs).
 `k64_unpipelined` is the shrink loop before its K step grew to 256 with two pipeline stages (8 dependent steps of
 64 per split).
 """
@@ -124,6 +126,34 @@ def side_delta(step: "Step", deferred: bool) -> Hook:
             out.add_(delta)
 
     return Hook(lora_batch, finish, start, lambda: torch.cuda.current_stream().wait_stream(side))
+
+
+def into_residual(step: "Step") -> Hook:
+    """What `EngineConfig.lora_residual` runs: o's and down's whole LoRA (one launch) forked onto a side stream
+    before their GEMMs, into a residual buffer of their own, joined after the GEMM; qkv's and gate_up's `add_lora`
+    after theirs."""
+    from kernels.lora import add_lora, lora_batch
+
+    side = torch.cuda.Stream(priority=-1)
+    residual = {n: torch.zeros_like(step.out[n]) for n in ("o", "down")}
+    names = {id(x): n for n, x in step.x.items()}
+
+    def start(x, A, B, plan, scaling, slices):
+        name = names[id(x)]
+        if name not in residual:
+            return None
+        side.wait_stream(torch.cuda.current_stream())
+        with torch.cuda.stream(side):
+            add_lora(residual[name], x, A, B, plan, scaling, slices=slices)
+        return side
+
+    def finish(out, x, A, B, plan, scaling, slices, forked):
+        if forked is None:
+            add_lora(out, x, A, B, plan, scaling, slices=slices)
+        else:
+            torch.cuda.current_stream().wait_stream(forked)
+
+    return Hook(lora_batch, finish, start)
 
 
 def load_baseline(path: str):
@@ -234,7 +264,8 @@ def main() -> None:
     named, overlaps = configs(args.sweep)
     hooks = {name: after_gemm(lora_batch, add_lora, config=config) for name, config in named.items()}
     hooks |= {name: overlapped(config) for name, config in overlaps.items()}
-    hooks |= {"side_delta": side_delta(step, deferred=False), "side_delta_deferred": side_delta(step, deferred=True)}
+    hooks |= {"side_delta": side_delta(step, deferred=False), "side_delta_deferred": side_delta(step, deferred=True),
+              "residual": into_residual(step)}
     if args.baseline:
         old = load_baseline(args.baseline)
         hooks["baseline"] = after_gemm(old.lora_batch, old.add_lora)
@@ -254,7 +285,7 @@ def main() -> None:
             outs = torch.cat([o.flatten() for o in step.out.values()])
             reference = outs if reference is None else reference
             lora_ms = step_ms - base_ms
-            deferred = name == "side_delta_deferred"  # its outputs hold no delta: nothing to compare
+            deferred = name in ("side_delta_deferred", "residual")  # deltas outside the outputs: nothing to compare
             emit(kind="lora_kernels", system=name, overlap=hook.start is not None, distinct=distinct,
                  step_ms=round(step_ms, 4),
                  lora_ms=round(lora_ms, 4), lora_us_per_hook=round(1e3 * lora_ms / (4 * args.layers), 2),
