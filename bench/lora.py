@@ -6,7 +6,7 @@ milliseconds against a dense push of the base model. Prints one JSON line per me
     python bench/lora.py --device cuda --profile  # and per case the top kernels of one decode graph replay
     python bench/lora.py --device cuda --lora-overlap both  # the LoRA engine with and without the overlap
     python bench/lora.py --device cuda --merged  # and one adapter folded into the base (`lora_merged`)
-    python bench/lora.py --device cuda --residual  # and o_proj / down_proj deltas into the residual sum
+    python bench/lora.py --device cuda --deferred  # and the deltas left to the next kernels (`lora_deferred`)
     python bench/lora.py --quick                # CPU, a tiny Llama: a smoke test of the script
 
 The base weights are random (`EngineConfig(load_format="dummy")`; the model directory holds only config.json). One
@@ -16,9 +16,9 @@ round-robin. `overhead` = base tokens/s / LoRA tokens/s - 1 (the issue's target:
 engine with an all-base batch is reported too (its decode steps replay the graphs captured without LoRA). Every
 LoRA line says which hook ran: `lora_overlap` (`EngineConfig.lora_overlap`: true, each linear's shrink on a side
 stream beside its matmul; false, the default, all of the LoRA work after the matmul); `--lora-overlap both`
-measures a LoRA engine of each kind in the same run, against the same base; `--residual` one more, with
-`EngineConfig.lora_residual` (`lora_residual: true`: o_proj's and down_proj's whole LoRA on a side stream beside
-their matmuls, into the residual sum).
+measures a LoRA engine of each kind in the same run, against the same base; `--deferred` one more, with
+`EngineConfig.lora_deferred` (`lora_deferred: true`: o_proj's, down_proj's and gate_up_proj's whole LoRA on a side
+stream beside their matmuls, added by the residual add and the SiLU-and-mul).
 
 `--merged`: after the slot engines, an engine with `EngineConfig(max_loras=1, lora_merged=True)` serves a batch
 whose every request takes its one adapter (`system: merged`, its overhead against the same base), and takes the
@@ -84,13 +84,13 @@ def write_adapter(path: str, cfg: dict, rank: int) -> None:
 
 
 def make_engine(path: str, args, max_loras: int, lora_overlap: bool = False, lora_merged: bool = False,
-                lora_residual: bool = False):
+                lora_deferred: bool = False):
     from rollout import Engine, EngineConfig
 
     return Engine(EngineConfig(model=path, device=args.device, dtype=args.dtype, load_format="dummy",
                                max_num_seqs=args.batch, max_model_len=args.prompt_len + args.new_tokens + 16,
                                gpu_memory_utilization=0.6, max_loras=max_loras, max_lora_rank=args.rank,
-                               lora_overlap=lora_overlap, lora_merged=lora_merged, lora_residual=lora_residual))
+                               lora_overlap=lora_overlap, lora_merged=lora_merged, lora_deferred=lora_deferred))
 
 
 def timed_decode(engine, args, loras: list[str | None]) -> float:
@@ -194,7 +194,7 @@ def main() -> None:
                     "graph replay (CUDA)")
     ap.add_argument("--top", type=int, default=14, help="kernels listed by --profile")
     ap.add_argument("--merged", action="store_true", help="also one adapter merged into the base weights")
-    ap.add_argument("--residual", action="store_true", help="also a LoRA engine with EngineConfig.lora_residual")
+    ap.add_argument("--deferred", action="store_true", help="also a LoRA engine with EngineConfig.lora_deferred")
     ap.add_argument("--lora-overlap", choices=("on", "off", "both"), default="off",
                     help="EngineConfig.lora_overlap of the LoRA engine (both: one engine of each, one after the other)")
     args = ap.parse_args()
@@ -229,11 +229,11 @@ def main() -> None:
 
         overlaps = {"on": [True], "off": [False], "both": [True, False]}[args.lora_overlap]
         modes = [(overlap, False) for overlap in overlaps]
-        modes += [(False, True)] if args.residual else []
-        for run, (overlap, residual) in enumerate(modes):
+        modes += [(False, True)] if args.deferred else []
+        for run, (overlap, deferred) in enumerate(modes):
             if run:
                 release_memory()
-            engine = make_engine(model_dir, args, max_loras=num_loras, lora_overlap=overlap, lora_residual=residual)
+            engine = make_engine(model_dir, args, max_loras=num_loras, lora_overlap=overlap, lora_deferred=deferred)
             overlap = engine.runner.lora.overlap  # what the hooks run (the runner's, from the engine's config)
             t = time.perf_counter()
             names = [f"lora{i}" for i in range(num_loras)]
@@ -243,12 +243,12 @@ def main() -> None:
                  **common)
             for k in [0] + distinct:
                 tps = timed_decode(engine, args, names[:k] if k else [None])
-                emit(kind="decode", system="lora", lora_overlap=overlap, lora_residual=residual, loras_loaded=num_loras,
+                emit(kind="decode", system="lora", lora_overlap=overlap, lora_deferred=deferred, loras_loaded=num_loras,
                      distinct=k,
                      tokens_per_s=round(tps, 1), overhead=round(base_tps / tps - 1, 4), **common)
                 if args.profile:
                     profile_graph(engine, args, names[:k] if k else [None], common, system="lora", distinct=k,
-                                  lora_overlap=overlap, lora_residual=residual)
+                                  lora_overlap=overlap, lora_deferred=deferred)
             if run == 0:  # the pushes do not depend on the hook
                 if len(names) > 1:
                     bench_adapter_push(engine, args, names[1], common, report=False)

@@ -15,7 +15,7 @@ followed by its `add_lora` (systems `default`, `two_launches`, ...: `overlap: fa
 (`overlap: true`), each GEMM with its `lora_shrink_partials` forked onto a side stream before it and its
 `lora_expand_partials` joined after it; `side_delta` / `side_delta_deferred` put the whole LoRA of each layer on the
 side stream into a float32 delta (`side_delta()` says how each is joined); `residual` is
-`EngineConfig.lora_residual` (`into_residual()`); the same graph without LoRA is the base. `step_ms`: the median
+`EngineConfig.lora_deferred` (`into_residual()`); the same graph without LoRA is the base. `step_ms`: the median
 replay of the graph (`--replays` replays, best of 3 rounds); `lora_ms` = step_ms - base step_ms, `lora_us_per_hook`
 = lora_ms over the 128 hooks, `overhead_of_step` = lora_ms / `--step-ms` (the engine's whole base decode step at
 batch 64, 5.53 ms measured on one H200 by `bench/lora.py --profile`; the issue's target is <= 0.15). `lora_only_ms`:
@@ -129,7 +129,7 @@ def side_delta(step: "Step", deferred: bool) -> Hook:
 
 
 def into_residual(step: "Step") -> Hook:
-    """What `EngineConfig.lora_residual` runs: o's and down's whole LoRA (one launch) forked onto a side stream
+    """What `EngineConfig.lora_deferred` runs: o's and down's whole LoRA (one launch) forked onto a side stream
     before their GEMMs, into a residual buffer of their own, joined after the GEMM; qkv's and gate_up's `add_lora`
     after theirs."""
     from kernels.lora import add_lora, lora_batch

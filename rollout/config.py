@@ -112,13 +112,14 @@ class EngineConfig:
     64, rank 16, the overlap took 15% off the hooks' time in a graph of the layers' matmuls alone but made the
     engine 1% faster with one adapter in the batch and 3-6% slower with 4 or 16: the matmuls leave the shrink little
     room beside them). The outputs are bitwise the same either way."""
-    lora_residual: bool = False
-    """Slot mode: the adapters of `o_proj` and `down_proj`, whose outputs only join the residual stream, add their
-    delta to the residual sum instead of the layer's output (the next residual add then sums the two), and on CUDA
-    run on a second stream beside the base matmul, joined after it: their LoRA work leaves the critical path of a
-    step. The other adapted linears keep their hook after (or, with `lora_overlap`, around) the matmul. The
-    residual sum is rounded once more this way (the delta joins it rather than the layer's output), so the outputs
-    differ from the default in the last bits."""
+    lora_deferred: bool = False
+    """Slot mode: three of a layer's four adapted linears leave their delta to the next kernel instead of adding it
+    to their output, and on CUDA compute it on a second stream beside their base matmul, so their LoRA work leaves
+    the step's critical path: `o_proj` and `down_proj`, whose outputs only join the residual sum, add it to that
+    sum (the residual add after the layer then sums the two); `gate_up_proj` leaves it in float32 to the
+    SiLU-and-mul that reads its output. `qkv_proj` keeps its hook after (or, with `lora_overlap`, around) its
+    matmul. The sums are rounded in another order than the default's, so the outputs differ from it in the last
+    bits."""
     lora_merged: bool = False
     """Merged mode: one adapter at a time, folded into the base weights (W = W_base + scaling * B @ A, computed in
     float32 from a kept copy of the base and rounded once to the weights' dtype, so bfloat16 weights are the

@@ -64,4 +64,4 @@ class RunnerConfig:
     max_lora_rank: int = 16
     lora_target_modules: tuple[str, ...] | None = None
     lora_overlap: bool = False
-    lora_residual: bool = False
+    lora_deferred: bool = False

@@ -63,6 +63,11 @@ class Linear(nn.Module):
         if self.lora is not None:
             self.lora.set_residual(residual)
 
+    def lora_delta(self) -> torch.Tensor | None:
+        """The float32 LoRA delta [T, out] of this layer's last output, left to the kernel that reads the output
+        to add (`runner.lora.runtime.LoraHook.take_delta`); None when nothing was left (or without a hook)."""
+        return None if self.lora is None else self.lora.take_delta()
+
     def takes_gemv(self, x: torch.Tensor) -> bool:
         """Whether a forward of x runs the matrix-vector kernel (see `gemv_rows`)."""
         return (x.dim() == 2 and 0 < x.shape[0] <= self.gemv_rows and not self.deterministic

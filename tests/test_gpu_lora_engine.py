@@ -122,10 +122,11 @@ def test_lora_overlap_on_and_off_give_the_same_tokens(setup):
     assert results[False, True][0] == results[True, True][0]  # graphs and eager: the same tokens
 
 
-def test_residual_mode_through_graphs_and_eagerly_gives_peft_tokens(setup):
-    """`lora_residual` (o_proj's and down_proj's deltas into the residual sum, on the side stream beside their
-    matmuls) with the decode graphs and eagerly: peft's greedy tokens for a batch mixing the base and two adapters,
-    the side stream used, and logprobs within float32 rounding of the default hooks'."""
+def test_deferred_mode_through_graphs_and_eagerly_gives_peft_tokens(setup):
+    """`lora_deferred` (o_proj's and down_proj's deltas into the residual sum, gate_up_proj's left to the
+    SiLU-and-mul, each on the side stream beside its matmul) with the decode graphs and eagerly: peft's greedy
+    tokens for a batch mixing the base and two adapters, the side stream used, and logprobs within float32
+    rounding of the default hooks'."""
     base, adapters = setup
     loras = [None, "x", "y", "x", "y", None, "x", "y"]
     prompts = [PROMPTS[i % len(PROMPTS)] for i in range(len(loras))]
@@ -133,14 +134,14 @@ def test_residual_mode_through_graphs_and_eagerly_gives_peft_tokens(setup):
     models = {None: load_hf(base), "x": peft_model(base, adapters["a"]), "y": peft_model(base, adapters["c"])}
     want = [hf_greedy(models[lora], prompt, 10) for lora, prompt in zip(loras, prompts)]
     logprobs = {}
-    for eager, residual in ((False, True), (True, True), (False, False)):
-        engine = _engine(base, lora_residual=residual, enforce_eager=eager)
+    for eager, deferred in ((False, True), (True, True), (False, False)):
+        engine = _engine(base, lora_deferred=deferred, enforce_eager=eager)
         engine.load_lora("x", str(adapters["a"]))
         engine.load_lora("y", str(adapters["c"]))
         outs = engine.generate(prompts, params)
-        assert [o.outputs[0].token_ids for o in outs] == want, (eager, residual)
-        assert (engine.runner.lora._side is not None) is residual  # the residual hooks forked
-        logprobs[eager, residual] = [o.outputs[0].logprobs for o in outs]
+        assert [o.outputs[0].token_ids for o in outs] == want, (eager, deferred)
+        assert (engine.runner.lora._side is not None) is deferred  # the deferred hooks forked
+        logprobs[eager, deferred] = [o.outputs[0].logprobs for o in outs]
         engine.close()
     for key in ((False, True), (True, True)):
         for got, ref in zip(logprobs[key], logprobs[False, False]):

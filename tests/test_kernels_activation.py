@@ -52,3 +52,21 @@ def test_writes_into_given_out_and_checks_it():
     assert silu_and_mul(x, out) is not None and torch.equal(out, silu_and_mul(x))
     with pytest.raises(ValueError, match="out must be"):
         silu_and_mul(x, torch.empty(4, 23, device=DEVICE))
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_a_float32_delta_is_added_to_gate_and_up_first(dtype):
+    """The delta (a LoRA delta left to this kernel) joins x in float32, rounded to x's dtype, before the
+    activation: as the reference does, and as silu_and_mul of the rounded sum does."""
+    gen = torch.Generator().manual_seed(9)
+    x = (torch.randn(5, 2 * 1100, generator=gen) * 4).to(dtype).to(DEVICE)
+    delta = torch.randn(5, 2 * 1100, generator=gen).to(DEVICE)
+    out, ref = silu_and_mul(x, delta=delta), silu_and_mul_ref(x, delta)
+    torch.testing.assert_close(out.float(), ref.float(), rtol=RTOL[dtype], atol=1e-6)
+    summed = (x.float() + delta).to(dtype)
+    assert torch.equal(out, silu_and_mul(summed))
+    assert not torch.equal(out, silu_and_mul(x))
+    with pytest.raises(ValueError, match="delta must be a float32"):
+        silu_and_mul(x, delta=delta[:, :-2])
+    with pytest.raises(ValueError, match="delta must be a float32"):
+        silu_and_mul(x, delta=delta.to(torch.float64))

@@ -422,50 +422,52 @@ def test_lora_overlap_reaches_the_runner_and_the_cpu_runs_the_reference_whole(en
 
 
 @pytest.fixture(scope="module")
-def engine_residual(base, adapters):
-    """`lora_residual`: o_proj's and down_proj's deltas go into the residual sum."""
-    e = Engine(config(base, lora_residual=True))
+def engine_deferred(base, adapters):
+    """`lora_deferred`: o_proj's and down_proj's deltas go into the residual sum, gate_up_proj's to the
+    SiLU-and-mul."""
+    e = Engine(config(base, lora_deferred=True))
     for name in ("a", "b"):
         e.load_lora(name, str(adapters[name]))
     return e
 
 
-def test_residual_mode_matches_peft_and_reaches_only_o_and_down(engine_residual, engine, base, peft_models):
-    """With `lora_residual` the logits (prefill and decode) still match peft's and the greedy tokens equal it; only
-    the o_proj and down_proj hooks take the residual sum, and a forward leaves none of it behind."""
+def test_deferred_mode_matches_peft_and_defers_o_down_and_gate_up(engine_deferred, engine, base, peft_models):
+    """With `lora_deferred` the logits (prefill and decode) still match peft's and the greedy tokens equal it;
+    the o_proj and down_proj hooks take the residual sum, gate_up_proj's leaves its delta to the SiLU-and-mul,
+    qkv_proj's adds its own, and a forward leaves nothing behind."""
     from rollout.config import from_mapping
 
-    assert EngineConfig(model="m").lora_residual is False
-    assert from_mapping(EngineConfig, {"model": "m", "lora_residual": True}).runner_config().lora_residual is True
-    runtime = engine_residual.runner.lora
-    layer = engine_residual.runner.model.model.layers[0]
-    assert layer.self_attn.o_proj.lora.into_residual and layer.mlp.down_proj.lora.into_residual
-    assert not layer.self_attn.qkv_proj.lora.into_residual and not layer.mlp.gate_up_proj.lora.into_residual
-    assert not engine.runner.model.model.layers[0].self_attn.o_proj.lora.into_residual
+    assert EngineConfig(model="m").lora_deferred is False
+    assert from_mapping(EngineConfig, {"model": "m", "lora_deferred": True}).runner_config().lora_deferred is True
+    runtime = engine_deferred.runner.lora
+    layer = engine_deferred.runner.model.model.layers[0]
+    assert layer.self_attn.o_proj.lora.defer == layer.mlp.down_proj.lora.defer == "residual"
+    assert layer.mlp.gate_up_proj.lora.defer == "consumer" and layer.self_attn.qkv_proj.lora.defer is None
+    assert engine.runner.model.model.layers[0].self_attn.o_proj.lora.defer is None
     tokens = list(range(3, 40))
     with torch.no_grad():
         for name in ("a", "b"):
             ref = peft_models[name](torch.tensor([tokens])).logits[0]
-            torch.testing.assert_close(_logits(engine_residual, tokens, name), ref, atol=1e-4, rtol=1e-4)
+            torch.testing.assert_close(_logits(engine_deferred, tokens, name), ref, atol=1e-4, rtol=1e-4)
     for name in ("a", "b", None):
         model = load_hf(base) if name is None else peft_models[name]
         params = SamplingParams(temperature=0, max_tokens=8, ignore_eos=True, lora=name)
-        outs = engine_residual.generate(PROMPTS, params)
+        outs = engine_deferred.generate(PROMPTS, params)
         assert [o.outputs[0].token_ids for o in outs] == [hf_greedy(model, p, 8) for p in PROMPTS], name
-    assert all(hook.residual is None for hook in runtime.hooks)
+    assert all(hook.residual is None and hook.pending is None for hook in runtime.hooks)
 
 
-def test_residual_mode_mixed_batch_equals_each_request_alone(engine_residual, engine):
+def test_deferred_mode_mixed_batch_equals_each_request_alone(engine_deferred, engine):
     """Base and adapter requests in one batch get what each gets alone, and what the default hooks give (fp32:
     within rounding)."""
     loras = [None, "a", "b", "a", None, "b"]
     prompts = [PROMPTS[i % len(PROMPTS)] for i in range(len(loras))]
     params = [SamplingParams(temperature=1.0, max_tokens=10, seed=200 + i, ignore_eos=True, lora=lora)
               for i, lora in enumerate(loras)]
-    together = engine_residual.generate(prompts, params)
+    together = engine_deferred.generate(prompts, params)
     default = engine.generate(prompts, params)
     for prompt, p, out, ref in zip(prompts, params, together, default):
-        alone = engine_residual.generate([prompt], p)[0].outputs[0]
+        alone = engine_deferred.generate([prompt], p)[0].outputs[0]
         assert out.outputs[0].token_ids == alone.token_ids == ref.outputs[0].token_ids
         assert out.outputs[0].logprobs == pytest.approx(alone.logprobs, abs=1e-5)
         assert out.outputs[0].logprobs == pytest.approx(ref.outputs[0].logprobs, abs=1e-4)

@@ -12,11 +12,13 @@ halves around the base matmul: `start(x)`, called by the Linear before its matmu
 runtime's side stream (`kernels.lora.lora_shrink_partials`; one high-priority stream per runtime, made on first
 use), so it runs while the current stream runs the matmul, and the hook called on the output joins it and runs the
 expand (`lora_expand_partials`); in a captured decode graph the fork and the join are the graph's edges (the
-shrink a branch beside the matmul). Without `overlap`, `add_lora` after the matmul (one launch). With `residual`
-(`EngineConfig.lora_residual`), the hooks of o_proj and down_proj, whose outputs only join the residual sum, add
+shrink a branch beside the matmul). Without `overlap`, `add_lora` after the matmul (one launch). With `deferred`
+(`EngineConfig.lora_deferred`), the hooks of o_proj and down_proj, whose outputs only join the residual sum, add
 their delta to that sum instead: the decoder layer hands it over just before the layer (`Linear.lora_residual`),
 `start(x)` forks the whole `add_lora` into it onto the side stream and the call joins it after the matmul (on the
-CPU, `add_lora_ref` in `start`); the residual add after the layer then sums both. Both give the
+CPU, `add_lora_ref` in `start`); the residual add after the layer then sums both. gate_up_proj's hook computes its
+delta on the side stream into a float32 buffer of its own, which the SiLU-and-mul reading the output takes
+(`Linear.lora_delta`, joining the side stream) and adds before the activation. Both give the
 same bits. Outside `tokens` (or with idx None) the hooks add nothing, so scoring and the profile run see the base
 model unless they ask, and a step without adapter tokens costs what the base model's does (the runner's decode
 graphs have a variant captured that way, runner/cuda_graph.py). A row-parallel layer (o_proj, down_proj) adds its
@@ -41,68 +43,90 @@ from runner.model_config import ModelConfig
 from weight_updates.target import ParamSpec
 
 _PARENTS = {"qkv_proj": "self_attn", "o_proj": "self_attn", "gate_up_proj": "mlp", "down_proj": "mlp"}
-_INTO_RESIDUAL = ("o_proj", "down_proj")  # outputs that only join the residual sum (EngineConfig.lora_residual)
+_DEFERRED = {"o_proj": "residual", "down_proj": "residual",  # outputs that only join the residual sum
+             "gate_up_proj": "consumer"}  # read by the SiLU-and-mul alone (EngineConfig.lora_deferred)
 
 
-class _IntoResidual:
-    """What `LoraHook.start` returns when the layer's delta went into the residual sum: the stream it runs on
-    (None: already done)."""
+class _Deferred:
+    """What `LoraHook.start` returns when the layer's delta is left to the next kernel: the stream the delta is
+    computed on (None: already done) and, for a consumer's delta, the float32 delta [T, N] itself."""
 
-    __slots__ = ("stream",)
+    __slots__ = ("stream", "delta")
 
-    def __init__(self, stream) -> None:
-        self.stream = stream
+    def __init__(self, stream, delta: torch.Tensor | None = None) -> None:
+        self.stream, self.delta = stream, delta
+
+    def join(self, device: torch.device) -> None:
+        if self.stream is not None:
+            torch.cuda.current_stream(device).wait_stream(self.stream)
 
 
 class LoraHook:
     """What a targeted `Linear` calls: `start(x)` before its matmul, then the hook itself on the output, which adds
-    the delta of each token's adapter to it (in place). A hook with `into_residual` (o_proj and down_proj under
-    `EngineConfig.lora_residual`) adds it to the residual sum the decoder layer gave it (`set_residual`) instead."""
+    the delta of each token's adapter to it (in place). Under `EngineConfig.lora_deferred` (`defer`), o_proj's and
+    down_proj's hooks add it to the residual sum the decoder layer gave them (`set_residual`) instead, and
+    gate_up_proj's leaves it, in float32, to the SiLU-and-mul that reads the output (`take_delta`)."""
 
-    __slots__ = ("runtime", "stack", "into_residual", "residual")
+    __slots__ = ("runtime", "stack", "defer", "residual", "pending")
 
-    def __init__(self, runtime: "LoraRuntime", stack: LoraStack, into_residual: bool = False) -> None:
-        self.runtime, self.stack, self.into_residual = runtime, stack, into_residual
+    def __init__(self, runtime: "LoraRuntime", stack: LoraStack, defer: str | None = None) -> None:
+        assert defer in (None, "residual", "consumer"), defer
+        self.runtime, self.stack, self.defer = runtime, stack, defer
         self.residual = None  # [T, N]: the residual sum the next call's output joins (set_residual), or None
+        self.pending = None  # _Deferred: the delta of the last call, until the consumer takes it (take_delta)
 
     def set_residual(self, residual: torch.Tensor) -> None:
         """The residual sum [T, N] the layer's next output is about to join (the decoder layer calls this just
-        before the layer): with `into_residual`, in a forward with adapter tokens, the next call adds its delta
-        there, in place."""
-        if self.into_residual and self.runtime.current is not None:
+        before the layer): with `defer="residual"`, in a forward with adapter tokens, the next call adds its
+        delta there, in place."""
+        if self.defer == "residual" and self.runtime.current is not None:
             self.residual = residual
 
+    def take_delta(self) -> torch.Tensor | None:
+        """With `defer="consumer"`: the float32 delta [T, N] of the last call, for the kernel that reads the
+        output to add (the current stream joins the stream computing it); None when there is none."""
+        pending, self.pending = self.pending, None
+        if pending is None:
+            return None
+        pending.join(pending.delta.device)
+        return pending.delta
+
     def start(self, x: torch.Tensor):
-        """In a forward with adapter tokens on CUDA: with a residual sum set, this layer's whole LoRA into it,
-        forked onto the side stream (on the CPU: done here); else with `runtime.overlap`, this layer's shrink of
-        x [T, in] forked onto the side stream, a `kernels.lora.LoraPartials`. Whatever it returns goes to the
-        call; None: the call does all of the work."""
+        """In a forward with adapter tokens: a deferred delta (into the residual sum set, or into a float32 delta
+        for the consumer) started, on CUDA forked onto the side stream (on the CPU: done here); else with
+        `runtime.overlap`, this layer's shrink of x [T, in] forked onto the side stream, a
+        `kernels.lora.LoraPartials`. Whatever it returns goes to the call; None: the call does all of the work."""
         runtime = self.runtime
         if runtime.current is None:
             return None
         residual, self.residual = self.residual, None
         if residual is not None and residual.dim() == 2 and residual.is_contiguous():
-            return self._into_residual(x, residual)
+            return self._deferred(x, residual)
+        if self.defer == "consumer" and x.dim() == 2:
+            return self._deferred(x, torch.empty(x.shape[0], self.stack.B.shape[1], dtype=torch.float32,
+                                                 device=x.device), zero=True)
         if not runtime.overlap:
             return None
         from kernels.lora import lora_shrink_partials
 
         return lora_shrink_partials(x, self.stack.A, runtime.current, stream=runtime.side_stream(x.device))
 
-    def _into_residual(self, x: torch.Tensor, residual: torch.Tensor) -> _IntoResidual:
+    def _deferred(self, x: torch.Tensor, into: torch.Tensor, zero: bool = False) -> _Deferred:
+        """The delta added into `into` [T, N] (zeroed first with `zero`: then the delta alone)."""
         stack, scaling, tokens = self.stack, self.runtime.slots.scaling, self.runtime.current
+        delta = into if zero else None
         if not x.is_cuda:
             from kernels.lora_ref import add_lora_ref
 
-            add_lora_ref(residual, x, stack.A, stack.B, tokens, scaling, slices=stack.slices)
-            return _IntoResidual(None)
+            add_lora_ref(into.zero_() if zero else into, x, stack.A, stack.B, tokens, scaling, slices=stack.slices)
+            return _Deferred(None, delta)
         from kernels.lora import add_lora
 
         side = self.runtime.side_stream(x.device)
         side.wait_stream(torch.cuda.current_stream(x.device))
         with torch.cuda.stream(side):
-            add_lora(residual, x, stack.A, stack.B, tokens, scaling, slices=stack.slices)
-        return _IntoResidual(side)
+            add_lora(into.zero_() if zero else into, x, stack.A, stack.B, tokens, scaling, slices=stack.slices)
+        return _Deferred(side, delta)
 
     def __call__(self, out: torch.Tensor, x: torch.Tensor, partials=None) -> torch.Tensor:
         """out [T, N] += the adapters' delta for x [T, in]; `partials`: what `start(x)` returned."""
@@ -111,9 +135,11 @@ class LoraHook:
             assert partials is None
             return out
         stack, scaling = self.stack, self.runtime.slots.scaling
-        if isinstance(partials, _IntoResidual):  # the delta went to the residual sum: join its stream
-            if partials.stream is not None:
-                torch.cuda.current_stream(out.device).wait_stream(partials.stream)
+        if isinstance(partials, _Deferred):
+            if partials.delta is None:  # the delta went to the residual sum: join its stream
+                partials.join(out.device)
+            else:  # the consumer adds it (take_delta)
+                self.pending = partials
             return out
         if partials is not None:
             from kernels.lora import lora_expand_partials
@@ -133,7 +159,7 @@ class LoraRuntime:
 
     def __init__(self, model: torch.nn.Module, model_config: ModelConfig, *, max_loras: int, max_rank: int,
                  target_modules: tuple[str, ...] | None, device: torch.device, dtype: torch.dtype,
-                 overlap: bool = False, residual: bool = False) -> None:
+                 overlap: bool = False, deferred: bool = False) -> None:
         if target_modules is None:  # every module the model supports (a MoE model: the attention projections)
             target_modules = tuple(m for m in LORA_MODULES if m in lora_module_shapes(model_config))
         try:
@@ -151,7 +177,7 @@ class LoraRuntime:
             assert isinstance(module, Linear), f"layer {layer}: no {fused} Linear to hook LoRA into"
             assert (module.out_features, module.in_features) == (stack.B.shape[1], stack.A.shape[2]), (
                 layer, fused, module, tuple(stack.A.shape), tuple(stack.B.shape))
-            module.lora = LoraHook(self, stack, into_residual=residual and fused in _INTO_RESIDUAL)
+            module.lora = LoraHook(self, stack, defer=_DEFERRED.get(fused) if deferred else None)
             self.hooks.append(module.lora)
 
     @property
@@ -177,10 +203,15 @@ class LoraRuntime:
             self.current = idx
         try:
             yield
+        except BaseException:
+            for hook in self.hooks:
+                hook.residual = hook.pending = None
+            raise
         finally:
             self.current = None
-            for hook in self.hooks:  # a residual sum set for a call that did not come is dropped
-                hook.residual = None
+        for hook in self.hooks:  # a residual sum set for a call that did not come is dropped
+            hook.residual = None
+            assert hook.pending is None, "a deferred LoRA delta was left unconsumed"
 
     # ---- adapters in and out -----------------------------------------------------------------------------
     def load(self, slot: int, name: str, path: str) -> tuple[int, tuple[str, ...]]:

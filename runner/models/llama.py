@@ -287,17 +287,20 @@ class MLP(nn.Module):
         }
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.down(self.gate_up_proj(x))
+        gate_up = self.gate_up_proj(x)
+        return self.down(gate_up, self.gate_up_proj.lora_delta())
 
-    def down(self, gate_up: torch.Tensor) -> torch.Tensor:
-        """The block from the gate_up projection's output gate_up [..., 2 * intermediate] on -> [..., H]."""
+    def down(self, gate_up: torch.Tensor, delta: torch.Tensor | None = None) -> torch.Tensor:
+        """The block from the gate_up projection's output gate_up [..., 2 * intermediate] on -> [..., H]; `delta`
+        (float32, gate_up's shape): a LoRA delta the SiLU-and-mul adds to gate_up first (`Linear.lora_delta`)."""
         if gate_up.is_cuda and (self.deterministic or not torch.is_grad_enabled()):
             from kernels.activation import silu_and_mul  # one kernel, as in the engine (Triton on CUDA)
 
             rows = gate_up.numel() // gate_up.shape[-1]
             dest = _linear_input(rows, self.intermediate, gate_up) if self.deterministic else None
-            return self.down_proj(kernel_forward(lambda g: silu_and_mul(g, dest), silu_and_mul_ref, gate_up))
-        return self.down_proj(silu_and_mul_ref(gate_up))
+            return self.down_proj(kernel_forward(lambda g: silu_and_mul(g, dest, delta=delta),
+                                                 lambda g: silu_and_mul_ref(g, delta), gate_up))
+        return self.down_proj(silu_and_mul_ref(gate_up, delta))
 
 
 class DecoderLayer(nn.Module):
@@ -374,9 +377,10 @@ class DecoderLayer(nn.Module):
         else:
             hidden, residual = norm(hidden, residual)
             gate_up = mlp.gate_up_proj(hidden)
-        if mlp.down_proj.lora is not None or not fuses_prologue("silu_mul", mlp.down_proj.weight):
+        delta = mlp.gate_up_proj.lora_delta()  # a LoRA delta left for the SiLU-and-mul, or None
+        if delta is not None or mlp.down_proj.lora is not None or not fuses_prologue("silu_mul", mlp.down_proj.weight):
             mlp.down_proj.lora_residual(residual)
-            return mlp.down(gate_up), residual
+            return mlp.down(gate_up, delta), residual
         return gemv_linear(mlp.down_proj, gate_up, silu_mul=True), residual
 
 
