@@ -17,8 +17,8 @@ engine with an all-base batch is reported too (its decode steps replay the graph
 LoRA line says which hook ran: `lora_overlap` (`EngineConfig.lora_overlap`: true, each linear's shrink on a side
 stream beside its matmul; false, the default, all of the LoRA work after the matmul); `--lora-overlap both`
 measures a LoRA engine of each kind in the same run, against the same base; `--deferred` one more, with
-`EngineConfig.lora_deferred` (`lora_deferred: true`: o_proj's, down_proj's and gate_up_proj's whole LoRA on a side
-stream beside their matmuls, added by the residual add and the SiLU-and-mul).
+`EngineConfig.lora_deferred` (`lora_deferred: true`: every hook's whole LoRA on a side stream beside its matmul,
+added by the residual add, the SiLU-and-mul, or after qkv_proj's matmul).
 
 `--merged`: after the slot engines, an engine with `EngineConfig(max_loras=1, lora_merged=True)` serves a batch
 whose every request takes its one adapter (`system: merged`, its overhead against the same base), and takes the

@@ -113,13 +113,12 @@ class EngineConfig:
     engine 1% faster with one adapter in the batch and 3-6% slower with 4 or 16: the matmuls leave the shrink little
     room beside them). The outputs are bitwise the same either way."""
     lora_deferred: bool = False
-    """Slot mode: three of a layer's four adapted linears leave their delta to the next kernel instead of adding it
-    to their output, and on CUDA compute it on a second stream beside their base matmul, so their LoRA work leaves
-    the step's critical path: `o_proj` and `down_proj`, whose outputs only join the residual sum, add it to that
-    sum (the residual add after the layer then sums the two); `gate_up_proj` leaves it in float32 to the
-    SiLU-and-mul that reads its output. `qkv_proj` keeps its hook after (or, with `lora_overlap`, around) its
-    matmul. The sums are rounded in another order than the default's, so the outputs differ from it in the last
-    bits."""
+    """Slot mode: every adapted linear computes its delta beside its base matmul (on CUDA on a second stream), so
+    its LoRA kernels leave the step's critical path: `o_proj` and `down_proj`, whose outputs only join the
+    residual sum, add it to that sum (the residual add after the layer then sums the two); `gate_up_proj` leaves
+    it in float32 to the SiLU-and-mul that reads its output; `qkv_proj` adds the float32 delta to its output after
+    the matmul (one elementwise add). The sums are rounded in another order than the default's, so the outputs
+    differ from it in the last bits. Not with `lora_overlap`, which it replaces."""
     lora_merged: bool = False
     """Merged mode: one adapter at a time, folded into the base weights (W = W_base + scaling * B @ A, computed in
     float32 from a kept copy of the base and rounded once to the weights' dtype, so bfloat16 weights are the
@@ -192,6 +191,9 @@ class EngineConfig:
             raise ValueError("EngineConfig.max_loras > 0 does not support tensor_parallel_size > 1 yet")
         if self.max_loras and self.speculative is not None:
             raise ValueError("EngineConfig.max_loras > 0 does not support speculative decoding yet")
+        if self.lora_deferred and self.lora_overlap:
+            raise ValueError("EngineConfig.lora_deferred replaces lora_overlap (every hook's delta is computed beside "
+                             "its matmul); set one of them")
         if self.lora_merged and self.max_loras != 1:
             raise ValueError(f"EngineConfig.lora_merged holds one adapter at a time: it needs max_loras=1, got "
                              f"max_loras={self.max_loras}")

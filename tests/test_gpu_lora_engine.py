@@ -124,7 +124,7 @@ def test_lora_overlap_on_and_off_give_the_same_tokens(setup):
 
 def test_deferred_mode_through_graphs_and_eagerly_gives_peft_tokens(setup):
     """`lora_deferred` (o_proj's and down_proj's deltas into the residual sum, gate_up_proj's left to the
-    SiLU-and-mul, each on the side stream beside its matmul) with the decode graphs and eagerly: peft's greedy
+    SiLU-and-mul, qkv_proj's added after the matmul, each computed on the side stream beside its matmul) with the decode graphs and eagerly: peft's greedy
     tokens for a batch mixing the base and two adapters, the side stream used, and logprobs within float32
     rounding of the default hooks'."""
     base, adapters = setup

@@ -434,15 +434,17 @@ def engine_deferred(base, adapters):
 def test_deferred_mode_matches_peft_and_defers_o_down_and_gate_up(engine_deferred, engine, base, peft_models):
     """With `lora_deferred` the logits (prefill and decode) still match peft's and the greedy tokens equal it;
     the o_proj and down_proj hooks take the residual sum, gate_up_proj's leaves its delta to the SiLU-and-mul,
-    qkv_proj's adds its own, and a forward leaves nothing behind."""
+    qkv_proj's adds its float32 delta after the matmul, and a forward leaves nothing behind."""
     from rollout.config import from_mapping
 
     assert EngineConfig(model="m").lora_deferred is False
+    with pytest.raises(ValueError, match="lora_deferred replaces lora_overlap"):
+        EngineConfig(model="m", lora_deferred=True, lora_overlap=True)
     assert from_mapping(EngineConfig, {"model": "m", "lora_deferred": True}).runner_config().lora_deferred is True
     runtime = engine_deferred.runner.lora
     layer = engine_deferred.runner.model.model.layers[0]
     assert layer.self_attn.o_proj.lora.defer == layer.mlp.down_proj.lora.defer == "residual"
-    assert layer.mlp.gate_up_proj.lora.defer == "consumer" and layer.self_attn.qkv_proj.lora.defer is None
+    assert layer.mlp.gate_up_proj.lora.defer == "consumer" and layer.self_attn.qkv_proj.lora.defer == "add"
     assert engine.runner.model.model.layers[0].self_attn.o_proj.lora.defer is None
     tokens = list(range(3, 40))
     with torch.no_grad():

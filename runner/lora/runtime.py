@@ -18,7 +18,8 @@ their delta to that sum instead: the decoder layer hands it over just before the
 `start(x)` forks the whole `add_lora` into it onto the side stream and the call joins it after the matmul (on the
 CPU, `add_lora_ref` in `start`); the residual add after the layer then sums both. gate_up_proj's hook computes its
 delta on the side stream into a float32 buffer of its own, which the SiLU-and-mul reading the output takes
-(`Linear.lora_delta`, joining the side stream) and adds before the activation. Both give the
+(`Linear.lora_delta`, joining the side stream) and adds before the activation; qkv_proj's computes it the same
+way and adds it to the output after the matmul (one elementwise add in place of the hook's kernels there). Both give the
 same bits. Outside `tokens` (or with idx None) the hooks add nothing, so scoring and the profile run see the base
 model unless they ask, and a step without adapter tokens costs what the base model's does (the runner's decode
 graphs have a variant captured that way, runner/cuda_graph.py). A row-parallel layer (o_proj, down_proj) adds its
@@ -44,7 +45,8 @@ from weight_updates.target import ParamSpec
 
 _PARENTS = {"qkv_proj": "self_attn", "o_proj": "self_attn", "gate_up_proj": "mlp", "down_proj": "mlp"}
 _DEFERRED = {"o_proj": "residual", "down_proj": "residual",  # outputs that only join the residual sum
-             "gate_up_proj": "consumer"}  # read by the SiLU-and-mul alone (EngineConfig.lora_deferred)
+             "gate_up_proj": "consumer",  # read by the SiLU-and-mul alone
+             "qkv_proj": "add"}  # its delta joined and added after the matmul (EngineConfig.lora_deferred)
 
 
 class _Deferred:
@@ -63,14 +65,15 @@ class _Deferred:
 
 class LoraHook:
     """What a targeted `Linear` calls: `start(x)` before its matmul, then the hook itself on the output, which adds
-    the delta of each token's adapter to it (in place). Under `EngineConfig.lora_deferred` (`defer`), o_proj's and
-    down_proj's hooks add it to the residual sum the decoder layer gave them (`set_residual`) instead, and
-    gate_up_proj's leaves it, in float32, to the SiLU-and-mul that reads the output (`take_delta`)."""
+    the delta of each token's adapter to it (in place). Under `EngineConfig.lora_deferred` (`defer`) the delta is
+    computed beside the matmul: o_proj's and down_proj's hooks add it to the residual sum the decoder layer gave
+    them (`set_residual`) instead, gate_up_proj's leaves it, in float32, to the SiLU-and-mul that reads the output
+    (`take_delta`), and qkv_proj's adds the float32 delta to the output after the matmul."""
 
     __slots__ = ("runtime", "stack", "defer", "residual", "pending")
 
     def __init__(self, runtime: "LoraRuntime", stack: LoraStack, defer: str | None = None) -> None:
-        assert defer in (None, "residual", "consumer"), defer
+        assert defer in (None, "residual", "consumer", "add"), defer
         self.runtime, self.stack, self.defer = runtime, stack, defer
         self.residual = None  # [T, N]: the residual sum the next call's output joins (set_residual), or None
         self.pending = None  # _Deferred: the delta of the last call, until the consumer takes it (take_delta)
@@ -102,7 +105,7 @@ class LoraHook:
         residual, self.residual = self.residual, None
         if residual is not None and residual.dim() == 2 and residual.is_contiguous():
             return self._deferred(x, residual)
-        if self.defer == "consumer" and x.dim() == 2:
+        if self.defer in ("consumer", "add") and x.dim() == 2:
             return self._deferred(x, torch.empty(x.shape[0], self.stack.B.shape[1], dtype=torch.float32,
                                                  device=x.device), zero=True)
         if not runtime.overlap:
@@ -136,11 +139,11 @@ class LoraHook:
             return out
         stack, scaling = self.stack, self.runtime.slots.scaling
         if isinstance(partials, _Deferred):
-            if partials.delta is None:  # the delta went to the residual sum: join its stream
-                partials.join(out.device)
-            else:  # the consumer adds it (take_delta)
+            if self.defer == "consumer":  # the kernel reading the output adds it (take_delta)
                 self.pending = partials
-            return out
+                return out
+            partials.join(out.device)  # the delta is in the residual sum, or is added here
+            return out if partials.delta is None else out.add_(partials.delta)
         if partials is not None:
             from kernels.lora import lora_expand_partials
 
