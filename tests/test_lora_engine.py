@@ -459,6 +459,24 @@ def test_deferred_mode_matches_peft_and_defers_o_down_and_gate_up(engine_deferre
     assert all(hook.residual is None and hook.pending is None for hook in runtime.hooks)
 
 
+def test_deferred_mode_keeps_the_hooks_for_a_long_prefill(engine_deferred, peft_models, monkeypatch):
+    """Above DEFER_MAX_TOKENS tokens a forward's gate_up and qkv hooks add their own delta (no float32 copy of the
+    output); o_proj and down_proj still go into the residual sum. The logits stay peft's."""
+    from runner.lora import runtime
+
+    monkeypatch.setattr(runtime, "DEFER_MAX_TOKENS", 30)
+    kinds = []
+    real = runtime.LoraHook._deferred
+    monkeypatch.setattr(runtime.LoraHook, "_deferred", lambda self, *a, **kw: (kinds.append(self.defer),
+                                                                              real(self, *a, **kw))[1])
+    tokens = list(range(3, 40))  # 37 tokens in one forward
+    with torch.no_grad():
+        ref = peft_models["a"](torch.tensor([tokens])).logits[0]
+        torch.testing.assert_close(_logits(engine_deferred, tokens, "a"), ref, atol=1e-4, rtol=1e-4)
+    layers = len(engine_deferred.runner.model.model.layers)
+    assert sorted(kinds) == ["residual"] * (2 * layers)
+
+
 def test_deferred_mode_mixed_batch_equals_each_request_alone(engine_deferred, engine):
     """Base and adapter requests in one batch get what each gets alone, and what the default hooks give (fp32:
     within rounding)."""

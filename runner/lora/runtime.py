@@ -47,6 +47,10 @@ _PARENTS = {"qkv_proj": "self_attn", "o_proj": "self_attn", "gate_up_proj": "mlp
 _DEFERRED = {"o_proj": "residual", "down_proj": "residual",  # outputs that only join the residual sum
              "gate_up_proj": "consumer",  # read by the SiLU-and-mul alone
              "qkv_proj": "add"}  # its delta joined and added after the matmul (EngineConfig.lora_deferred)
+DEFER_MAX_TOKENS = 512
+"""The most tokens a forward may have for gate_up_proj and qkv_proj to defer their delta: a float32 delta of the
+output costs 4 bytes an element (29 MB for gate_up at 256 tokens of an 8B model), and a long prefill's hooks are
+small next to its matmuls."""
 
 
 class _Deferred:
@@ -105,7 +109,7 @@ class LoraHook:
         residual, self.residual = self.residual, None
         if residual is not None and residual.dim() == 2 and residual.is_contiguous():
             return self._deferred(x, residual)
-        if self.defer in ("consumer", "add") and x.dim() == 2:
+        if self.defer in ("consumer", "add") and x.dim() == 2 and x.shape[0] <= DEFER_MAX_TOKENS:
             return self._deferred(x, torch.empty(x.shape[0], self.stack.B.shape[1], dtype=torch.float32,
                                                  device=x.device), zero=True)
         if not runtime.overlap:
