@@ -22,7 +22,7 @@
 #   bash bench/gpu_round.sh lora      the LoRA round (< 10 min): its GPU tests, the kernels alone (the default
 #                                     hook, the previous shrink loop, the overlapped shrink, the side-stream delta
 #                                     added after the GEMM or left to the consumer; 1 and 16 adapters), the engine
-#                                     with 1 / 4 / 16 adapters (default hooks and lora_deferred) and merged mode
+#                                     with 1 / 16 adapters (default hooks and lora_deferred) and merged mode
 # Logs and JSON lines go under $OUT (default ./gpu_out).
 set -uo pipefail
 OUT=${OUT:-gpu_out}
@@ -106,7 +106,7 @@ case "${1:-tests}" in
       tests/test_kernels_lora.py > "$OUT/lora_tests.log" 2>&1; tail -3 "$OUT/lora_tests.log"
     timeout 120 python3 bench/lora_kernels.py --systems default,k64_unpipelined,overlap,residual,side_delta,side_delta_deferred \
       --distinct 1,16 > "$OUT/lora_kernels.jsonl" 2>> "$OUT/lora.log"
-    timeout 300 python3 bench/lora.py --device cuda --merged --deferred > "$OUT/lora.jsonl" 2>> "$OUT/lora.log"
+    timeout 300 python3 bench/lora.py --device cuda --merged --deferred --distinct 1,16 > "$OUT/lora.jsonl" 2>> "$OUT/lora.log"
     grep -h -E '"lora_kernels"|"decode"|"lora_push"' "$OUT"/lora_kernels.jsonl "$OUT"/lora.jsonl | cut -c 1-300
     grep -i -B2 -A3 "error\|traceback" "$OUT/lora.log" | tail -20
     ;;
