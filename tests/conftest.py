@@ -243,3 +243,21 @@ def rank_local_expert_patch(engine, one, model) -> None:
     for name, t in model.checkpoint_state().items():
         assert torch.equal(exported[name], t), name
     one.apply_weight_update(1, [r for r in engine.export_weights() if ".experts." in r.name])
+
+
+def run_ranks(target, tmp_path: Path, size: int = 2, timeout_s: float = 120) -> list:
+    """Run target(rank, store, out) in `size` spawned processes sharing a file store under tmp_path; each rank
+    writes a JSON result to `out`. Asserts every rank exited 0; returns the results in rank order."""
+    import json
+
+    import torch.multiprocessing as mp
+
+    store = str(tmp_path / "store")
+    ctx = mp.get_context("spawn")
+    procs = [ctx.Process(target=target, args=(r, store, str(tmp_path / f"rank{r}.json"))) for r in range(size)]
+    for p in procs:
+        p.start()
+    for p in procs:
+        p.join(timeout_s)
+    assert [p.exitcode for p in procs] == [0] * size
+    return [json.loads((tmp_path / f"rank{r}.json").read_text()) for r in range(size)]

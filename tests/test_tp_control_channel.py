@@ -6,7 +6,7 @@ import json
 import os
 
 import torch
-import torch.multiprocessing as mp
+from conftest import run_ranks
 
 from runner.parallel.group import CONTROL_HEAD_BYTES
 
@@ -43,17 +43,8 @@ def _rank(rank: int, store: str, out: str) -> None:
 
 
 def test_every_message_size_arrives_whole_in_one_broadcast_when_it_fits(tmp_path):
-    store = str(tmp_path / "store")
-    ctx = mp.get_context("spawn")
-    procs = [ctx.Process(target=_rank, args=(r, store, str(tmp_path / f"rank{r}.json"))) for r in range(2)]
-    for p in procs:
-        p.start()
-    for p in procs:
-        p.join(120)
-    assert [p.exitcode for p in procs] == [0, 0]
     want = _messages()
     sizes = [len(json.dumps(m).encode()) for m in want]
-    for r in range(2):
-        got = json.loads((tmp_path / f"rank{r}.json").read_text())
+    for r, got in enumerate(run_ranks(_rank, tmp_path)):
         assert [g[0] for g in got] == want, r
         assert [g[1] for g in got] == [1 if n <= ROOM else 2 for n in sizes], r

@@ -6,7 +6,6 @@ one worker process; the protocol test spawns two ranks."""
 from __future__ import annotations
 
 import json
-import multiprocessing as mp
 import os
 import shutil
 import threading
@@ -15,7 +14,7 @@ import pytest
 import torch
 from safetensors.torch import load_file, save_file
 
-from conftest import tp_config, update_records
+from conftest import run_ranks, tp_config, update_records
 from rollout import Engine, SamplingParams
 from runner.parallel.rpc import decode
 from trainer_bridge import TrainerBridge
@@ -142,15 +141,7 @@ def _protocol_rank(rank: int, store: str, out: str) -> None:
 def test_a_peer_failing_after_writing_rolls_back_every_rank(tmp_path):
     """Rank 1's target drops its dense write, so rank 1 fails verification after rank 0 wrote and verified
     its dense and patch records: rank 0 must write both back."""
-    store = str(tmp_path / "store")
-    ctx = mp.get_context("spawn")
-    procs = [ctx.Process(target=_protocol_rank, args=(r, store, str(tmp_path / f"rank{r}.json"))) for r in range(2)]
-    for p in procs:
-        p.start()
-    for p in procs:
-        p.join(120)
-    assert [p.exitcode for p in procs] == [0, 0]
-    results = [json.loads((tmp_path / f"rank{r}.json").read_text()) for r in range(2)]
+    results = run_ranks(_protocol_rank, tmp_path)
     for r in results:
         assert r["unchanged"] and r["version"] == 0
         assert "failed after writing: rank 1: verification after write failed for ['a']" in r["error"]
