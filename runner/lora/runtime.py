@@ -3,28 +3,29 @@ per-token slot assignment, and the weight-update target of one slot.
 
 `LoraRuntime` (one per `ModelRunner`, only when `RunnerConfig.max_loras > 0`) owns a `LoraSlots` and puts a
 `LoraHook` on every fused linear of every decoder layer that has slots (`qkv_proj`, `o_proj`, `gate_up_proj`,
-`down_proj`; `runner.layers.Linear.lora`). A forward that serves adapters runs inside `runtime.tokens(idx)`:
-idx [T] holds each token's slot (-1: the base model), turned once per forward into the `kernels.lora.LoraBatch`
-every hook of the forward shares (on CUDA, one launch; inside a captured decode graph that is part of the graph,
-so a replay re-sorts the tokens of each step's idx), and each hook adds its layer's stack's delta to the base
-output: `add_lora_ref` on the CPU; on CUDA, with `overlap` (`EngineConfig.lora_overlap`, off by default), in two
-halves around the base matmul: `start(x)`, called by the Linear before its matmul, forks the shrink onto the
-runtime's side stream (`kernels.lora.lora_shrink_partials`; one high-priority stream per runtime, made on first
-use), so it runs while the current stream runs the matmul, and the hook called on the output joins it and runs the
-expand (`lora_expand_partials`); in a captured decode graph the fork and the join are the graph's edges (the
-shrink a branch beside the matmul). Without `overlap`, `add_lora` after the matmul (one launch). With `deferred`
-(`EngineConfig.lora_deferred`), the hooks of o_proj and down_proj, whose outputs only join the residual sum, add
-their delta to that sum instead: the decoder layer hands it over just before the layer (`Linear.lora_residual`),
-`start(x)` forks the whole `add_lora` into it onto the side stream and the call joins it after the matmul (on the
-CPU, `add_lora_ref` in `start`); the residual add after the layer then sums both. gate_up_proj's hook computes its
-delta on the side stream into a float32 buffer of its own, which the SiLU-and-mul reading the output takes
-(`Linear.lora_delta`, joining the side stream) and adds before the activation; qkv_proj's computes it the same
-way and adds it to the output after the matmul (one elementwise add in place of the hook's kernels there). Both give the
-same bits. Outside `tokens` (or with idx None) the hooks add nothing, so scoring and the profile run see the base
-model unless they ask, and a step without adapter tokens costs what the base model's does (the runner's decode
-graphs have a variant captured that way, runner/cuda_graph.py). A row-parallel layer (o_proj, down_proj) adds its
-delta to its own output, which without tensor parallelism is the whole sum; the engine refuses LoRA under tensor
-parallelism, whose shards of A and B the slots do not hold.
+`down_proj`; `runner.layers.Linear.lora`). A forward that serves adapters runs inside `runtime.tokens(idx)`: idx [T]
+holds each token's slot (-1: the base model), turned once per forward into the `kernels.lora.LoraBatch` every hook
+of the forward shares (on CUDA, one launch; inside a captured decode graph that is part of the graph, so a replay
+re-sorts the tokens of each step's idx), and each hook adds its layer's stack's delta to the base output:
+`add_lora_ref` on the CPU; on CUDA, with `overlap` (`EngineConfig.lora_overlap`, off by default), in two halves
+around the base matmul: `start(x)`, called by the Linear before its matmul, forks the shrink onto the runtime's side
+stream (`kernels.lora.lora_shrink_partials`; one high-priority stream per runtime, made on first use), so it runs
+while the current stream runs the matmul, and the hook called on the output joins it and runs the expand
+(`lora_expand_partials`); in a captured decode graph the fork and the join are the graph's edges (the shrink a
+branch beside the matmul). Without `overlap`, `add_lora` after the matmul (one launch); both give the same bits.
+With `deferred` (`EngineConfig.lora_deferred`), the hooks of o_proj and down_proj, whose outputs only join the
+residual sum, add their delta to that sum instead: the decoder layer hands it over just before the layer
+(`Linear.lora_residual`), `start(x)` forks the whole `add_lora` into it onto the side stream and the call joins it
+after the matmul (on the CPU, `add_lora_ref` in `start`); the residual add after the layer then sums both.
+gate_up_proj's hook computes its delta on the side stream into a float32 buffer of its own, which the SiLU-and-mul
+reading the output takes (`Linear.lora_delta`, joining the side stream) and adds before the activation; qkv_proj's
+computes it the same way and adds it to the output after the matmul (one elementwise add in place of the hook's
+kernels there); the deferred hooks round their sums in another order. Outside `tokens` (or with idx None) the hooks
+add nothing, so scoring and the profile run see the base model unless they ask, and a step without adapter tokens
+costs what the base model's does (the runner's decode graphs have a variant captured that way,
+runner/cuda_graph.py). A row-parallel layer (o_proj, down_proj) adds its delta to its own output, which without
+tensor parallelism is the whole sum; the engine refuses LoRA under tensor parallelism, whose shards of A and B the
+slots do not hold.
 
 Slots are written only in place (`load`, `clear`, `LoraSlotTarget` writes), so captured graphs stay valid across
 swaps and pushes. Which name lives in which slot is the engine's business (rollout/loras.py).
