@@ -6,6 +6,7 @@ one worker process; the protocol test spawns two ranks."""
 from __future__ import annotations
 
 import json
+import multiprocessing as mp
 import os
 import shutil
 import threading
