@@ -477,6 +477,22 @@ def test_deferred_mode_keeps_the_hooks_for_a_long_prefill(engine_deferred, peft_
     assert sorted(kinds) == ["residual"] * (2 * layers)
 
 
+def test_a_deferred_delta_nobody_takes_is_caught_and_not_kept(engine_deferred):
+    """A gate_up delta left for a SiLU-and-mul that never ran fails the forward's exit, and the next forward starts
+    without it."""
+    runtime = engine_deferred.runner.lora
+    linear = engine_deferred.runner.model.model.layers[0].mlp.gate_up_proj
+    x = torch.randn(3, linear.in_features)
+    with pytest.raises(AssertionError, match="1 deferred LoRA deltas were left unconsumed"):
+        with runtime.tokens(torch.tensor([0, -1, 1])):
+            linear(x)
+    assert all(hook.pending is None for hook in runtime.hooks)
+    with runtime.tokens(torch.tensor([0, -1, 1])):
+        out = linear(x)
+        delta = linear.lora_delta()
+    assert delta.shape == out.shape and delta.dtype == torch.float32 and not delta[1].any() and delta[0].any()
+
+
 def test_deferred_mode_mixed_batch_equals_each_request_alone(engine_deferred, engine):
     """Base and adapter requests in one batch get what each gets alone, and what the default hooks give (fp32:
     within rounding)."""

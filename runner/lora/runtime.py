@@ -211,15 +211,12 @@ class LoraRuntime:
             self.current = idx
         try:
             yield
-        except BaseException:
-            for hook in self.hooks:
-                hook.residual = hook.pending = None
-            raise
         finally:
             self.current = None
-        for hook in self.hooks:  # a residual sum set for a call that did not come is dropped
-            hook.residual = None
-            assert hook.pending is None, "a deferred LoRA delta was left unconsumed"
+            unconsumed = sum(hook.pending is not None for hook in self.hooks)
+            for hook in self.hooks:  # nothing of this forward is kept for the next
+                hook.residual = hook.pending = None
+        assert not unconsumed, f"{unconsumed} deferred LoRA deltas were left unconsumed"
 
     # ---- adapters in and out -----------------------------------------------------------------------------
     def load(self, slot: int, name: str, path: str) -> tuple[int, tuple[str, ...]]:
