@@ -81,9 +81,9 @@ case "${1:-tests}" in
   verify)
     for group in "tests/test_gpu_*.py" "tests/test_kernels_*.py tests/test_models.py tests/test_prompt_embeds.py \
         tests/test_weight_updates.py tests/test_weight_updates_ipc.py tests/test_loader.py"; do
-      timeout 270 python3 -m pytest -q -p no:cacheprovider $group 2>&1 | tail -c 4000 >> "$OUT/verify.log"
+      timeout 270 python3 -m pytest -q -rfE -p no:cacheprovider $group >> "$OUT/verify.log" 2>&1
     done
-    grep -E "passed|failed|error" "$OUT/verify.log"
+    grep -E "^(FAILED|ERROR) |passed|failed|error" "$OUT/verify.log" | cut -c 1-300
     ;;
   measure)
     timeout 200 python3 bench/scale.py --shapes qwen3-8b --repeats 1 --hf-batches "" > "$OUT/scale8b.jsonl" 2>> "$OUT/measure.log"

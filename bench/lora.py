@@ -194,7 +194,8 @@ def main() -> None:
                     "graph replay (CUDA)")
     ap.add_argument("--top", type=int, default=14, help="kernels listed by --profile")
     ap.add_argument("--merged", action="store_true", help="also one adapter merged into the base weights")
-    ap.add_argument("--deferred", action="store_true", help="also a LoRA engine with EngineConfig.lora_deferred")
+    ap.add_argument("--deferred", nargs="?", const="also", choices=("also", "only"), default=None,
+                    help="also (or only) a LoRA engine with EngineConfig.lora_deferred")
     ap.add_argument("--lora-overlap", choices=("on", "off", "both"), default="off",
                     help="EngineConfig.lora_overlap of the LoRA engine (both: one engine of each, one after the other)")
     args = ap.parse_args()
@@ -228,7 +229,7 @@ def main() -> None:
         release_memory()
 
         overlaps = {"on": [True], "off": [False], "both": [True, False]}[args.lora_overlap]
-        modes = [(overlap, False) for overlap in overlaps]
+        modes = [] if args.deferred == "only" else [(overlap, False) for overlap in overlaps]
         modes += [(False, True)] if args.deferred else []
         for run, (overlap, deferred) in enumerate(modes):
             if run:

@@ -111,9 +111,9 @@ def side_delta(step: "Step", deferred: bool) -> Hook:
 
     def start(x, A, B, plan, scaling, slices):
         main = torch.cuda.current_stream()
+        side.wait_stream(main)  # first: in a capture the side stream joins it before the main one waits on it
         if deferred:
             main.wait_stream(side)  # the previous layer's delta, as its consumer would wait for it
-        side.wait_stream(main)
         delta = deltas[names[id(x)]]
         with torch.cuda.stream(side):
             delta.zero_()

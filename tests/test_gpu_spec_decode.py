@@ -140,9 +140,11 @@ def test_auto_sized_kv_cache_counts_the_drafter_and_the_speculative_graphs(wide_
     KV tensors' rounding to 2 MiB segments (<= 6 x 2 MiB).
 
     1. The speculative engine with enforce_eager against the plain eager engine: both profile the same step,
-       so their reserves agree within 16 MiB (rounding and one block). Drafter weights loaded after the
-       sizing would take their 52.5 MiB out of the speculative engine's reserve; drafter KV left out of the
-       per-block bytes would take a third of its KV cache (GiBs) out of it.
+       so the speculative engine's reserve is no more than 16 MiB below the plain one's (rounding and one
+       block). Drafter weights loaded after the sizing would take their 52.5 MiB out of the speculative
+       engine's reserve; drafter KV left out of the per-block bytes would take a third of its KV cache (GiBs)
+       out of it. Above, it may be up to 64 MiB larger: more KV tensors (the drafter's) round to more 2 MiB
+       segments and a block more is left over (18 MiB was seen on an H200); more would be memory wasted.
     2. The graph-capturing engine, once it has captured every speculative graph (every batch size, 0..k
        drafts), must still have the eager engine's reserve (the activation peak) left, within 512 MiB. The
        sizing counts the largest graph by capturing it (`probe_bytes`: its pool plus the warm-up runs' about as
@@ -170,9 +172,9 @@ def test_auto_sized_kv_cache_counts_the_drafter_and_the_speculative_graphs(wide_
     plain_reserve = budget - _used_bytes()
     plain.close()
     del plain
-    tol = 16 * 2**20
+    tol, waste = 16 * 2**20, 64 * 2**20
     assert drafter_bytes > 3 * tol  # the model keeps the check sharp
-    assert abs(eager_reserve - plain_reserve) <= tol, dict(eager=eager_reserve, plain=plain_reserve)
+    assert -tol <= eager_reserve - plain_reserve <= waste, dict(eager=eager_reserve, plain=plain_reserve)
 
     # 2. the speculative graphs
     engine = _engine(wide_model, **kw)
