@@ -23,7 +23,8 @@ a graph of the LoRA work alone (no GEMMs between the hooks). `bitwise_equal_to_d
 the default config's, or the first system's when `--systems` leaves the default out (every config but the split-K
 chunk and the shrink's K step must match, the overlapped systems included; the baseline too, when its arithmetic is
 unchanged; `side_delta` rounds the base output plus the float32 delta in torch, the default in the kernel; null
-for `side_delta_deferred` and `residual`, whose deltas are not in the outputs).
+for `side_delta_deferred` and `residual`, whose deltas are not in the outputs). `--carveouts 0,8,16` repeats it all
+(base included) with that many SMs left out of the base GEMMs (cuBLASLt), room for the side stream's deltas.
 `k64_unpipelined` is the shrink loop before its K step grew to 256 with two pipeline stages (8 dependent steps of
 64 per split).
 """
@@ -251,6 +252,9 @@ def main() -> None:
                     "lora_batch)")
     ap.add_argument("--sweep", action="store_true", help="more launch shapes")
     ap.add_argument("--systems", default=None, help="comma-separated systems to run (default: all)")
+    ap.add_argument("--carveouts", default="0", help="comma-separated SM counts the base GEMMs leave to the side "
+                    "stream (torch._C._set_sm_carveout_experimental through cuBLASLt; 0: torch's default BLAS, "
+                    "no carve-out); each has its own base")
     args = ap.parse_args()
     if not torch.cuda.is_available():
         raise SystemExit("bench/lora_kernels.py needs CUDA")
@@ -259,8 +263,6 @@ def main() -> None:
     step = Step(args, torch.Generator(device="cuda").manual_seed(0))
     common = dict(shape="llama-3.1-8b", dtype="bfloat16", tokens=args.tokens, slots=args.slots, rank=args.rank,
                   layers=args.layers, hooks=4 * args.layers, device=torch.cuda.get_device_name())
-    base_ms = timed_graph(step, None, args)
-    emit(kind="lora_kernels", system="base", step_ms=round(base_ms, 4), **common)
     named, overlaps = configs(args.sweep)
     hooks = {name: after_gemm(lora_batch, add_lora, config=config) for name, config in named.items()}
     hooks |= {name: overlapped(config) for name, config in overlaps.items()}
@@ -275,22 +277,33 @@ def main() -> None:
         if unknown:
             raise SystemExit(f"--systems: unknown {unknown}; known: {sorted(hooks)}")
         hooks = {name: hooks[name] for name in wanted}
-    for distinct in [int(d) for d in args.distinct.split(",")]:
-        assign(step, distinct, args)
-        reference = None
-        for name, hook in hooks.items():
-            step_ms = timed_graph(step, hook, args)
-            lora_only = timed_graph(step, hook, args, gemms=False)
-            step.run(hook)
-            outs = torch.cat([o.flatten() for o in step.out.values()])
-            reference = outs if reference is None else reference
-            lora_ms = step_ms - base_ms
-            deferred = name in ("side_delta_deferred", "residual")  # deltas outside the outputs: nothing to compare
-            emit(kind="lora_kernels", system=name, overlap=hook.start is not None, distinct=distinct,
-                 step_ms=round(step_ms, 4),
-                 lora_ms=round(lora_ms, 4), lora_us_per_hook=round(1e3 * lora_ms / (4 * args.layers), 2),
-                 overhead_of_step=round(lora_ms / args.step_ms, 4), lora_only_ms=round(lora_only, 4),
-                 bitwise_equal_to_default=None if deferred else bool(torch.equal(outs, reference)), **common)
+    for carveout in [int(c) for c in args.carveouts.split(",")]:
+        if carveout:
+            torch.backends.cuda.preferred_blas_library("cublaslt")
+        torch._C._set_sm_carveout_experimental(carveout or None)
+        base_ms = timed_graph(step, None, args)
+        emit(kind="lora_kernels", system="base", carveout=carveout, step_ms=round(base_ms, 4), **common)
+        for distinct in [int(d) for d in args.distinct.split(",")]:
+            run_systems(step, hooks, distinct, base_ms, dict(common, carveout=carveout), args)
+
+
+def run_systems(step: Step, hooks: dict, distinct: int, base_ms: float, common: dict, args) -> None:
+    """Every system of `hooks` with `distinct` adapters in the batch, against the base step `base_ms`."""
+    assign(step, distinct, args)
+    reference = None
+    for name, hook in hooks.items():
+        step_ms = timed_graph(step, hook, args)
+        lora_only = timed_graph(step, hook, args, gemms=False)
+        step.run(hook)
+        outs = torch.cat([o.flatten() for o in step.out.values()])
+        reference = outs if reference is None else reference
+        lora_ms = step_ms - base_ms
+        deferred = name in ("side_delta_deferred", "residual")  # deltas outside the outputs: nothing to compare
+        emit(kind="lora_kernels", system=name, overlap=hook.start is not None, distinct=distinct,
+             step_ms=round(step_ms, 4),
+             lora_ms=round(lora_ms, 4), lora_us_per_hook=round(1e3 * lora_ms / (4 * args.layers), 2),
+             overhead_of_step=round(lora_ms / args.step_ms, 4), lora_only_ms=round(lora_only, 4),
+             bitwise_equal_to_default=None if deferred else bool(torch.equal(outs, reference)), **common)
 
 
 if __name__ == "__main__":
