@@ -198,6 +198,8 @@ def main() -> None:
                     help="also (or only) a LoRA engine with EngineConfig.lora_deferred")
     ap.add_argument("--lora-overlap", choices=("on", "off", "both"), default="off",
                     help="EngineConfig.lora_overlap of the LoRA engine (both: one engine of each, one after the other)")
+    ap.add_argument("--carveout", type=int, default=0, help="SMs the LoRA engines' cuBLASLt GEMMs leave to the side "
+                    "stream (torch._C._set_sm_carveout_experimental; the base engine runs without)")
     args = ap.parse_args()
     cuda = args.device.startswith("cuda")
     if args.profile and not cuda:
@@ -231,6 +233,9 @@ def main() -> None:
         overlaps = {"on": [True], "off": [False], "both": [True, False]}[args.lora_overlap]
         modes = [] if args.deferred == "only" else [(overlap, False) for overlap in overlaps]
         modes += [(False, True)] if args.deferred else []
+        if args.carveout:
+            torch.backends.cuda.preferred_blas_library("cublaslt")
+            torch._C._set_sm_carveout_experimental(args.carveout)
         for run, (overlap, deferred) in enumerate(modes):
             if run:
                 release_memory()
@@ -244,7 +249,8 @@ def main() -> None:
                  **common)
             for k in [0] + distinct:
                 tps = timed_decode(engine, args, names[:k] if k else [None])
-                emit(kind="decode", system="lora", lora_overlap=overlap, lora_deferred=deferred, loras_loaded=num_loras,
+                emit(kind="decode", system="lora", lora_overlap=overlap, lora_deferred=deferred, carveout=args.carveout,
+                     loras_loaded=num_loras,
                      distinct=k,
                      tokens_per_s=round(tps, 1), overhead=round(base_tps / tps - 1, 4), **common)
                 if args.profile:
