@@ -107,7 +107,7 @@ from typing import Any
 import numpy as np
 from pydantic import BaseModel, ValidationError
 from starlette.exceptions import HTTPException
-from starlette.requests import Request
+from starlette.requests import ClientDisconnect, Request
 from starlette.responses import Response, StreamingResponse
 
 from rollout import protocol as P
@@ -383,11 +383,15 @@ class _Server:
         if declared is not None and declared.isdigit() and int(declared) > limit:
             raise too_large
         chunks, size = [], 0
-        async for chunk in request.stream():
-            size += len(chunk)
-            if size > limit:
-                raise too_large
-            chunks.append(chunk)
+        try:
+            async for chunk in request.stream():
+                size += len(chunk)
+                if size > limit:
+                    raise too_large
+                chunks.append(chunk)
+        except ClientDisconnect:
+            logger.info("client left before its request to %s was read; nothing was started", request.url.path)
+            raise _Disconnected from None
         body = b"".join(chunks)
         try:
             if len(body) > _PARSE_IN_THREAD_BYTES:

@@ -10,6 +10,7 @@ import asyncio
 import json
 import logging
 import shutil
+import socket
 import subprocess
 import sys
 import threading
@@ -237,6 +238,20 @@ def test_every_hole_gets_a_named_4xx_and_the_server_goes_on(model_dir):
         assert client.get("/v1/nothing").status_code == 404 and error_of(client.get("/v1/nothing"))["code"] == "not_found"
         assert client.get("/v1/completions").status_code == 405
         assert client.get("/health").json() == {"status": "ok"}
+
+
+def test_a_client_that_leaves_while_its_body_is_read_is_logged_once_and_starts_nothing(model_dir, caplog):
+    caplog.set_level(logging.INFO)
+    with serving(model_dir) as srv:
+        host, port = srv.url.removeprefix("http://").split(":")
+        with socket.create_connection((host, int(port)), timeout=30) as sock:  # half a declared body, then gone
+            sock.sendall(b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+                         b"Content-Length: 1000\r\n\r\n" + b'{"prompt": "')
+        until(lambda: any("before its request to /v1/completions was read" in r.getMessage() for r in caplog.records))
+        with httpx.Client(base_url=srv.url, timeout=60) as client:
+            assert_normal_request_served(client)
+        assert not srv.engine.engine.has_unfinished_requests()
+    assert not [r for r in caplog.records if r.exc_info or r.levelno >= logging.ERROR]
 
 
 def test_oversized_n_is_refused_at_once_and_a_600_prompt_batch_fits_the_default_body_cap(model_dir, ckpt_factory):

@@ -13,6 +13,7 @@ import asyncio
 import json
 import logging
 import random
+import threading
 import time
 
 import pytest
@@ -53,8 +54,8 @@ def plan(rng: random.Random) -> list[dict]:
     return out
 
 
-async def send(client: httpx.AsyncClient, req: dict) -> dict:
-    """Runs one request; returns what came back: {"samples": {index: token ids}, "prompt": ids, "status"}."""
+async def send(client: httpx.AsyncClient, req: dict, added: dict[tuple, threading.Event]) -> dict:
+    """Runs one request (`added`: the prompts of the clients that leave, set once the engine holds them); returns what came back: {"samples": {index: token ids}, "prompt": ids, "status"}."""
     kind, n, seed = req["kind"], req["n"], req["seed"]
     common = {"max_tokens": NEW_TOKENS, "seed": seed, "ignore_eos": True, "n": n, "return_token_ids": True}
     sglang = {"max_new_tokens": NEW_TOKENS, "sampling_seed": seed, "ignore_eos": True, "n": n}
@@ -71,11 +72,12 @@ async def send(client: httpx.AsyncClient, req: dict) -> dict:
                 async for line in r.aiter_lines():
                     if line.startswith("data:"):
                         break  # leave after the first event
-        else:
-            try:
-                await asyncio.wait_for(client.post("/v1/completions", json=body), 0.2)
-            except asyncio.TimeoutError:
-                pass
+        else:  # leave once the engine holds the request (a fixed wait could end before the server read it)
+            task = asyncio.ensure_future(client.post("/v1/completions", json=body))
+            arrived = await asyncio.to_thread(added[tuple(req["ids"])].wait, 60)
+            task.cancel()
+            await asyncio.gather(task, return_exceptions=True)
+            assert arrived, req
         result.update(status="left")
     elif kind == "completion":
         r = await client.post("/v1/completions", json={"prompt": req["ids"], **common})
@@ -145,11 +147,21 @@ def test_200_concurrent_mixed_requests(model_dir, caplog):
             return out
 
         engine.abort_request = abort_request
+        added = {tuple(req["ids"]): threading.Event() for req in requests if req["disconnect"]}
+        real_add = engine.add_request
+
+        def add_request(prompt, *args, **kwargs):
+            out = real_add(prompt, *args, **kwargs)
+            if isinstance(prompt, list) and tuple(prompt) in added:
+                added[tuple(prompt)].set()
+            return out
+
+        engine.add_request = add_request
 
         async def main():
             limits = httpx.Limits(max_connections=NUM_REQUESTS + 10, max_keepalive_connections=NUM_REQUESTS + 10)
             async with httpx.AsyncClient(base_url=srv.url, timeout=120, limits=limits) as client:
-                return await asyncio.gather(*(send(client, r) for r in requests))
+                return await asyncio.gather(*(send(client, r, added) for r in requests))
 
         start = time.perf_counter()
         results = asyncio.run(main())
@@ -163,7 +175,8 @@ def test_200_concurrent_mixed_requests(model_dir, caplog):
     oversized = next(res for req, res in zip(requests, results) if req["kind"] == "oversized")
     assert oversized["status"] == 400 and oversized["error"]["param"] == "n"
     assert oversized["seconds"] < 1.0, oversized["seconds"]
-    # the clients that left (200 tokens asked, gone after 0.2 s or one event) were aborted, one line each
+    # the clients that left (200 tokens asked, gone once the engine held the request or after one event)
+    # were aborted, one line each
     left = [req for req in requests if req["disconnect"] and req["kind"] != "oversized"]
     assert len(aborted) == len(left)
     lines = [r for r in caplog.records if r.name == "rollout.server" and "client left" in r.getMessage()]
