@@ -38,17 +38,30 @@ def capture_sizes(max_num_seqs: int) -> list[int]:
     return sizes
 
 
+_CAPTURE_STREAMS: dict[int, torch.cuda.Stream] = {}  # device index -> the side stream every capture runs on
+
+
+def capture_stream() -> torch.cuda.Stream:
+    """The one side stream the current device's graphs are warmed up and captured on. cuBLAS keeps a workspace
+    per (handle, stream) for the process's life: a fresh stream per capture would leave one behind for each of
+    the 32 pooled streams (~1 GiB on an H200), none of it counted by the KV cache sizing's probe capture."""
+    device = torch.cuda.current_device()
+    if device not in _CAPTURE_STREAMS:
+        _CAPTURE_STREAMS[device] = torch.cuda.Stream()
+    return _CAPTURE_STREAMS[device]
+
+
 def capture(step, pool=None):
     """(graph, outputs) of `step()` captured as a CUDA graph in memory pool `pool` (None: a new one). A warm-up
-    call on a side stream first compiles (and autotunes) every kernel and sets up the BLAS workspaces outside
-    the capture."""
-    stream = torch.cuda.Stream()
+    call on the capture stream first compiles (and autotunes) every kernel and sets up that stream's BLAS
+    workspaces outside the capture."""
+    stream = capture_stream()
     stream.wait_stream(torch.cuda.current_stream())
     with torch.cuda.stream(stream):
         step()
     torch.cuda.current_stream().wait_stream(stream)
     graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph, pool=pool):
+    with torch.cuda.graph(graph, pool=pool, stream=stream):
         outputs = step()
     return graph, outputs
 

@@ -147,11 +147,11 @@ def test_auto_sized_kv_cache_counts_the_drafter_and_the_speculative_graphs(wide_
        segments and a block more is left over (18 MiB was seen on an H200); more would be memory wasted.
     2. The graph-capturing engine, once it has captured every speculative graph (every batch size, 0..k
        drafts), must still have the eager engine's reserve (the activation peak) left, within 512 MiB. The
-       sizing counts the largest graph by capturing it (`probe_bytes`: its pool plus the warm-up runs' about as
-       much again, which a lazy capture mid-run also leaves cached), ~8 GiB for a ~4 GiB pool, so the check
-       passes by >= 3 GiB, even after the <= 1 GiB of cuBLAS workspaces (32 MiB per new side stream, 32 pooled
-       streams) that first captures can add; with the speculative graphs left out (only the plain decode
-       graph's ~1 GiB counted) the engine would end >= 2 GiB short of the bound.
+       sizing counts the largest graph by capturing it (`probe_bytes`: its pool, the warm-up runs' cached
+       blocks and the capture stream's cuBLAS workspace); every later graph shares its pool and its one
+       capture stream. With the speculative graphs left out (only the plain decode graph's ~1 GiB counted)
+       the engine would end >= 2 GiB short of the bound; with a fresh side stream per capture it ended 1.1 GiB
+       short (a 32 MiB cuBLAS workspace left behind on each of the 32 pooled streams).
     Device memory at utilization 0.2 on an H200 (139 GiB): ~28 GiB per engine, one engine alive at a time.
     """
     util = 0.2
