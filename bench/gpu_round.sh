@@ -20,9 +20,9 @@
 #   bash bench/gpu_round.sh decode    the batch-1/2 MoE decode path in the whole engine (off vs on), the LoRA
 #                                     kernels alone and in the engine, and the 8B weight sync (< 8 min)
 #   bash bench/gpu_round.sh lora      the LoRA round (< 10 min): its GPU tests, the kernels alone (the default
-#                                     hook, the previous shrink loop, the overlapped shrink, the side-stream delta
-#                                     added after the GEMM or left to the consumer; 1 and 16 adapters), the engine
-#                                     with 1 / 16 adapters (default hooks and lora_deferred) and merged mode
+#                                     hook and the side-stream delta left to the consumer, 1 and 16 adapters, 0
+#                                     and 8 SMs left out of the GEMMs), the engine with 16 adapters loaded and 1 /
+#                                     16 in the batch (default hooks and lora_deferred, profiled) and merged mode
 # Logs and JSON lines go under $OUT (default ./gpu_out).
 set -uo pipefail
 OUT=${OUT:-gpu_out}
@@ -102,11 +102,12 @@ case "${1:-tests}" in
     grep -i -B2 -A3 "error\|traceback" "$OUT/decode.log" | tail -20
     ;;
   lora)
-    timeout 150 python3 -m pytest -q -p no:cacheprovider tests/test_gpu_lora_kernels.py tests/test_gpu_lora_engine.py \
-      tests/test_kernels_lora.py > "$OUT/lora_tests.log" 2>&1; tail -3 "$OUT/lora_tests.log"
-    timeout 120 python3 bench/lora_kernels.py --systems default,k64_unpipelined,overlap,residual,side_delta,side_delta_deferred \
-      --distinct 1,16 > "$OUT/lora_kernels.jsonl" 2>> "$OUT/lora.log"
-    timeout 300 python3 bench/lora.py --device cuda --merged --deferred --distinct 1,16 > "$OUT/lora.jsonl" 2>> "$OUT/lora.log"
+    timeout 230 python3 -m pytest -q -rfE -p no:cacheprovider tests/test_gpu_lora_kernels.py tests/test_gpu_lora_engine.py \
+      tests/test_kernels_lora.py > "$OUT/lora_tests.log" 2>&1; grep -E "^(FAILED|ERROR) |passed|failed" "$OUT/lora_tests.log" | tail -8
+    timeout 90 python3 bench/lora_kernels.py --systems default,side_delta_deferred --distinct 1,16 --carveouts 0,8 \
+      > "$OUT/lora_kernels.jsonl" 2>> "$OUT/lora.log"
+    timeout 240 python3 bench/lora.py --device cuda --merged --deferred --loras 16 --distinct 1,16 --profile \
+      > "$OUT/lora.jsonl" 2>> "$OUT/lora.log"
     grep -h -E '"lora_kernels"|"decode"|"lora_push"' "$OUT"/lora_kernels.jsonl "$OUT"/lora.jsonl | cut -c 1-300
     grep -i -B2 -A3 "error\|traceback" "$OUT/lora.log" | tail -20
     ;;
