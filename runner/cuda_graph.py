@@ -43,8 +43,8 @@ _CAPTURE_STREAMS: dict[int, torch.cuda.Stream] = {}  # device index -> the side 
 
 def capture_stream() -> torch.cuda.Stream:
     """The one side stream the current device's graphs are warmed up and captured on. cuBLAS keeps a workspace
-    per (handle, stream) for the process's life: a fresh stream per capture would leave one behind for each of
-    the 32 pooled streams (~1 GiB on an H200), none of it counted by the KV cache sizing's probe capture."""
+    per (handle, stream) for the process's life: a fresh stream per capture would leave one (~32 MiB) behind on
+    each of the 32 pooled streams in turn, none of it counted by the KV cache sizing's one probe capture."""
     device = torch.cuda.current_device()
     if device not in _CAPTURE_STREAMS:
         _CAPTURE_STREAMS[device] = torch.cuda.Stream()

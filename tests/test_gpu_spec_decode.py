@@ -150,8 +150,8 @@ def test_auto_sized_kv_cache_counts_the_drafter_and_the_speculative_graphs(wide_
        sizing counts the largest graph by capturing it (`probe_bytes`: its pool, the warm-up runs' cached
        blocks and the capture stream's cuBLAS workspace); every later graph shares its pool and its one
        capture stream. With the speculative graphs left out (only the plain decode graph's ~1 GiB counted)
-       the engine would end >= 2 GiB short of the bound; with a fresh side stream per capture it ended 1.1 GiB
-       short (a 32 MiB cuBLAS workspace left behind on each of the 32 pooled streams).
+       the engine would end >= 2 GiB short of the bound. With a fresh side stream per capture it ended 1.1 GiB
+       short on an H200: a ~32 MiB cuBLAS workspace left behind per pooled stream is the likely cause.
     Device memory at utilization 0.2 on an H200 (139 GiB): ~28 GiB per engine, one engine alive at a time.
     """
     util = 0.2

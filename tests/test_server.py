@@ -243,8 +243,7 @@ def test_every_hole_gets_a_named_4xx_and_the_server_goes_on(model_dir):
 def test_a_client_that_leaves_while_its_body_is_read_is_logged_once_and_starts_nothing(model_dir, caplog):
     caplog.set_level(logging.INFO)
     with serving(model_dir) as srv:
-        host, port = srv.url.removeprefix("http://").split(":")
-        with socket.create_connection((host, int(port)), timeout=30) as sock:  # half a declared body, then gone
+        with socket.create_connection(srv.sock.getsockname()[:2], timeout=30) as sock:  # half a declared body, then gone
             sock.sendall(b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
                          b"Content-Length: 1000\r\n\r\n" + b'{"prompt": "')
         until(lambda: any("before its request to /v1/completions was read" in r.getMessage() for r in caplog.records))

@@ -55,7 +55,8 @@ def plan(rng: random.Random) -> list[dict]:
 
 
 async def send(client: httpx.AsyncClient, req: dict, added: dict[tuple, threading.Event]) -> dict:
-    """Runs one request (`added`: the prompts of the clients that leave, set once the engine holds them); returns what came back: {"samples": {index: token ids}, "prompt": ids, "status"}."""
+    """Runs one request; returns what came back: {"samples": {index: token ids}, "prompt": ids, "status"}.
+    `added`: an event per prompt of the clients that leave, set once the engine holds that prompt."""
     kind, n, seed = req["kind"], req["n"], req["seed"]
     common = {"max_tokens": NEW_TOKENS, "seed": seed, "ignore_eos": True, "n": n, "return_token_ids": True}
     sglang = {"max_new_tokens": NEW_TOKENS, "sampling_seed": seed, "ignore_eos": True, "n": n}
