@@ -12,9 +12,11 @@
 #                                     one or two per call), extra arguments in $SCALE_ARGS (e.g. --with-32b)
 #   bash bench/gpu_round.sh first     a session's first call (< 10 min): GPU tests, weight sync (0.5B and 1.5B
 #                                     shapes), decode-step profile (batch 256 also with cuBLASLt)
-#   bash bench/gpu_round.sh verify    every test that runs on the GPU (all CUDA-gated tests), in two pytest
-#                                     processes of at most 270 s each, into $OUT/verify.log alone (the device
-#                                     tool returns at most 8 files)
+#   bash bench/gpu_round.sh verify-gpu      the tests/test_gpu_*.py files (about 5 min on an H200), and
+#   bash bench/gpu_round.sh verify-kernels  every other test that runs on the GPU (kernels, models, prompt
+#                                     embeddings, weight updates, loader; about 6 min): one call each, a
+#                                     540 s limit, each test's id and outcome in
+#                                     $OUT/verify.log (-v), failures and errors listed at the end (-rfE)
 #   bash bench/gpu_round.sh measure   the real-size figures: bench/scale.py at 8B and 0.5B, bench/moe.py,
 #                                     bench/lora.py --profile, into four JSON-lines files and one log
 #   bash bench/gpu_round.sh decode    the batch-1/2 MoE decode path in the whole engine (off vs on), the LoRA
@@ -78,12 +80,16 @@ case "${1:-tests}" in
       cat "$OUT/scale_$shape.jsonl"; grep -i -A3 "error\|traceback" "$OUT/scale_$shape.err" | tail -20
     done
     ;;
-  verify)
-    for group in "tests/test_gpu_*.py" "tests/test_kernels_*.py tests/test_models.py tests/test_prompt_embeds.py \
-        tests/test_weight_updates.py tests/test_weight_updates_ipc.py tests/test_loader.py"; do
-      timeout 270 python3 -m pytest -q -rfE -p no:cacheprovider $group >> "$OUT/verify.log" 2>&1
-    done
-    grep -E "^(FAILED|ERROR) |passed|failed|error" "$OUT/verify.log" | cut -c 1-300
+  verify-gpu|verify-kernels)
+    if [ "$1" = verify-gpu ]; then
+      group="tests/test_gpu_*.py"
+    else
+      group="tests/test_kernels_*.py tests/test_models.py tests/test_prompt_embeds.py tests/test_weight_updates.py \
+        tests/test_weight_updates_ipc.py tests/test_loader.py"
+    fi
+    timeout 540 python3 -m pytest -v -rfE -p no:cacheprovider $group > "$OUT/verify.log" 2>&1
+    echo "pytest rc=$? (124: stopped at 540 s; the last line of $OUT/verify.log names the test it was in)"
+    grep -E "^(FAILED|ERROR) |passed|failed|error" "$OUT/verify.log" | cut -c 1-300; tail -n 1 "$OUT/verify.log"
     ;;
   measure)
     timeout 200 python3 bench/scale.py --shapes qwen3-8b --repeats 1 --hf-batches "" > "$OUT/scale8b.jsonl" 2>> "$OUT/measure.log"
@@ -104,7 +110,7 @@ case "${1:-tests}" in
   lora)
     timeout 230 python3 -m pytest -q -rfE -p no:cacheprovider tests/test_gpu_lora_kernels.py tests/test_gpu_lora_engine.py \
       tests/test_kernels_lora.py > "$OUT/lora_tests.log" 2>&1; grep -E "^(FAILED|ERROR) |passed|failed" "$OUT/lora_tests.log" | tail -8
-    timeout 90 python3 bench/lora_kernels.py --systems default,side_delta_deferred --distinct 1,16 --carveouts 0,8 \
+    timeout 90 python3 bench/lora_kernels.py --systems default,side_delta_deferred --distinct 1,16 --carveouts 0,8 --streams \
       > "$OUT/lora_kernels.jsonl" 2>> "$OUT/lora.log"
     timeout 240 python3 bench/lora.py --device cuda --merged --deferred --loras 16 --distinct 1,16 --profile \
       > "$OUT/lora.jsonl" 2>> "$OUT/lora.log"

@@ -27,7 +27,10 @@ same two adapter pushes (each refolds the modules it writes into the base weight
 `--profile` (CUDA): per case, one more batch is started and a few of its decode steps run, then the step's
 captured decode graph is replayed: its device time (`graph_replay_ms`, over 20 replays), the kernels it launches
 (`launches_per_step`) and the top kernels by device time per replay (`top_kernels_us_and_launches`, LoRA's are
-`_lora_*`), like bench/profile_decode.py. Those replays recompute the step in place (its KV rows rewritten).
+`_lora_*`), like bench/profile_decode.py, and how its kernels used the streams (`stream_use`, per replay: each
+stream's launches and busy µs, the µs two streams ran at once, and how much of each stream's time ran beside
+another's: the side stream's deltas hidden behind the matmuls; bench/timeline.py's `stream_concurrency`). Those
+replays recompute the step in place (its KV rows rewritten).
 
 Pushes: the adapter through `TrainerBridge(engine, lora=...)`, dense (its first push) and as a patch after about 1%
 of its elements changed, after the same two pushes of another adapter untimed; the base as one dense push of every
@@ -48,6 +51,7 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 import torch  # noqa: E402
 
 from bench.generate import best_of, emit, release_memory, sync  # noqa: E402
+from bench.timeline import stream_concurrency  # noqa: E402
 
 LLAMA_8B = dict(
     architectures=["LlamaForCausalLM"], model_type="llama", vocab_size=128256, hidden_size=4096,
@@ -136,7 +140,8 @@ def profile_graph(engine, args, loras: list[str | None], common: dict, **labels)
     top = sorted(((e.key, e.device_time_total / 5, e.count // 5) for e in events), key=lambda k: -k[1])[:args.top]
     emit(kind="profile", graph=list(key), graph_replay_ms=round(start.elapsed_time(end) / 20, 4),
          launches_per_step=sum(e.count for e in events) // 5,
-         top_kernels_us_and_launches=[(k[:60], round(t, 1), n) for k, t, n in top], **labels, **common)
+         top_kernels_us_and_launches=[(k[:60], round(t, 1), n) for k, t, n in top],
+         stream_use=stream_concurrency(prof, 5), **labels, **common)
     while engine.has_unfinished_requests():
         engine.step()
 

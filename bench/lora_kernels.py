@@ -25,7 +25,9 @@ chunk and the shrink's K step must match, the overlapped systems included; the b
 unchanged; `side_delta` rounds the base output plus the float32 delta in torch, the default in the kernel; null
 for `side_delta_deferred` and `residual`, whose deltas are not in the outputs). `--carveouts 0,8,16` repeats it all
 (base included) with that many SMs left out of the base GEMMs (cuBLASLt), room for the side stream's deltas.
-`k64_unpipelined` is the shrink loop before its K step grew to 256 with two pipeline stages (8 dependent steps of
+`--streams` adds to each LoRA row how 3 profiled replays used the streams (`stream_use`: per stream its launches,
+busy µs and µs beside another stream's kernels; the µs two streams ran at once). `k64_unpipelined` is the shrink
+loop before its K step grew to 256 with two pipeline stages (8 dependent steps of
 64 per split).
 """
 
@@ -44,6 +46,7 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 import torch  # noqa: E402
 
 from bench.generate import emit  # noqa: E402
+from bench.timeline import stream_concurrency  # noqa: E402
 
 LAYERS = {"qkv": (4096, (4096, 1024, 1024)), "o": (4096, (4096,)), "gate_up": (4096, (14336, 14336)),
           "down": (14336, (4096,))}  # fused linear -> (in features, output slices), Llama-3.1-8B
@@ -205,8 +208,9 @@ class Step:
             hook.end()
 
 
-def timed_graph(step: Step, hook, args, gemms: bool = True) -> float:
-    """Median ms of one replay of the step's graph, best of 3 rounds of `args.replays`."""
+def timed_graph(step: Step, hook, args, gemms: bool = True) -> tuple[float, dict | None]:
+    """Median ms of one replay of the step's graph, best of 3 rounds of `args.replays`; with `args.streams`, how
+    3 more replays used the streams (bench/timeline.py's `stream_concurrency`), else None."""
     stream = torch.cuda.Stream()
     stream.wait_stream(torch.cuda.current_stream())
     with torch.cuda.stream(stream):
@@ -228,8 +232,15 @@ def timed_graph(step: Step, hook, args, gemms: bool = True) -> float:
             end.synchronize()
             times.append(start.elapsed_time(end))
         rounds.append(statistics.median(times))
+    streams = None
+    if args.streams:
+        with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CUDA]) as prof:
+            for _ in range(3):
+                graph.replay()
+            torch.cuda.synchronize()
+        streams = stream_concurrency(prof, 3)
     del graph
-    return min(rounds)
+    return min(rounds), streams
 
 
 def assign(step: Step, distinct: int, args) -> None:
@@ -255,6 +266,8 @@ def main() -> None:
     ap.add_argument("--carveouts", default="0", help="comma-separated SM counts the base GEMMs leave to the side "
                     "stream (torch._C._set_sm_carveout_experimental through cuBLASLt; 0: torch's default BLAS, "
                     "no carve-out); each has its own base")
+    ap.add_argument("--streams", action="store_true", help="per case, how 3 profiled replays used the streams "
+                    "(`stream_use`: launches and busy µs per stream, µs of two streams at once)")
     args = ap.parse_args()
     if not torch.cuda.is_available():
         raise SystemExit("bench/lora_kernels.py needs CUDA")
@@ -281,7 +294,7 @@ def main() -> None:
         if carveout:
             torch.backends.cuda.preferred_blas_library("cublaslt")
         torch._C._set_sm_carveout_experimental(carveout or None)
-        base_ms = timed_graph(step, None, args)
+        base_ms, _ = timed_graph(step, None, args)
         emit(kind="lora_kernels", system="base", carveout=carveout, step_ms=round(base_ms, 4), **common)
         for distinct in [int(d) for d in args.distinct.split(",")]:
             run_systems(step, hooks, distinct, base_ms, dict(common, carveout=carveout), args)
@@ -292,8 +305,8 @@ def run_systems(step: Step, hooks: dict, distinct: int, base_ms: float, common: 
     assign(step, distinct, args)
     reference = None
     for name, hook in hooks.items():
-        step_ms = timed_graph(step, hook, args)
-        lora_only = timed_graph(step, hook, args, gemms=False)
+        step_ms, streams = timed_graph(step, hook, args)
+        lora_only, _ = timed_graph(step, hook, args, gemms=False)
         step.run(hook)
         outs = torch.cat([o.flatten() for o in step.out.values()])
         reference = outs if reference is None else reference
@@ -303,7 +316,8 @@ def run_systems(step: Step, hooks: dict, distinct: int, base_ms: float, common: 
              step_ms=round(step_ms, 4),
              lora_ms=round(lora_ms, 4), lora_us_per_hook=round(1e3 * lora_ms / (4 * args.layers), 2),
              overhead_of_step=round(lora_ms / args.step_ms, 4), lora_only_ms=round(lora_only, 4),
-             bitwise_equal_to_default=None if deferred else bool(torch.equal(outs, reference)), **common)
+             bitwise_equal_to_default=None if deferred else bool(torch.equal(outs, reference)),
+             **({"stream_use": streams} if streams is not None else {}), **common)
 
 
 if __name__ == "__main__":

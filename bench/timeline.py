@@ -60,6 +60,39 @@ def busy_union(intervals: list[tuple[float, float]]) -> float:
     return total
 
 
+def stream_concurrency(prof, replays: int) -> dict:
+    """How the CUDA kernels `prof` recorded over `replays` replays of a graph used the device's streams, per replay:
+    each stream's kernels (`launches`) and busy time (`busy_us`, the union of its kernels), the time kernels of two
+    or more streams ran at once (`concurrent_us`), and for each stream the part of its busy time during which
+    another stream ran too (`beside_others_us`): a side stream's work that the main stream's kernels hid."""
+    with tempfile.TemporaryDirectory() as d:
+        path = os.path.join(d, "trace.json")
+        prof.export_chrome_trace(path)  # the only export that names each kernel's stream
+        with open(path) as f:
+            events = json.load(f)["traceEvents"]
+    kernels = [(float(e["ts"]), float(e["ts"]) + float(e["dur"]), int(e["args"]["stream"]))
+               for e in events if e.get("cat") == "kernel"]
+    points = sorted([(start, 1, s) for start, _, s in kernels] + [(end, -1, s) for _, end, s in kernels])
+    active: dict[int, int] = {}
+    busy: dict[int, float] = {}
+    beside: dict[int, float] = {}
+    concurrent, last = 0.0, None
+    for t, step, s in points:  # ends sort before starts at one time: touching kernels are not concurrent
+        if last is not None and t > last:
+            running = [k for k, n in active.items() if n > 0]
+            for k in running:
+                busy[k] = busy.get(k, 0.0) + t - last
+                if len(running) > 1:
+                    beside[k] = beside.get(k, 0.0) + t - last
+            if len(running) > 1:
+                concurrent += t - last
+        active[s] = active.get(s, 0) + step
+        last = t
+    per = {s: dict(launches=sum(k[2] == s for k in kernels) // replays, busy_us=round(busy.get(s, 0.0) / replays, 1),
+                   beside_others_us=round(beside.get(s, 0.0) / replays, 1)) for s in sorted(active)}
+    return dict(concurrent_us=round(concurrent / replays, 1), streams=per)
+
+
 def host_row(engine, prompts, params, batch: int) -> dict:
     """One unprofiled `generate` with the host's time split by phase: `wait` is the host blocked on the
     device in `collect` (near zero per step means the device waits on the host instead: host-bound)."""

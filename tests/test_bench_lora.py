@@ -1,6 +1,7 @@
 """bench/lora.py --quick on the CPU: the script runs end to end and reports every case it promises (base, slot
 engine per distinct-adapter count with the default hooks and with `lora_deferred`, merged engine, adapter pushes
-dense then patch, the base push)."""
+dense then patch, the base push); and the stream accounting its `--profile` rows carry (`stream_use`), on a
+hand-made trace."""
 
 import json
 import os
@@ -27,3 +28,29 @@ def test_quick_run_reports_each_case_with_the_merged_and_deferred_engines():
         assert dense["payload_bytes"] == dense["tensor_bytes"] and 0 < patch["payload_bytes"] < dense["payload_bytes"]
         assert patch["lora_version"] == dense["lora_version"] + 1
     assert [d["mode"] for d in lines if d["kind"] == "base_push"] == ["dense"]
+
+
+class _Trace:
+    """A stand-in for a finished torch.profiler run: `export_chrome_trace` writes the given kernel events."""
+
+    def __init__(self, kernels):
+        self.kernels = kernels
+
+    def export_chrome_trace(self, path):
+        events = [{"cat": "kernel", "ts": ts, "dur": dur, "args": {"stream": s}} for ts, dur, s in self.kernels]
+        events.append({"cat": "cpu_op", "ts": 0, "dur": 1000, "args": {}})  # not a kernel: not counted
+        with open(path, "w") as f:
+            json.dump({"traceEvents": events}, f)
+
+
+def test_stream_use_counts_busy_time_and_time_beside_another_stream_per_replay():
+    sys.path.insert(0, ROOT)
+    from bench.timeline import stream_concurrency
+
+    # two replays of: stream 7 runs [0, 10) and [10, 20) back to back, stream 9 runs [5, 15) and [30, 35)
+    kernels = [(0, 10, 7), (10, 10, 7), (5, 10, 9), (30, 5, 9)]
+    kernels += [(ts + 100, dur, s) for ts, dur, s in kernels]
+    use = stream_concurrency(_Trace(kernels), replays=2)
+    assert use["concurrent_us"] == 10.0
+    assert use["streams"] == {7: {"launches": 2, "busy_us": 20.0, "beside_others_us": 10.0},
+                              9: {"launches": 2, "busy_us": 15.0, "beside_others_us": 10.0}}

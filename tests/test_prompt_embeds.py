@@ -274,6 +274,7 @@ KEY, NAME, VOCAB = "sk-embeds-4", "tiny-embeds", 320
 
 @pytest.fixture(scope="module")
 def chat_dir(tmp_path_factory):
+    pytest.importorskip("fastapi")  # before the harness, which imports the server
     from server_harness import chat_checkpoint
 
     return chat_checkpoint(tmp_path_factory.mktemp("embeds_server"), seed=13, vocab_size=VOCAB)
