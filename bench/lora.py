@@ -141,7 +141,7 @@ def profile_graph(engine, args, loras: list[str | None], common: dict, **labels)
     emit(kind="profile", graph=list(key), graph_replay_ms=round(start.elapsed_time(end) / 20, 4),
          launches_per_step=sum(e.count for e in events) // 5,
          top_kernels_us_and_launches=[(k[:60], round(t, 1), n) for k, t, n in top],
-         stream_use=stream_concurrency(prof, 5), **labels, **common)
+         stream_use=stream_concurrency(prof, 5, top_kernels=0), **labels, **common)
     while engine.has_unfinished_requests():
         engine.step()
 

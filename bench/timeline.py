@@ -60,18 +60,22 @@ def busy_union(intervals: list[tuple[float, float]]) -> float:
     return total
 
 
-def stream_concurrency(prof, replays: int) -> dict:
+def stream_concurrency(prof, replays: int, top_kernels: int = 6) -> dict:
     """How the CUDA kernels `prof` recorded over `replays` replays of a graph used the device's streams, per replay:
     each stream's kernels (`launches`) and busy time (`busy_us`, the union of its kernels), the time kernels of two
     or more streams ran at once (`concurrent_us`), and for each stream the part of its busy time during which
-    another stream ran too (`beside_others_us`): a side stream's work that the main stream's kernels hid."""
+    another stream ran too (`beside_others_us`): a side stream's work that the main stream's kernels hid; and the
+    `top_kernels` kernel names by device time (launches and µs per replay, µs per launch; 0: none)."""
     with tempfile.TemporaryDirectory() as d:
         path = os.path.join(d, "trace.json")
         prof.export_chrome_trace(path)  # the only export that names each kernel's stream
         with open(path) as f:
             events = json.load(f)["traceEvents"]
-    kernels = [(float(e["ts"]), float(e["ts"]) + float(e["dur"]), int(e["args"]["stream"]))
-               for e in events if e.get("cat") == "kernel"]
+    events = [e for e in events if e.get("cat") == "kernel"]
+    kernels = [(float(e["ts"]), float(e["ts"]) + float(e["dur"]), int(e["args"]["stream"])) for e in events]
+    by_name: dict[str, list[float]] = {}
+    for e in events:
+        by_name.setdefault(e["name"][:50], []).append(float(e["dur"]))
     points = sorted([(start, 1, s) for start, _, s in kernels] + [(end, -1, s) for _, end, s in kernels])
     active: dict[int, int] = {}
     busy: dict[int, float] = {}
@@ -90,7 +94,12 @@ def stream_concurrency(prof, replays: int) -> dict:
         last = t
     per = {s: dict(launches=sum(k[2] == s for k in kernels) // replays, busy_us=round(busy.get(s, 0.0) / replays, 1),
                    beside_others_us=round(beside.get(s, 0.0) / replays, 1)) for s in sorted(active)}
-    return dict(concurrent_us=round(concurrent / replays, 1), streams=per)
+    use = dict(concurrent_us=round(concurrent / replays, 1), streams=per)
+    if top_kernels:
+        top = sorted(by_name.items(), key=lambda kv: -sum(kv[1]))[:top_kernels]
+        use["top_kernels"] = {name: dict(launches=len(d) // replays, us=round(sum(d) / replays, 1),
+                                         us_each=round(sum(d) / len(d), 2)) for name, d in top}
+    return use
 
 
 def host_row(engine, prompts, params, batch: int) -> dict:

@@ -37,7 +37,8 @@ class _Trace:
         self.kernels = kernels
 
     def export_chrome_trace(self, path):
-        events = [{"cat": "kernel", "ts": ts, "dur": dur, "args": {"stream": s}} for ts, dur, s in self.kernels]
+        events = [{"cat": "kernel", "name": f"k{s}", "ts": ts, "dur": dur, "args": {"stream": s}}
+                  for ts, dur, s in self.kernels]
         events.append({"cat": "cpu_op", "ts": 0, "dur": 1000, "args": {}})  # not a kernel: not counted
         with open(path, "w") as f:
             json.dump({"traceEvents": events}, f)
@@ -54,3 +55,5 @@ def test_stream_use_counts_busy_time_and_time_beside_another_stream_per_replay()
     assert use["concurrent_us"] == 10.0
     assert use["streams"] == {7: {"launches": 2, "busy_us": 20.0, "beside_others_us": 10.0},
                               9: {"launches": 2, "busy_us": 15.0, "beside_others_us": 10.0}}
+    assert use["top_kernels"] == {"k7": {"launches": 2, "us": 20.0, "us_each": 10.0},
+                                  "k9": {"launches": 2, "us": 15.0, "us_each": 7.5}}
