@@ -24,7 +24,9 @@
 #   bash bench/gpu_round.sh lora      the LoRA round (< 10 min): its GPU tests, the kernels alone (the default
 #                                     hook and the side-stream delta left to the consumer, 1 and 16 adapters, 0
 #                                     and 8 SMs left out of the GEMMs), the engine with 16 adapters loaded and 1 /
-#                                     16 in the batch (default hooks and lora_deferred, profiled) and merged mode
+#                                     16 in the batch (default hooks and lora_deferred, profiled) and merged mode;
+#                                     LORA_BASELINE=FILE adds another kernels/lora.py to the kernels' systems
+#                                     (`git show REV:kernels/lora.py > bench/lora_baseline.py` here first)
 # Logs and JSON lines go under $OUT (default ./gpu_out).
 set -uo pipefail
 OUT=${OUT:-gpu_out}
@@ -110,9 +112,10 @@ case "${1:-tests}" in
   lora)
     timeout 230 python3 -m pytest -q -rfE -p no:cacheprovider tests/test_gpu_lora_kernels.py tests/test_gpu_lora_engine.py \
       tests/test_kernels_lora.py > "$OUT/lora_tests.log" 2>&1; grep -E "^(FAILED|ERROR) |passed|failed" "$OUT/lora_tests.log" | tail -8
-    timeout 90 python3 bench/lora_kernels.py --systems default,side_delta_deferred --distinct 1,16 --carveouts 0,8 --streams \
+    timeout 120 python3 bench/lora_kernels.py --systems "default,side_delta_deferred${LORA_BASELINE:+,baseline}" \
+      ${LORA_BASELINE:+--baseline "$LORA_BASELINE"} --distinct 1,16 --carveouts 0,8 --streams \
       > "$OUT/lora_kernels.jsonl" 2>> "$OUT/lora.log"
-    timeout 240 python3 bench/lora.py --device cuda --merged --deferred --loras 16 --distinct 1,16 --profile \
+    timeout 220 python3 bench/lora.py --device cuda --merged --deferred --loras 16 --distinct 1,16 --profile \
       > "$OUT/lora.jsonl" 2>> "$OUT/lora.log"
     grep -h -E '"lora_kernels"|"decode"|"lora_push"' "$OUT"/lora_kernels.jsonl "$OUT"/lora.jsonl | cut -c 1-300
     grep -i -B2 -A3 "error\|traceback" "$OUT/lora.log" | tail -20

@@ -221,11 +221,13 @@ def _shrink_tiles(pid, x_ptr, a_ptr, part_ptr, tile_tokens_ptr, tile_slot_ptr, a
     m = tl.arange(0, BLOCK_M)
     kk0 = tl.arange(0, BLOCK_K)
     part_split = part_ptr + split.to(tl.int64) * stride_pp
-    slot = tl.load(tile_slot_ptr + tile)  # tile < num_tile_rows: the groups are at most the tile rows
+    # the tile's slot and tokens loaded together (neither waits for the other); tile < num_tile_rows: the groups
+    # are at most the tile rows
+    slot = tl.load(tile_slot_ptr + tile)
+    toks = tl.load(tile_tokens_ptr + tile * BLOCK_M + m)  # [BLOCK_M] int32, -1 past the tile's length
     while slot >= 0:
-        tok = tl.load(tile_tokens_ptr + tile * BLOCK_M + m)  # [BLOCK_M], -1 past the tile's length
-        mmask = tok >= 0
-        tok = tl.where(mmask, tok, 0).to(tl.int64)
+        mmask = toks >= 0
+        tok = tl.where(mmask, toks, 0).to(tl.int64)
         a_slot = a_ptr + slot.to(tl.int64) * stride_as
         for r0 in range(0, rows, BLOCK_R):
             r = r0 + tl.arange(0, BLOCK_R)
@@ -244,7 +246,10 @@ def _shrink_tiles(pid, x_ptr, a_ptr, part_ptr, tile_tokens_ptr, tile_slot_ptr, a
             tl.debug_barrier()  # every thread's partial stored before the arrival is published
             tl.atomic_add(arrivals_ptr + tile * FLAG_STRIDE, 1, sem="release")
         tile += groups
-        slot = tl.load(tile_slot_ptr + tile, mask=tile < num_tile_rows, other=-1)
+        more = tile < num_tile_rows
+        slot = tl.load(tile_slot_ptr + tile, mask=more, other=-1)
+        toks = tl.load(tile_tokens_ptr + tile * BLOCK_M + m, mask=tile * BLOCK_M + m < num_tile_rows * BLOCK_M,
+                       other=-1)
 
 
 @triton.jit
@@ -264,11 +269,11 @@ def _expand_tiles(pid, part_ptr, b_ptr, out_ptr, scaling_ptr, tile_tokens_ptr, t
     cols = tl.where(sl >= 1, width0, 0) + tl.where(sl >= 2, width1, 0) + n  # columns of the fused output
     m = tl.arange(0, BLOCK_M)
     r = tl.arange(0, BLOCK_R)
-    slot = tl.load(tile_slot_ptr + tile)
+    slot = tl.load(tile_slot_ptr + tile)  # with the tokens, as in the shrink
+    toks = tl.load(tile_tokens_ptr + tile * BLOCK_M + m)
     while slot >= 0:
-        tok = tl.load(tile_tokens_ptr + tile * BLOCK_M + m)
-        mmask = tok >= 0
-        tok = tl.where(mmask, tok, 0).to(tl.int64)
+        mmask = toks >= 0
+        tok = tl.where(mmask, toks, 0).to(tl.int64)
         slot64 = slot.to(tl.int64)
         b_base = b_ptr + slot64 * stride_bs + cols[None, :] * stride_bn
         out_ptrs = out_ptr + tok[:, None] * stride_ot + cols[None, :]
@@ -300,7 +305,10 @@ def _expand_tiles(pid, part_ptr, b_ptr, out_ptr, scaling_ptr, tile_tokens_ptr, t
         acc = acc * scale + base.to(tl.float32)
         tl.store(out_ptrs, acc.to(out_ptr.dtype.element_ty), mask=omask)
         tile += groups
-        slot = tl.load(tile_slot_ptr + tile, mask=tile < num_tile_rows, other=-1)
+        more = tile < num_tile_rows
+        slot = tl.load(tile_slot_ptr + tile, mask=more, other=-1)
+        toks = tl.load(tile_tokens_ptr + tile * BLOCK_M + m, mask=tile * BLOCK_M + m < num_tile_rows * BLOCK_M,
+                       other=-1)
 
 
 @triton.jit
