@@ -9,7 +9,9 @@ made to collide on purpose, so one client's crafted prompt could be served anoth
 CVE-2025-25183). Two requests with the same prefix and the same extra keys map to the same
 blocks, so the n samples of one prompt hold the prompt's full blocks once; requests with different extra
 keys share no block. Freed blocks keep their key and go to the back of an LRU free queue; allocation takes
-from the front, evicting the key, so the most recently used cached blocks survive longest.
+from the front, evicting the key, so the most recently used cached blocks survive longest. Blocks never
+allocated yet stand ahead of that queue, in id order, as a counter (a pool of millions of blocks, a small
+model's cache on a large GPU, starts at once).
 `reset_prefix_cache()` (after a weight update) forgets all keys. Pure Python: block ids only, no tensors.
 
 Prompt blocks that a running request is computing right now (allocated, not yet registered) are counted by
@@ -47,24 +49,29 @@ class BlockPool:
         self.enable_caching = enable_caching
         self.ref_cnt = [0] * num_blocks
         self.block_key: list[BlockKey | None] = [None] * num_blocks
-        self.free_queue: OrderedDict[int, None] = OrderedDict((i, None) for i in range(num_blocks))
+        self.fresh = 0  # blocks fresh .. num_blocks - 1 were never allocated: free, ahead of free_queue
+        self.free_queue: OrderedDict[int, None] = OrderedDict()  # freed blocks, least recently used first
         self.cached: dict[BlockKey, int] = {}
 
     @property
     def num_free_blocks(self) -> int:
-        return len(self.free_queue)
+        return self.num_blocks - self.fresh + len(self.free_queue)
 
     @property
     def num_used_blocks(self) -> int:
-        return self.num_blocks - len(self.free_queue)
+        return self.fresh - len(self.free_queue)
 
     def lookup(self, key: BlockKey) -> int | None:
         return self.cached.get(key) if self.enable_caching else None
 
     def allocate(self, count: int) -> list[int]:
-        assert count <= len(self.free_queue), "caller checks free space first"
-        out = []
-        for _ in range(count):
+        assert count <= self.num_free_blocks, "caller checks free space first"
+        fresh = min(count, self.num_blocks - self.fresh)
+        out = list(range(self.fresh, self.fresh + fresh))  # no key, no reference yet
+        for block_id in out:
+            self.ref_cnt[block_id] = 1
+        self.fresh += fresh
+        for _ in range(count - fresh):
             block_id, _ = self.free_queue.popitem(last=False)
             key = self.block_key[block_id]
             if key is not None:

@@ -117,7 +117,7 @@ class Scheduler:
 
         # 1. running requests, oldest first
         kv, block_size = self.kv, self.kv.block_size
-        running, free_queue, in_runner = self.running, kv.pool.free_queue, self._in_runner
+        running, pool, in_runner = self.running, kv.pool, self._in_runner
         lookahead = self.num_lookahead_tokens
         i = 0
         while i < len(running) and budget > 0:
@@ -133,7 +133,7 @@ class Scheduler:
                 num_new = budget
             assert num_new > 0, (req.req_id, num_tokens, req.num_computed_tokens)
             need = -(-(req.num_computed_tokens + num_new) // block_size) - len(req.block_ids)
-            while need > 0 and need > len(free_queue):
+            while need > 0 and need > pool.num_free_blocks:
                 victim = self.running.pop()
                 self._preempt(victim)
                 preempted_now = True

@@ -180,6 +180,19 @@ def test_freed_cached_blocks_are_reused_lru():
     assert pool.ref_cnt[a] == 1 and pool.num_free_blocks == 0
 
 
+def test_never_used_blocks_go_first_in_id_order_then_freed_ones_lru_and_cost_nothing_up_front():
+    pool = BlockPool(6)
+    a, b = pool.allocate(2), pool.allocate(2)
+    assert (a, b) == ([0, 1], [2, 3]) and pool.num_used_blocks == 4 and pool.num_free_blocks == 2
+    pool.free(a)  # tail first: 1, then 0
+    assert pool.num_used_blocks == 2 and pool.num_free_blocks == 4
+    assert pool.allocate(3) == [4, 5, 1]  # the never-used blocks ahead of the freed ones
+    assert pool.allocate(1) == [0] and pool.num_free_blocks == 0
+    assert all(pool.ref_cnt[i] == 1 for i in range(6))
+    big = BlockPool(10**6)  # no per-block entry until a block is freed
+    assert big.num_free_blocks == 10**6 and not big.free_queue and big.allocate(2) == [0, 1]
+
+
 def test_prefix_cache_reset_on_weight_update():
     sched = make_scheduler(block_size=4)
     for m in make_group("a", list(range(2, 11)), max_tokens=2).members:
