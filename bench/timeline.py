@@ -21,6 +21,7 @@ import os
 import sys
 import tempfile
 import time
+from collections import Counter
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
@@ -92,7 +93,8 @@ def stream_concurrency(prof, replays: int, top_kernels: int = 6) -> dict:
                 concurrent += t - last
         active[s] = active.get(s, 0) + step
         last = t
-    per = {s: dict(launches=sum(k[2] == s for k in kernels) // replays, busy_us=round(busy.get(s, 0.0) / replays, 1),
+    launches = Counter(s for _, _, s in kernels)
+    per = {s: dict(launches=launches[s] // replays, busy_us=round(busy.get(s, 0.0) / replays, 1),
                    beside_others_us=round(beside.get(s, 0.0) / replays, 1)) for s in sorted(active)}
     use = dict(concurrent_us=round(concurrent / replays, 1), streams=per)
     if top_kernels:

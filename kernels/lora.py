@@ -208,6 +208,16 @@ def lora_batch(idx: torch.Tensor, num_slots: int) -> LoraBatch:
 
 
 @triton.jit
+def _load_tile(tile_slot_ptr, tile_tokens_ptr, tile, num_tile_rows, BLOCK_M: tl.constexpr):
+    """(slot, tokens [BLOCK_M] int32) of tile `tile`, loaded together (neither waits for the other); past the
+    last tile row, slot -1 (the caller's loop ends) and tokens -1."""
+    m = tl.arange(0, BLOCK_M)
+    slot = tl.load(tile_slot_ptr + tile, mask=tile < num_tile_rows, other=-1)
+    toks = tl.load(tile_tokens_ptr + tile * BLOCK_M + m, mask=tile * BLOCK_M + m < num_tile_rows * BLOCK_M, other=-1)
+    return slot, toks
+
+
+@triton.jit
 def _shrink_tiles(pid, x_ptr, a_ptr, part_ptr, tile_tokens_ptr, tile_slot_ptr, arrivals_ptr, num_tile_rows, groups,
                   rows, in_features, k_per_split, stride_xt, stride_as, stride_ar, stride_pp, stride_pt,
                   SPLITS: tl.constexpr, SYNC: tl.constexpr, FLAG_STRIDE: tl.constexpr, BLOCK_M: tl.constexpr,
@@ -218,13 +228,9 @@ def _shrink_tiles(pid, x_ptr, a_ptr, part_ptr, tile_tokens_ptr, tile_slot_ptr, a
     tile = pid // SPLITS
     k_lo = split * k_per_split
     k_hi = tl.minimum(k_lo + k_per_split, in_features)
-    m = tl.arange(0, BLOCK_M)
     kk0 = tl.arange(0, BLOCK_K)
     part_split = part_ptr + split.to(tl.int64) * stride_pp
-    # the tile's slot and tokens loaded together (neither waits for the other); tile < num_tile_rows: the groups
-    # are at most the tile rows
-    slot = tl.load(tile_slot_ptr + tile)
-    toks = tl.load(tile_tokens_ptr + tile * BLOCK_M + m)  # [BLOCK_M] int32, -1 past the tile's length
+    slot, toks = _load_tile(tile_slot_ptr, tile_tokens_ptr, tile, num_tile_rows, BLOCK_M)  # toks -1 past its length
     while slot >= 0:
         mmask = toks >= 0
         tok = tl.where(mmask, toks, 0).to(tl.int64)
@@ -246,10 +252,7 @@ def _shrink_tiles(pid, x_ptr, a_ptr, part_ptr, tile_tokens_ptr, tile_slot_ptr, a
             tl.debug_barrier()  # every thread's partial stored before the arrival is published
             tl.atomic_add(arrivals_ptr + tile * FLAG_STRIDE, 1, sem="release")
         tile += groups
-        more = tile < num_tile_rows
-        slot = tl.load(tile_slot_ptr + tile, mask=more, other=-1)
-        toks = tl.load(tile_tokens_ptr + tile * BLOCK_M + m, mask=tile * BLOCK_M + m < num_tile_rows * BLOCK_M,
-                       other=-1)
+        slot, toks = _load_tile(tile_slot_ptr, tile_tokens_ptr, tile, num_tile_rows, BLOCK_M)
 
 
 @triton.jit
@@ -267,10 +270,8 @@ def _expand_tiles(pid, part_ptr, b_ptr, out_ptr, scaling_ptr, tile_tokens_ptr, t
     n = (f - tl.where(sl >= 1, blocks0, 0) - tl.where(sl >= 2, blocks1, 0)) * BLOCK_N + tl.arange(0, BLOCK_N)
     nmask = n < tl.where(sl == 0, width0, tl.where(sl == 1, width1, width2))
     cols = tl.where(sl >= 1, width0, 0) + tl.where(sl >= 2, width1, 0) + n  # columns of the fused output
-    m = tl.arange(0, BLOCK_M)
     r = tl.arange(0, BLOCK_R)
-    slot = tl.load(tile_slot_ptr + tile)  # with the tokens, as in the shrink
-    toks = tl.load(tile_tokens_ptr + tile * BLOCK_M + m)
+    slot, toks = _load_tile(tile_slot_ptr, tile_tokens_ptr, tile, num_tile_rows, BLOCK_M)
     while slot >= 0:
         mmask = toks >= 0
         tok = tl.where(mmask, toks, 0).to(tl.int64)
@@ -305,10 +306,7 @@ def _expand_tiles(pid, part_ptr, b_ptr, out_ptr, scaling_ptr, tile_tokens_ptr, t
         acc = acc * scale + base.to(tl.float32)
         tl.store(out_ptrs, acc.to(out_ptr.dtype.element_ty), mask=omask)
         tile += groups
-        more = tile < num_tile_rows
-        slot = tl.load(tile_slot_ptr + tile, mask=more, other=-1)
-        toks = tl.load(tile_tokens_ptr + tile * BLOCK_M + m, mask=tile * BLOCK_M + m < num_tile_rows * BLOCK_M,
-                       other=-1)
+        slot, toks = _load_tile(tile_slot_ptr, tile_tokens_ptr, tile, num_tile_rows, BLOCK_M)
 
 
 @triton.jit
