@@ -187,8 +187,12 @@ class EngineConfig:
                 raise ValueError(f"EngineConfig.lora_target_modules must be a non-empty list of module names or None, "
                                  f"got {modules!r}")
             self.lora_target_modules = tuple(modules)
-        if self.max_loras and self.tensor_parallel_size > 1:
-            raise ValueError("EngineConfig.max_loras > 0 does not support tensor_parallel_size > 1 yet")
+        if self.tensor_parallel_size > 1 and self.lora_merged:
+            raise ValueError("EngineConfig.lora_merged does not support tensor_parallel_size > 1 yet (adapters are "
+                             "served from slots under tensor parallelism: leave lora_merged off)")
+        if self.tensor_parallel_size > 1 and self.lora_deferred:
+            raise ValueError("EngineConfig.lora_deferred does not support tensor_parallel_size > 1 (a rank's partial "
+                             "delta of o_proj / down_proj would join the replicated residual sum): leave it off")
         if self.max_loras and self.speculative is not None:
             raise ValueError("EngineConfig.max_loras > 0 does not support speculative decoding yet")
         if self.lora_deferred and self.lora_overlap:

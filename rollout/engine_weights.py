@@ -18,7 +18,7 @@ rank refuses or fails is dropped, and restored, on every rank. Not here: validat
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Sequence
+from typing import TYPE_CHECKING, Callable, Sequence
 
 if TYPE_CHECKING:
     from rollout.engine import Engine
@@ -28,23 +28,28 @@ if TYPE_CHECKING:
 
 class EveryRank:
     """`weight_updates.RemoteSessions` over every rank of a tensor-parallel engine: one collective RPC per
-    step on `runner.weight_sync`; each rank holds its own staged session."""
+    step on the runner's `endpoint` (`runner.weight_sync` for the base weights; `runner.lora`, with the
+    adapter's slot as `key`, for an adapter, rollout/loras.py), whose `prepare(*key, version, records,
+    current_version, dense_rollback)` stages the records at the version `current_version()` gives; each rank
+    holds its own staged session."""
 
-    def __init__(self, engine: "Engine") -> None:
-        self._engine = engine
+    def __init__(self, engine: "Engine", endpoint: str = "weight_sync", key: tuple = (),
+                 current_version: "Callable[[], int] | None" = None) -> None:
+        self._engine, self._endpoint, self._key = engine, endpoint, key
+        self._current = current_version or (lambda: engine.policy_version)
 
     def prepare(self, version: int, records: list, dense_rollback: bool | None) -> None:
-        self._engine.collective_rpc("weight_sync.prepare", version, records, self._engine.policy_version,
+        self._engine.collective_rpc(f"{self._endpoint}.prepare", *self._key, version, records, self._current(),
                                     bool(dense_rollback))
 
     def commit(self) -> None:
-        self._engine.collective_rpc("weight_sync.commit")
+        self._engine.collective_rpc(f"{self._endpoint}.commit")
 
     def publish(self) -> "UpdateResult":
-        return self._engine.collective_rpc("weight_sync.publish")[0]
+        return self._engine.collective_rpc(f"{self._endpoint}.publish")[0]
 
     def rollback(self) -> str:
-        outcomes = self._engine.collective_rpc("weight_sync.rollback")
+        outcomes = self._engine.collective_rpc(f"{self._endpoint}.rollback")
         if len(set(outcomes)) == 1:
             return outcomes[0]
         return "; ".join(f"rank {rank}: {what}" for rank, what in enumerate(outcomes))

@@ -36,7 +36,10 @@ while base requests are unfinished or a base update is staged. An unload writes 
 cache blocks of base requests from before the merge (keyed without the adapter) are valid again.
 
 Not here: the slots and kernels (runner/lora/, kernels/lora.py), validation of the records (weight_updates/),
-the HTTP endpoints (rollout/server.py). One process only: the engine refuses LoRA under tensor parallelism.
+the HTTP endpoints (rollout/server.py). Under tensor parallelism every rank holds its shard of each adapter
+(runner/lora/runtime.py): loads, unloads and exports are collective RPCs, and a push is checked here against the
+full PEFT shapes, then staged, written and published on every rank, one collective RPC a step (as a base update,
+rollout/engine_weights.py), so a push any rank refuses or fails changes no rank. Merged mode is one process only.
 """
 
 from __future__ import annotations
@@ -48,7 +51,7 @@ from typing import TYPE_CHECKING
 
 if TYPE_CHECKING:
     from rollout.engine import Engine
-    from weight_updates import Dense, ParamSpec, UpdateResult, UpdateSession, WeightReceiver
+    from weight_updates import Dense, ParamSpec, StagingReceiver, UpdateResult, UpdateSession, WeightReceiver
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)
@@ -111,7 +114,7 @@ class EngineLoras:
         self.max_loras = max_loras
         self.loaded: dict[str, LoadedLora] = {}  # by name, in load order
         self._load_ids = itertools.count()
-        self._receivers: dict[int, "WeightReceiver"] = {}  # load id -> the receiver of its pushes
+        self._receivers: dict[int, "WeightReceiver | StagingReceiver"] = {}  # load id -> the receiver of its pushes
         self.staged: tuple[LoadedLora, "UpdateSession"] | None = None  # a push prepared, until published or dropped
         self.merged = None  # runner.lora.merged.MergedLora in merged mode
         if merged:
@@ -218,13 +221,16 @@ class EngineLoras:
 
     def specs(self, name: str) -> dict[str, "ParamSpec"]:
         """PEFT tensor name -> (shape, dtype) of every tensor a push to `name` may carry."""
-        return dict(self._receiver(self.get(name)).specs)
+        return dict(self._target(self.get(name)).checkpoint_specs())
 
     def export(self, name: str) -> list["Dense"]:
         """Every A / B tensor of adapter `name` as a Dense record (copies, PEFT names)."""
+        lora = self.get(name)
+        if self.merged is None:
+            return self._engine.collective_rpc("lora.export", lora.slot)[0]
         from weight_updates import Dense
 
-        target = self._receiver(self.get(name)).target
+        target = self.merged.target()
         return [Dense.of(n, target.read_checkpoint_tensor(n).clone()) for n in target.checkpoint_specs()]
 
     def apply(self, name: str, updates, version: int | None) -> "UpdateResult":
@@ -246,7 +252,7 @@ class EngineLoras:
         e._drain()  # tokens of the step in flight were sampled with the old adapter
         if self.merged is not None:
             e._sleep.check_awake("apply_lora_update (merged into the weights)", "weights")
-        session = self._receiver(lora).session()
+        session = self._receiver(lora).session(dense_rollback=True)  # an adapter's few MB: always undoable
         session.start(lora.version + 1 if version is None else version)
         session.add(updates)
         session.prepare()
@@ -294,13 +300,27 @@ class EngineLoras:
             raise WeightUpdateError(f"{call}() needs a staged LoRA push that is {state}; {held}")
         return self.staged
 
-    def _receiver(self, lora: LoadedLora) -> "WeightReceiver":
+    def _target(self, lora: LoadedLora):
+        """Rank 0's weight-update target of `lora` (full PEFT names and shapes; its reads are collectives under
+        tensor parallelism, so only its specs are used here then)."""
+        return self.merged.target() if self.merged is not None else self._engine.runner.lora.target(lora.slot)
+
+    def _receiver(self, lora: LoadedLora) -> "WeightReceiver | StagingReceiver":
         receiver = self._receivers.get(lora.load_id)
         if receiver is None:
-            from weight_updates import WeightReceiver
+            e = self._engine
+            if e.config.tensor_parallel_size > 1:  # checked here, staged on every rank
+                from rollout.engine_weights import EveryRank
+                from weight_updates import StagingReceiver
 
-            target = self.merged.target() if self.merged is not None else self._engine.runner.lora.target(lora.slot)
-            receiver = self._receivers[lora.load_id] = WeightReceiver(target, version=lora.version)
+                remote = EveryRank(e, "lora", (lora.slot,), lambda: lora.version)
+                receiver = StagingReceiver(self._target(lora).checkpoint_specs(), remote, version=lora.version,
+                                           device=e.runner.device)
+            else:
+                from weight_updates import WeightReceiver
+
+                receiver = WeightReceiver(self._target(lora), version=lora.version)
+            self._receivers[lora.load_id] = receiver
         return receiver
 
     def release(self) -> None:

@@ -22,39 +22,19 @@ if TYPE_CHECKING:
     from weight_updates import UpdateResult, WeightReceiver
 
 
-class WeightSync:
-    def __init__(self, runner: "ModelRunner") -> None:
-        self.runner = runner
-        self._receivers: dict[str, "WeightReceiver"] = {}  # "full" | "rank_local", made on first use
+class StagedOnRank:
+    """The one staged update session of a rank's endpoint, in the steps the engine drives on every rank (each a
+    collective RPC): prepare (validate, nothing written) -> commit (write, verify) -> publish, or rollback at
+    any point. Used by `WeightSync` (the base weights) and runner/lora/runtime.py (an adapter slot)."""
+
+    def __init__(self) -> None:
         self._staged = None  # the UpdateSession of `prepare`, until published or rolled back
 
-    def receiver(self, path: str, current_version: int) -> "WeightReceiver":
-        """The receiver of `path`, at `current_version`; the other path's cached checksums are dropped."""
-        from weight_updates import WeightReceiver
-
-        receiver = self._receivers.get(path)
-        if receiver is None:
-            if path == "full":
-                receiver = WeightReceiver(self.runner.weights, version=current_version, dense_rollback=False)
-            else:
-                from runner.parallel.weights import RankLocalWeights
-
-                # The rollback copy: a peer's failure after this rank wrote must leave this rank unchanged.
-                receiver = WeightReceiver(RankLocalWeights(self.runner.model), version=current_version, dense_rollback=True)
-            self._receivers[path] = receiver
-        receiver.version = current_version
-        for other_path, other in self._receivers.items():
-            if other_path != path:
-                other.invalidate_checksums()
-        return receiver
-
-    # A staged update in full coordinates, in the steps the engine drives on every rank (each a collective RPC):
-    # prepare (validate, nothing written) -> commit (write, verify) -> publish, or rollback at any point.
-    def prepare(self, version: int, records: list, current_version: int, dense_rollback: bool) -> None:
-        """Validate `records` and hold them in a session of this rank; nothing is written. A session staged
-        before and not published is dropped first."""
+    def prepare(self, receiver: "WeightReceiver", version: int, records: list, dense_rollback: bool) -> None:
+        """Validate `records` against `receiver` and hold them; nothing is written. A session staged before and
+        not published is dropped first."""
         self.rollback()
-        session = self.receiver("full", current_version).session(dense_rollback=dense_rollback)
+        session = receiver.session(dense_rollback=dense_rollback)
         session.start(version)
         session.add(records)
         session.prepare()
@@ -78,6 +58,47 @@ class WeightSync:
         """Drop the staged session, writing back what its commit wrote; what was restored, in words."""
         session, self._staged = self._staged, None
         return "nothing staged" if session is None else session.rollback()
+
+
+class WeightSync:
+    def __init__(self, runner: "ModelRunner") -> None:
+        self.runner = runner
+        self._receivers: dict[str, "WeightReceiver"] = {}  # "full" | "rank_local", made on first use
+        self._stage = StagedOnRank()  # a full-coordinate update of `prepare`, until published or rolled back
+
+    def receiver(self, path: str, current_version: int) -> "WeightReceiver":
+        """The receiver of `path`, at `current_version`; the other path's cached checksums are dropped."""
+        from weight_updates import WeightReceiver
+
+        receiver = self._receivers.get(path)
+        if receiver is None:
+            if path == "full":
+                receiver = WeightReceiver(self.runner.weights, version=current_version, dense_rollback=False)
+            else:
+                from runner.parallel.weights import RankLocalWeights
+
+                # The rollback copy: a peer's failure after this rank wrote must leave this rank unchanged.
+                receiver = WeightReceiver(RankLocalWeights(self.runner.model), version=current_version, dense_rollback=True)
+            self._receivers[path] = receiver
+        receiver.version = current_version
+        for other_path, other in self._receivers.items():
+            if other_path != path:
+                other.invalidate_checksums()
+        return receiver
+
+    # A staged update in full coordinates (`StagedOnRank`), one collective RPC per step.
+    def prepare(self, version: int, records: list, current_version: int, dense_rollback: bool) -> None:
+        """Validate `records` and hold them in a session of this rank; nothing is written."""
+        self._stage.prepare(self.receiver("full", current_version), version, records, dense_rollback)
+
+    def commit(self) -> None:
+        self._stage.commit()
+
+    def publish(self) -> "UpdateResult":
+        return self._stage.publish()
+
+    def rollback(self) -> str:
+        return self._stage.rollback()
 
     def apply_rank_local(self, version: int, handles: list[dict], current_version: int) -> "UpdateResult":
         """Map `handles[rank]` (this rank's bucket) and apply it, voting with the other ranks so that every

@@ -399,8 +399,10 @@ def test_config_checks():
         EngineConfig(model="m", max_lora_rank=0)
     with pytest.raises(ValueError, match="lora_target_modules"):
         EngineConfig(model="m", max_loras=1, lora_target_modules="q_proj")
-    with pytest.raises(ValueError, match="tensor_parallel_size"):
-        EngineConfig(model="m", max_loras=1, tensor_parallel_size=2)
+    with pytest.raises(ValueError, match="lora_merged does not support tensor_parallel_size"):
+        EngineConfig(model="m", max_loras=1, lora_merged=True, tensor_parallel_size=2)
+    with pytest.raises(ValueError, match="lora_deferred does not support tensor_parallel_size"):
+        EngineConfig(model="m", max_loras=1, lora_deferred=True, tensor_parallel_size=2)
     with pytest.raises(ValueError, match="SamplingParams.lora must be a non-empty"):
         SamplingParams(lora="")
 

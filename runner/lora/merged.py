@@ -31,6 +31,7 @@ import torch
 from runner.lora.adapters import PARENT_MODULE, LORA_MODULES, LoraAdapter, lora_module_shapes, peft_tensor_name
 from runner.lora.runtime import LoraSlotTarget
 from runner.model_config import ModelConfig
+from runner.models.layout import CheckpointSlot
 
 
 class MergedLora:
@@ -132,7 +133,8 @@ class MergedLoraTarget(LoraSlotTarget):
             for which, tensor in (("A", a), ("B", b)):
                 name = peft_tensor_name(layer, module, which)
                 views[name], self._keys[name] = tensor, (layer, module)
-        super().__init__(views, merged.device)
+        slots = {name: CheckpointSlot(param=name, shape=tuple(v.shape)) for name, v in views.items()}  # whole
+        super().__init__(views, slots, merged.device)
         self._merged = merged
 
     def write_dense(self, name: str, tensor: torch.Tensor) -> None:

@@ -24,8 +24,16 @@ kernels there); the deferred hooks round their sums in another order. Outside `t
 add nothing, so scoring and the profile run see the base model unless they ask, and a step without adapter tokens
 costs what the base model's does (the runner's decode graphs have a variant captured that way,
 runner/cuda_graph.py). A row-parallel layer (o_proj, down_proj) adds its delta to its own output, which without
-tensor parallelism is the whole sum; the engine refuses LoRA under tensor parallelism, whose shards of A and B the
-slots do not hold.
+tensor parallelism is the whole sum.
+
+Under tensor parallelism (`tp`) each rank's slots hold its shard of every adapter (runner/lora/slots.py, cut as
+the model's checkpoint layout cuts the base weight of each module), each rank loads the adapter directory itself,
+and a row-parallel layer adds its partial delta before its all-reduce (runner/parallel/layers.py), so the ranks'
+partial deltas sum to the full one. Pushes stay in full PEFT coordinates on every rank: `target(slot)` narrows
+dense records and filters patch indices to the rank's part and reads full tensors with one all-gather (so every
+rank runs the same session: `prepare` / `commit` / `publish` / `rollback`, each a collective RPC of the engine,
+rollout/loras.py); `export` assembles them the same way. The deferred deltas (`deferred`) add a rank's partial
+delta to the replicated residual sum, so the engine refuses them under tensor parallelism.
 
 Slots are written only in place (`load`, `clear`, `LoraSlotTarget` writes), so captured graphs stay valid across
 swaps and pushes. Which name lives in which slot is the engine's business (rollout/loras.py).
@@ -40,8 +48,10 @@ import torch
 
 from runner.layers import Linear
 from runner.lora.adapters import LORA_MODULES, LoraAdapter, lora_module_shapes, read_adapter
-from runner.lora.slots import LoraSlots, LoraStack
+from runner.lora.slots import FUSED_MODULES, LoraSlots, LoraStack, Shard
 from runner.model_config import ModelConfig
+from runner.models.layout import CheckpointSlot
+from runner.weight_sync import StagedOnRank
 from weight_updates.target import ParamSpec
 
 _PARENTS = {"qkv_proj": "self_attn", "o_proj": "self_attn", "gate_up_proj": "mlp", "down_proj": "mlp"}
@@ -167,15 +177,23 @@ class LoraRuntime:
 
     def __init__(self, model: torch.nn.Module, model_config: ModelConfig, *, max_loras: int, max_rank: int,
                  target_modules: tuple[str, ...] | None, device: torch.device, dtype: torch.dtype,
-                 overlap: bool = False, deferred: bool = False) -> None:
+                 overlap: bool = False, deferred: bool = False, tp=None) -> None:
         if target_modules is None:  # every module the model supports (a MoE model: the attention projections)
             target_modules = tuple(m for m in LORA_MODULES if m in lora_module_shapes(model_config))
+        assert tp is None or not deferred, "deferred LoRA deltas under tensor parallelism"
+        self.tp = tp  # runner.parallel.group.TPGroup, or None
+        # per rank: module -> the Shard of its weight the rank holds (what the model's checkpoint layout says)
+        self._rank_shards: list[dict[str, Shard]] = [{}] if tp is None else [
+            _module_shards(model, rank, tp.size) for rank in range(tp.size)]
         try:
             self.slots = LoraSlots(model_config, max_loras=max_loras, max_rank=max_rank, device=device, dtype=dtype,
-                                   target_modules=tuple(target_modules))
+                                   target_modules=tuple(target_modules),
+                                   shards=None if tp is None else self._rank_shards[tp.rank])
         except ValueError as e:
             raise ValueError(f"EngineConfig.lora_target_modules / max_loras / max_lora_rank: {e}") from None
         self.model_config = model_config
+        self._receivers: dict = {}  # slot -> weight_updates.WeightReceiver of its pushes (made on first use)
+        self._stage = StagedOnRank()  # the push `prepare` staged, until published or rolled back
         self.current = None  # the running forward's LoraBatch (CUDA) or idx [T] (CPU); None: no adapter
         self.overlap = overlap and device.type == "cuda"  # each hook's shrink on the side stream, beside the matmul
         self._side = None  # torch.cuda.Stream: the side stream, made on first use
@@ -236,46 +254,111 @@ class LoraRuntime:
             raise ValueError(f"adapter {adapter.name!r} adapts {missing}, which have no slots here "
                              f"(EngineConfig.lora_target_modules gives {list(slots.modules)})")
         slots.load(slot, adapter)
+        self._receivers.pop(slot, None)
         return adapter.rank, adapter.modules
 
     def clear(self, slot: int) -> None:
         """Empty `slot` (zeros: a token still pointing at it gets nothing added)."""
         self.slots.clear(slot)
+        self._receivers.pop(slot, None)
 
     def target(self, slot: int) -> "LoraSlotTarget":
-        """The weight-update target of the adapter in `slot` (its A / B in PEFT names)."""
-        return LoraSlotTarget(self.slots.named_views(slot), self.slots.device)
+        """The weight-update target of the adapter in `slot` (its A / B in full PEFT names and shapes)."""
+        slots = self.slots
+        every = None if self.tp is None else [slots.checkpoint_slots(slot, shards) for shards in self._rank_shards]
+        return LoraSlotTarget(slots.named_views(slot), slots.checkpoint_slots(slot), slots.device, tp=self.tp,
+                              rank_slots=every)
+
+    # ---- pushes on every rank (collective RPCs of rollout/loras.py under tensor parallelism) -----------------
+    def prepare(self, slot: int, version: int, records: list, current_version: int, dense_rollback: bool) -> None:
+        """Validate a push to the adapter in `slot` (at `current_version`) and stage it; nothing written."""
+        receiver = self._receivers.get(slot)
+        if receiver is None:
+            from weight_updates import WeightReceiver
+
+            receiver = self._receivers[slot] = WeightReceiver(self.target(slot), version=current_version)
+        receiver.version = current_version
+        self._stage.prepare(receiver, version, records, dense_rollback)
+
+    def commit(self) -> None:
+        self._stage.commit()
+
+    def publish(self):
+        return self._stage.publish()
+
+    def rollback(self) -> str:
+        return self._stage.rollback()
+
+    def export(self, slot: int) -> list | None:
+        """The adapter in `slot` as full Dense records (copies; under TP assembled with collectives, so every rank
+        takes part); rank 0 returns them, other ranks None."""
+        from weight_updates import Dense
+
+        target = self.target(slot)
+        records = [Dense.of(n, target.read_checkpoint_tensor(n).clone()) for n in target.checkpoint_specs()]
+        return records if self.tp is None or self.tp.rank == 0 else None
+
+
+def _module_shards(model: torch.nn.Module, rank: int, size: int) -> dict[str, Shard]:
+    """Module -> the Shard of its weight [out, in] that rank `rank` of `size` holds, from the model's checkpoint
+    layout of layer 0 (every decoder layer is cut alike)."""
+    layout = model.checkpoint_layout(rank, size)
+    shards = {}
+    for fused, parent in _PARENTS.items():
+        for module in FUSED_MODULES[fused]:
+            slot = layout.get(f"model.layers.0.{parent}.{module}.weight")
+            if slot is not None:
+                shards[module] = (slot.dim, *slot.shard)
+    return shards
 
 
 class LoraSlotTarget:
     """A `weight_updates.WeightTarget` over one slot's adapter: PEFT tensor names
-    (`base_model.model.model.layers.{i}.self_attn.q_proj.lora_A.weight` [r, in], `...lora_B.weight` [out, r]),
-    each a view of the slot's stacks, written in place. The B views are strided (their rows are max_rank long)
-    unless r = max_rank, so only contiguous views are lent for batched scatters."""
+    (`base_model.model.model.layers.{i}.self_attn.q_proj.lora_A.weight` [r, in], `...lora_B.weight` [out, r]) in
+    their full shapes, each backed by a view of the slot's stacks (the rank's part under tensor parallelism,
+    `slots`), written in place. Writes keep the rank's part of a dense record or of a patch's indices; reads
+    assemble the full tensor (`tp`: one all-gather when the tensor is cut, with every rank's `rank_slots`). The B
+    views are strided (their rows are max_rank long) unless r = max_rank, so only whole, contiguous views are lent
+    for batched scatters."""
 
-    def __init__(self, views: dict[str, torch.Tensor], device: torch.device) -> None:
-        self.views = views
-        self._device = device
-        self._specs = {name: ParamSpec(tuple(v.shape), v.dtype) for name, v in views.items()}
+    def __init__(self, views: dict[str, torch.Tensor], slots: dict[str, CheckpointSlot], device: torch.device, *,
+                 tp=None, rank_slots: list[dict[str, CheckpointSlot]] | None = None) -> None:
+        assert (tp is None) == (rank_slots is None)
+        self.views, self.slots = views, slots
+        self._device, self._tp, self._rank_slots = device, tp, rank_slots
+        self._specs = {name: ParamSpec(slots[name].shape, v.dtype) for name, v in views.items()}
 
     def checkpoint_specs(self) -> dict[str, ParamSpec]:
         return self._specs
 
     def read_checkpoint_tensor(self, name: str) -> torch.Tensor:
-        return self.views[name]
+        if self._tp is None:
+            return self.views[name]
+        from runner.parallel.weights import gather_full
+
+        return gather_full(self._tp, self.views[name], [slots[name] for slots in self._rank_slots])
 
     def write_dense(self, name: str, tensor: torch.Tensor) -> None:
-        self.views[name].copy_(tensor)
+        slot = self.slots[name]
+        start, end = slot.shard
+        self.views[name].copy_(tensor.narrow(slot.dim, start, end - start))
 
     def write_patch(self, name: str, flat_indices: torch.Tensor, values: torch.Tensor) -> None:
         from runner.loader import scatter_flat
 
-        view = self.views[name]
-        scatter_flat(view, flat_indices.to(view.device, torch.int64), values.to(view.device, view.dtype))
+        view, slot = self.views[name], self.slots[name]
+        flat, values = flat_indices.to(view.device, torch.int64), values.to(view.device, view.dtype)
+        if not slot.is_whole:
+            from runner.parallel.weights import local_flat_indices
+
+            flat, keep = local_flat_indices(slot, flat)
+            values = values[keep]
+        scatter_flat(view, flat, values)
 
     def writable_views(self, names: list[str]) -> list[torch.Tensor] | None:
         views = [self.views[name] for name in names]
-        return views if all(v.is_contiguous() for v in views) else None
+        whole = all(self.slots[name].is_whole for name in names)
+        return views if whole and all(v.is_contiguous() for v in views) else None
 
     @property
     def device(self) -> torch.device:

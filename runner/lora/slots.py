@@ -10,8 +10,14 @@ Tensors are allocated once and only ever written in place (`load`, `clear`, writ
 CUDA graph captured over them stays valid across adapter swaps and pushes. An adapter of rank r fills the
 first r rows of each module's A rows and the first r columns of its B rows; the rest of the slot is zero (a
 load first zeroes everything the previous adapter of the slot left), and zeros add nothing. Which adapter
-name lives in which slot is the caller's business; so are tensor-parallel shards (the stacks here have the
-full, unsharded shapes).
+name lives in which slot is the caller's business.
+
+Under tensor parallelism the slots hold the rank's shard (`shards`, from the model's own checkpoint layout): a
+column-parallel module (q/k/v/gate/up: the rank's output rows) keeps its B rows of those outputs and A whole; a
+row-parallel one (o/down: the rank's input columns) keeps A's columns of those inputs and B whole, so its partial
+delta, added before the layer's all-reduce, sums to the full one. Adapters still come whole (`load` checks the
+full shapes, then keeps the rank's part); `views` are the rank's parts, `checkpoint_slots` says where each lies
+in the full tensor.
 """
 
 from __future__ import annotations
@@ -22,6 +28,7 @@ import torch
 
 from runner.lora.adapters import LORA_MODULES, LoraAdapter, lora_module_shapes, peft_tensor_name
 from runner.model_config import ModelConfig
+from runner.models.layout import CheckpointSlot
 
 FUSED_MODULES = {  # runtime linear -> its checkpoint modules, in the fused output's column order
     "qkv_proj": ("q_proj", "k_proj", "v_proj"),
@@ -41,22 +48,42 @@ class LoraStack:
     modules: tuple[str, ...]  # the checkpoint modules of the slices
 
 
+Shard = tuple[int, int, int]
+"""(dim, start, end): the range of a module's weight [out, in] one rank holds along dim (0: output rows, 1: input
+columns)."""
+
+
 @dataclass(frozen=True, slots=True)
 class _Place:
     fused: str  # runtime linear
     index: int  # the module's slice in it
-    row0: int  # first output column of the slice
-    out: int
-    inp: int
+    row0: int  # first output column of the slice (of the rank's outputs)
+    out: int  # the rank's outputs of the module
+    inp: int  # the rank's inputs
+    full: tuple[int, int]  # the module's full (out, in)
+    shard: Shard  # which part of the full weight the rank's out x inp are
+
+    def part_a(self, a: torch.Tensor) -> torch.Tensor:
+        """The rank's part of a full lora_A [r, in] (its input columns, or all of it)."""
+        dim, start, end = self.shard
+        return a[:, start:end] if dim == 1 else a
+
+    def part_b(self, b: torch.Tensor) -> torch.Tensor:
+        """The rank's part of a full lora_B [out, r] (its output rows, or all of it)."""
+        dim, start, end = self.shard
+        return b[start:end] if dim == 0 else b
 
 
 class LoraSlots:
     """`max_loras` adapter slots of up to rank `max_rank` for every decoder layer of `model_config`, on one
     device in one dtype. `target_modules` limits the memory to the fused layers holding those modules (a
-    fused layer gets slots for all of its modules)."""
+    fused layer gets slots for all of its modules). `shards`: module -> the rank's `Shard` of its weight under
+    tensor parallelism (None, or a module left out: all of it); the modules of one fused linear share their
+    inputs."""
 
     def __init__(self, model_config: ModelConfig, *, max_loras: int, max_rank: int, device: torch.device | str,
-                 dtype: torch.dtype, target_modules: tuple[str, ...] = LORA_MODULES):
+                 dtype: torch.dtype, target_modules: tuple[str, ...] = LORA_MODULES,
+                 shards: dict[str, Shard] | None = None):
         if isinstance(max_loras, bool) or not isinstance(max_loras, int) or max_loras < 1:
             raise ValueError(f"max_loras must be a positive integer, got {max_loras!r}")
         if isinstance(max_rank, bool) or not isinstance(max_rank, int) or max_rank < 1:
@@ -77,10 +104,13 @@ class LoraSlots:
         for fused, modules in FUSED_MODULES.items():
             if not any(m in target_modules for m in modules):
                 continue
-            widths = tuple(shapes[m][0] for m in modules)
-            inp = shapes[modules[0]][1]
+            cut = [(shards or {}).get(m) or (0, 0, shapes[m][0]) for m in modules]
+            widths = tuple(end - start if dim == 0 else shapes[m][0] for m, (dim, start, end) in zip(modules, cut))
+            inps = {end - start if dim == 1 else shapes[m][1] for m, (dim, start, end) in zip(modules, cut)}
+            assert len(inps) == 1, (fused, cut)  # one input for the fused linear
+            inp = inps.pop()
             for i, module in enumerate(modules):
-                self._places[module] = _Place(fused, i, sum(widths[:i]), widths[i], inp)
+                self._places[module] = _Place(fused, i, sum(widths[:i]), widths[i], inp, shapes[module], cut[i])
             for layer in range(self.num_layers):
                 self.stacks[(layer, fused)] = LoraStack(
                     A=torch.zeros(max_loras, len(modules) * max_rank, inp, dtype=dtype, device=self.device),
@@ -120,17 +150,18 @@ class LoraSlots:
             if module not in self._places:
                 raise ValueError(f"adapter {adapter.name!r}: module {module} has no slots (slots exist for "
                                  f"{list(self.modules)})")
-            place = self._places[module]
-            if tuple(a.shape) != (adapter.rank, place.inp) or tuple(b.shape) != (place.out, adapter.rank):
+            out, inp = self._places[module].full
+            if tuple(a.shape) != (adapter.rank, inp) or tuple(b.shape) != (out, adapter.rank):
                 raise ValueError(f"adapter {adapter.name!r}: layer {layer} {module} has lora_A {tuple(a.shape)}, "
-                                 f"lora_B {tuple(b.shape)}; the slots need [{adapter.rank}, {place.inp}], "
-                                 f"[{place.out}, {adapter.rank}]")
+                                 f"lora_B {tuple(b.shape)}; the slots need [{adapter.rank}, {inp}], "
+                                 f"[{out}, {adapter.rank}]")
         self._zero(slot)
         with torch.no_grad():
             for (layer, module), (a, b) in adapter.weights.items():
                 a_view, b_view = self._module_views(slot, layer, module, adapter.rank)
-                a_view.copy_(a)
-                b_view.copy_(b)
+                place = self._places[module]
+                a_view.copy_(place.part_a(a))
+                b_view.copy_(place.part_b(b))
             self.scaling[slot].fill_(adapter.scaling)
         self.ranks[slot] = adapter.rank
         self._loaded[slot] = tuple(sorted(adapter.weights))
@@ -150,8 +181,9 @@ class LoraSlots:
                 stack.B[slot].zero_()
 
     def views(self, slot: int) -> dict[tuple[int, str], tuple[torch.Tensor, torch.Tensor]]:
-        """The checkpoint-coordinate views of the adapter in `slot`: per (layer, module) it adapts, (A [r, in],
-        B [out, r]) sharing the slots' storage (writing them is writing the slot; keep to the same rank)."""
+        """The views of the adapter in `slot`: per (layer, module) it adapts, (A [r, in], B [out, r]) of the
+        rank's part (`checkpoint_slots`; all of it without tensor parallelism) sharing the slots' storage (writing
+        them is writing the slot; keep to the same rank)."""
         self._check_slot(slot)
         if not self.ranks[slot]:
             raise ValueError(f"slot {slot} holds no adapter")
@@ -164,3 +196,17 @@ class LoraSlots:
             named[peft_tensor_name(layer, module, "A")] = a
             named[peft_tensor_name(layer, module, "B")] = b
         return named
+
+    def checkpoint_slots(self, slot: int, shards: dict[str, Shard] | None = None) -> dict[str, CheckpointSlot]:
+        """Per PEFT tensor name of `named_views(slot)`: the full tensor's shape and the range the rank's view
+        holds (`CheckpointSlot.shard` along `dim`; `param` is the name itself). `shards`: another rank's (the
+        `shards` it was built with), for the ranges that rank holds."""
+        rank, slots = self.ranks[slot], {}
+        for layer, module in self.views(slot):
+            (out, inp), place = self._places[module].full, self._places[module]
+            dim, start, end = place.shard if shards is None else shards.get(module) or (0, 0, out)
+            for kind, shape, along in (("A", (rank, inp), 1), ("B", (out, rank), 0)):
+                name = peft_tensor_name(layer, module, kind)
+                slots[name] = CheckpointSlot(param=name, shape=shape, dim=along,
+                                             shard=(start, end) if dim == along else None)
+        return slots

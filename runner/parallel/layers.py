@@ -4,7 +4,8 @@ Partitions (pure functions of the model config, the rank and the group size) say
 vocabulary entries a rank holds. The layers here work with or without a group (`tp=None`: one rank holding
 everything, no collective) and each declares its checkpoint layout for any (tp_rank, tp_size) from its
 full sizes (runner/models/layout.py): row-parallel projections (o_proj, down_proj) hold the rank's input
-columns and sum partial products over ranks; the vocab-parallel embedding and LM head hold the rank's
+columns and sum partial products over ranks (with a LoRA hook, its partial delta joins them before the sum);
+the vocab-parallel embedding and LM head hold the rank's
 vocabulary rows (the embedding sums each rank's rows, zero elsewhere; the LM head's logits stay sharded).
 Column-parallel projections that fuse several checkpoint tensors (qkv, gate_up) are plain `Linear`s over
 the rank's rows, declared by the layer that owns them. Not here: loading (runner/loader.py) and sampling
@@ -95,12 +96,16 @@ class RowParallelLinear(Linear):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if self.tp is None:
             return super().forward(x)
+        partials = None if self.lora is None else self.lora.start(x)  # the LoRA shrink of the rank's columns
         if self.takes_gemv(x):
             from kernels.gemv import fused_gemv
 
-            y = self.tp.all_reduce(fused_gemv(x, self.weight))
+            y = fused_gemv(x, self.weight)
         else:
-            y = self.tp.all_reduce(linear(x, self.weight, None, self.deterministic))
+            y = linear(x, self.weight, None, self.deterministic)
+        if self.lora is not None:  # the rank's partial delta, summed over ranks with the partial products
+            y = self.lora(y, x, partials)
+        y = self.tp.all_reduce(y)
         return y if self.bias is None else y + self.bias
 
     def checkpoint_layout(self, tp_rank: int, tp_size: int) -> dict[str, CheckpointSlot]:

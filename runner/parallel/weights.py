@@ -37,26 +37,8 @@ class ShardedCheckpointWeights(CheckpointWeights):
         self.rank_layouts = [model.checkpoint_layout(r, tp.size) for r in range(tp.size)]  # every rank's
 
     def read_checkpoint_tensor(self, name: str) -> torch.Tensor:
-        """The full checkpoint tensor (a collective unless every rank holds all of it). Parts of unequal
-        lengths (expert parallelism: one rank holds the expert whole, the others nothing) are padded to the
-        longest for the all-gather."""
-        slot = self.layout[name]
-        slots = [layout[name] for layout in self.rank_layouts]
-        if all(s.is_whole for s in slots):
-            return self.view(name)
-        assert all(s.dim == slot.dim for s in slots), name
-        width = max(s.shard[1] - s.shard[0] for s in slots)
-        mine = self.view(name)
-        if mine.shape[slot.dim] < width:
-            padded = mine.new_zeros(tuple(width if d == slot.dim else n for d, n in enumerate(mine.shape)))
-            padded.narrow(slot.dim, 0, mine.shape[slot.dim]).copy_(mine)
-            mine = padded
-        parts = self.tp.all_gather(mine.contiguous())  # [P, *padded shard shape]
-        full = parts.new_empty(slot.shape)
-        for part, s in zip(parts, slots):
-            start, end = s.shard
-            full.narrow(slot.dim, start, end - start).copy_(part.narrow(slot.dim, 0, end - start))
-        return full
+        """The full checkpoint tensor (a collective unless every rank holds all of it)."""
+        return gather_full(self.tp, self.view(name), [layout[name] for layout in self.rank_layouts])
 
     def write_patch(self, name: str, flat_indices: torch.Tensor, values: torch.Tensor) -> None:
         view = self.view(name)
@@ -76,6 +58,28 @@ class RankLocalWeights(CheckpointWeights):
     def _lends(self, name: str, view: torch.Tensor) -> bool:
         """Any contiguous view is lent: flat indices are shard coordinates."""
         return view.is_contiguous()
+
+
+def gather_full(tp: TPGroup, mine: torch.Tensor, slots: list[CheckpointSlot]) -> torch.Tensor:
+    """The full checkpoint tensor of which this rank holds `mine` (its view), `slots` being every rank's slot of
+    it in rank order: `mine` itself when every rank holds all of it, else one all-gather (every rank must call
+    it). Parts of unequal lengths (expert parallelism: one rank holds the expert whole, the others nothing) are
+    padded to the longest for the all-gather."""
+    if all(s.is_whole for s in slots):
+        return mine
+    dim, shape = slots[0].dim, slots[0].shape
+    assert all(s.dim == dim and s.shape == shape for s in slots), slots
+    width = max(s.shard[1] - s.shard[0] for s in slots)
+    if mine.shape[dim] < width:
+        padded = mine.new_zeros(tuple(width if d == dim else n for d, n in enumerate(mine.shape)))
+        padded.narrow(dim, 0, mine.shape[dim]).copy_(mine)
+        mine = padded
+    parts = tp.all_gather(mine.contiguous())  # [P, *padded shard shape]
+    full = parts.new_empty(shape)
+    for part, s in zip(parts, slots):
+        start, end = s.shard
+        full.narrow(dim, start, end - start).copy_(part.narrow(dim, 0, end - start))
+    return full
 
 
 def local_flat_indices(slot: CheckpointSlot, flat: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
