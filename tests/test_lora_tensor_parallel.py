@@ -48,8 +48,8 @@ def test_adapters_under_tp_equal_one_process(engines, lora):
     for c1, c2 in zip(one, two):
         torch.testing.assert_close(torch.tensor(c2.logprobs), torch.tensor(c1.logprobs), atol=1e-4, rtol=0)
     if lora is not None:  # the adapter changes the outputs: the shards are really used
-        assert [c.token_ids for c in one] != [c.token_ids for c in run(engines[1], None)] or \
-            not torch.equal(torch.tensor(one[0].logprobs), torch.tensor(run(engines[1], None)[0].logprobs))
+        base = run(engines[1], None)
+        assert any(c.token_ids != b.token_ids or c.logprobs != b.logprobs for c, b in zip(one, base))
 
 
 def test_exports_assemble_the_full_adapter(engines):

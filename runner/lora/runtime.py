@@ -183,7 +183,7 @@ class LoraRuntime:
         assert tp is None or not deferred, "deferred LoRA deltas under tensor parallelism"
         self.tp = tp  # runner.parallel.group.TPGroup, or None
         # per rank: module -> the Shard of its weight the rank holds (what the model's checkpoint layout says)
-        self._rank_shards: list[dict[str, Shard]] = [{}] if tp is None else [
+        self._rank_shards: list[dict[str, Shard]] = [] if tp is None else [
             _module_shards(model, rank, tp.size) for rank in range(tp.size)]
         try:
             self.slots = LoraSlots(model_config, max_loras=max_loras, max_rank=max_rank, device=device, dtype=dtype,
@@ -339,21 +339,12 @@ class LoraSlotTarget:
         return gather_full(self._tp, self.views[name], [slots[name] for slots in self._rank_slots])
 
     def write_dense(self, name: str, tensor: torch.Tensor) -> None:
-        slot = self.slots[name]
-        start, end = slot.shard
-        self.views[name].copy_(tensor.narrow(slot.dim, start, end - start))
+        self.views[name].copy_(self.slots[name].own_part(tensor))
 
     def write_patch(self, name: str, flat_indices: torch.Tensor, values: torch.Tensor) -> None:
-        from runner.loader import scatter_flat
+        from runner.parallel.weights import write_patch_part
 
-        view, slot = self.views[name], self.slots[name]
-        flat, values = flat_indices.to(view.device, torch.int64), values.to(view.device, view.dtype)
-        if not slot.is_whole:
-            from runner.parallel.weights import local_flat_indices
-
-            flat, keep = local_flat_indices(slot, flat)
-            values = values[keep]
-        scatter_flat(view, flat, values)
+        write_patch_part(self.views[name], self.slots[name], flat_indices, values)
 
     def writable_views(self, names: list[str]) -> list[torch.Tensor] | None:
         views = [self.views[name] for name in names]

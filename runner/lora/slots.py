@@ -203,7 +203,8 @@ class LoraSlots:
         `shards` it was built with), for the ranges that rank holds."""
         rank, slots = self.ranks[slot], {}
         for layer, module in self.views(slot):
-            (out, inp), place = self._places[module].full, self._places[module]
+            place = self._places[module]
+            out, inp = place.full
             dim, start, end = place.shard if shards is None else shards.get(module) or (0, 0, out)
             for kind, shape, along in (("A", (rank, inp), 1), ("B", (out, rank), 0)):
                 name = peft_tensor_name(layer, module, kind)

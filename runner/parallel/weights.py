@@ -41,9 +41,7 @@ class ShardedCheckpointWeights(CheckpointWeights):
         return gather_full(self.tp, self.view(name), [layout[name] for layout in self.rank_layouts])
 
     def write_patch(self, name: str, flat_indices: torch.Tensor, values: torch.Tensor) -> None:
-        view = self.view(name)
-        local, keep = local_flat_indices(self.layout[name], flat_indices.to(view.device, torch.int64))
-        scatter_flat(view, local, values.to(view.device, view.dtype)[keep])
+        write_patch_part(self.view(name), self.layout[name], flat_indices, values)
 
 
 class RankLocalWeights(CheckpointWeights):
@@ -80,6 +78,17 @@ def gather_full(tp: TPGroup, mine: torch.Tensor, slots: list[CheckpointSlot]) ->
         start, end = s.shard
         full.narrow(dim, start, end - start).copy_(part.narrow(dim, 0, end - start))
     return full
+
+
+def write_patch_part(view: torch.Tensor, slot: CheckpointSlot, flat_indices: torch.Tensor,
+                     values: torch.Tensor) -> None:
+    """Scatter the entries of a patch in full checkpoint coordinates (flat indices [n], values [n]) that fall in
+    the rank's part `view` of the tensor `slot` describes."""
+    flat, values = flat_indices.to(view.device, torch.int64), values.to(view.device, view.dtype)
+    if not slot.is_whole:
+        flat, keep = local_flat_indices(slot, flat)
+        values = values[keep]
+    scatter_flat(view, flat, values)
 
 
 def local_flat_indices(slot: CheckpointSlot, flat: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
