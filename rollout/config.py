@@ -193,8 +193,6 @@ class EngineConfig:
         if self.tensor_parallel_size > 1 and self.lora_deferred:
             raise ValueError("EngineConfig.lora_deferred does not support tensor_parallel_size > 1 (a rank's partial "
                              "delta of o_proj / down_proj would join the replicated residual sum): leave it off")
-        if self.max_loras and self.speculative is not None:
-            raise ValueError("EngineConfig.max_loras > 0 does not support speculative decoding yet")
         if self.lora_deferred and self.lora_overlap:
             raise ValueError("EngineConfig.lora_deferred replaces lora_overlap (every hook's delta is computed beside "
                              "its matmul); set one of them")

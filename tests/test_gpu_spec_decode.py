@@ -50,7 +50,7 @@ def test_graph_greedy_equals_eager_and_plain_greedy(model, method, deterministic
     graphs = engine.runner.spec.graphs
     assert graphs is not None and graphs.capture
     got = engine.generate(prompts, params)
-    assert (16, 3) in graphs.graphs and graphs.num_steps[(16, 3)] > 0
+    assert (16, 3, False) in graphs.graphs and graphs.num_steps[(16, 3, False)] > 0
     eager = _engine(model, method, deterministic=deterministic, enforce_eager=True)
     assert eager.runner.spec.graphs is None
     want = eager.generate(prompts, params)
@@ -193,3 +193,34 @@ def test_auto_sized_kv_cache_counts_the_drafter_and_the_speculative_graphs(wide_
                           SamplingParams(max_tokens=16, ignore_eos=True, seed=0))
     assert all(len(o.outputs[0].token_ids) == 16 for o in out) and sum(graphs.num_steps.values()) > 0
     engine.close()
+
+
+def test_graphs_with_adapters_equal_eager_and_plain_lora_decoding(model, tmp_path):
+    """Rows with LoRA adapters (and rows without) through the captured speculative graphs' LoRA variant: the greedy
+    tokens of the eager speculative runner and of the plain LoRA engine; a batch without adapter rows takes the
+    variant without LoRA."""
+    from test_lora_engine import write_adapter
+
+    adapters = {name: write_adapter(model, tmp_path / name, seed=seed, r=4, lora_alpha=8)
+                for name, seed in (("a", 1), ("b", 2))}
+    loras = [None, "a", "b", "a", "b"]
+    prompts = _prompts(len(loras), seed=3)
+    params = [SamplingParams(temperature=0, max_tokens=32, ignore_eos=True, n=2, lora=lora) for lora in loras]
+
+    def run(**kw):
+        engine = _engine(model, max_loras=2, max_lora_rank=4, **kw)
+        for name, path in adapters.items():
+            engine.load_lora(name, str(path))
+        return engine, engine.generate(prompts, params)
+
+    engine, got = run()
+    graphs = engine.runner.spec.graphs
+    assert graphs.num_steps[(16, 3, True)] > 0
+    engine.generate(prompts[:2], SamplingParams(temperature=0, max_tokens=8, ignore_eos=True))
+    assert sum(n for (_, d, lora), n in graphs.num_steps.items() if d == 3 and not lora) > 0
+    _, eager = run(enforce_eager=True)
+    plain_engine, plain = run(spec=False)
+    assert _tokens(got) == _tokens(eager) == _tokens(plain)
+    unadapted = plain_engine.generate(prompts[1:2], SamplingParams(temperature=0, max_tokens=32, ignore_eos=True))
+    assert _tokens(unadapted)[0][0] != _tokens(got)[1][0]  # adapter a changes the tokens
+    assert sum(engine.spec_decode_stats["acceptance_histogram"][1:]) > 0

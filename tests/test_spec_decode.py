@@ -447,7 +447,7 @@ def test_static_step_equals_eager_step(small_vocab_model, deterministic):
         else:
             assert max(abs(u - v) for u, v in zip(x.logprobs, y.logprobs)) < 1e-5
     graphs = static.runner.spec.graphs
-    assert graphs.num_steps[(8, 3)] > 0
+    assert graphs.num_steps[(8, 3, False)] > 0
     hist = static.spec_decode_stats["acceptance_histogram"]
     assert hist[0] > 0 and sum(hist[1:]) > 0  # rejections and acceptances both exercised
 
@@ -462,7 +462,7 @@ def test_static_step_without_drafts_and_greedy_parity(model64):
         engine = static_engine(model64, SpeculativeConfig(method="mtp", num_speculative_tokens=3), max_model_len=64)
         engine.spec_controller.k = k
         outs = engine.generate(prompts, params)
-        assert engine.runner.spec.graphs.num_steps[(8, k)] > 0
+        assert engine.runner.spec.graphs.num_steps[(8, k, False)] > 0
         for a, b in zip(plain, outs):
             for x, y in zip(a.outputs, b.outputs):
                 assert x.token_ids == y.token_ids
@@ -521,7 +521,7 @@ def test_static_step_with_kernels_equals_eager_step(small_vocab_model, monkeypat
     monkeypatch.setattr(rejection, "use_kernels", lambda device: True)
     engine = static_engine(small_vocab_model, spec, max_model_len=64)
     got = [o for r in engine.generate(prompts, params) for o in r.outputs]
-    assert engine.runner.spec.graphs.num_steps[(4, 3)] > 0
+    assert engine.runner.spec.graphs.num_steps[(4, 3, False)] > 0
     assert [(o.token_ids, o.spec_decode_stats) for o in got] == [(o.token_ids, o.spec_decode_stats) for o in want]
     for x, y in zip(got, want):
         assert max(abs(u - v) for u, v in zip(x.logprobs, y.logprobs)) < 1e-5

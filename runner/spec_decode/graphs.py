@@ -70,56 +70,63 @@ class SpecDecodeGraphs:
         self.max_tokens = r.buffers.input_ids.shape[0]
         self.scratch_row = r.config.max_num_seqs  # draft_hidden row of padding rows
         self.row_index = torch.arange(self.sizes[-1] + 1, dtype=torch.int64, device=r.device)  # [max P + 1]
-        self.graphs: dict[tuple[int, int], torch.cuda.CUDAGraph] = {}  # (P, d) -> graph
-        self.outputs: dict[tuple[int, int], tuple[torch.Tensor, torch.Tensor, torch.Tensor]] = {}
+        self.graphs: dict[tuple[int, int, bool], torch.cuda.CUDAGraph] = {}  # (P, d, lora) -> graph
+        self.outputs: dict[tuple[int, int, bool], tuple[torch.Tensor, torch.Tensor, torch.Tensor]] = {}
+        self.lora_variants = (True, False) if r.lora is not None else (False,)  # the `lora` keys captured
         self.pool = None
         self.constants: dict[tuple[int, int], tuple[torch.Tensor, torch.Tensor]] = {}  # (P, d) -> _constants
-        self.num_steps: Counter[tuple[int, int]] = Counter()
-        """Steps run through this path, per (P, d)."""
+        self.num_steps: Counter[tuple[int, int, bool]] = Counter()
+        """Steps run through this path, per (P, d, lora)."""
 
     def padded_size(self, num_reqs: int, num_drafts: int) -> int | None:
         """The capture size a uniform batch of `num_reqs` rows with `num_drafts` drafts each runs at, or None."""
         return next((s for s in self.sizes if s >= num_reqs and s * (num_drafts + 1) <= self.max_tokens), None)
 
-    def run(self, inputs: StepInputs, num_drafts: int, size: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    def run(self, inputs: StepInputs, num_drafts: int, size: int,
+            lora: bool = False) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """One uniform step of B rows padded to `size`: (output_ids [B, d + 1], num_accepted [B],
-        logprobs [B, d + 1]) on the device, valid until the next step."""
-        key = (size, num_drafts)
+        logprobs [B, d + 1]) on the device, valid until the next step. `lora`: some row has an adapter (the
+        variant whose target forward runs the LoRA hooks; a step with adapter rows must not take lora=False)."""
+        assert lora in self.lora_variants, "lora=True needs a runner with LoRA slots"
+        key = (size, num_drafts, lora)
         if self.capture and key not in self.graphs:
-            self._capture(size, num_drafts)
+            self._capture(size, num_drafts, lora)
         self._stage(inputs, num_drafts, size)
         if self.capture:
             self.graphs[key].replay()
             out = self.outputs[key]
         else:
-            out = self.static_step(size, num_drafts)
+            out = self.static_step(size, num_drafts, lora)
         self.num_steps[key] += 1
         B = inputs.slots.shape[0]
         return out[0][:B], out[1][:B], out[2][:B]
 
     def capture_all(self, max_num_reqs: int, draft_counts: list[int]) -> float:
         """Capture now every (P, d) that uniform batches of up to `max_num_reqs` rows drafting d in
-        `draft_counts` run at (otherwise each is captured on first use). Returns seconds."""
+        `draft_counts` run at, with LoRA slots in both LoRA variants (otherwise each is captured on first use).
+        Returns seconds."""
         assert self.capture
         start = time.perf_counter()
         for d in draft_counts:
             top = self.padded_size(max_num_reqs, d)  # None: the sizes that fit the step buffers
             fits = [s for s in self.sizes if s * (d + 1) <= self.max_tokens and (top is None or s <= top)]
             for size in reversed(fits):  # largest first: the smaller graphs reuse its pool
-                if (size, d) not in self.graphs:
-                    self._capture(size, d)
+                for lora in self.lora_variants:
+                    if (size, d, lora) not in self.graphs:
+                        self._capture(size, d, lora)
         return time.perf_counter() - start
 
     def probe_bytes(self) -> int:
-        """Device bytes the largest graph (max size, k drafts) takes, measured by capturing it over the
-        profiling KV cache and releasing it again (for KV cache sizing; the graphs share its pool)."""
+        """Device bytes the largest graph (max size, k drafts, with LoRA slots the LoRA variant) takes, measured
+        by capturing it over the profiling KV cache and releasing it again (for KV cache sizing; the graphs
+        share its pool)."""
         d = self.spec.k
         size = max((s for s in self.sizes if s * (d + 1) <= self.max_tokens), default=None)
         if size is None:
             return 0
         torch.cuda.empty_cache()
         free_before = torch.cuda.mem_get_info(self.spec.runner.device)[0]
-        self._capture(size, d)
+        self._capture(size, d, self.lora_variants[0])
         used = free_before - torch.cuda.mem_get_info(self.spec.runner.device)[0]
         self.release()
         return max(0, used)
@@ -151,11 +158,15 @@ class SpecDecodeGraphs:
         h.block_tables[start:end] = 0
         self.spec.runner.buffers.pad_sampling(start, end)
         h.sample_slots[start:end] = self.scratch_row
+        if self.spec.runner.lora is not None:
+            h.lora_idx[tokens] = -1  # padding rows take no adapter
 
     # ---- the step ----------------------------------------------------------------------------------------
     @torch.inference_mode()
-    def static_step(self, size: int, num_drafts: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-        """The uniform step over the first `size` rows of the step buffers (what a graph captures).
+    def static_step(self, size: int, num_drafts: int,
+                    lora: bool = False) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """The uniform step over the first `size` rows of the step buffers (what a graph captures); `lora`: the
+        target forward runs the LoRA hooks over the step's per-token slots (the drafter has no adapters).
 
         Returns (output_ids int64 [P, d + 1] with -1 after each row's last new token, num_accepted int64 [P],
         logprobs f32 [P, d + 1], unspecified after the last new token)."""
@@ -179,7 +190,8 @@ class SpecDecodeGraphs:
                 if j + 1 < d:  # the drafter reads its own output as h at the positions not verified yet
                     meta_j = self._meta(self.row_index[: P + 1], ahead[1, j], ahead[2, j], 1)
                     h = drafter(target.model.embed_tokens(drafts[:, j]), h, rope_for(target, ahead[0, j], h.dtype), meta_j)
-        hidden, aux = target.forward_with_aux(ids, positions, meta, drafter.aux_layers)
+        with r._adapters(T, lora):
+            hidden, aux = target.forward_with_aux(ids, positions, meta, drafter.aux_layers)
         logits = target.compute_logits(hidden)  # [T, V]
         if d:
             output_ids, num_accepted, logprobs, _ = rejection_sample(logits.view(P, K1, -1), drafts, q, counts, sampling)
@@ -212,18 +224,18 @@ class SpecDecodeGraphs:
         )
 
     # ---- capture -------------------------------------------------------------------------------------------
-    def _capture(self, size: int, num_drafts: int) -> None:
-        """Capture (size, num_drafts) over an all-padding batch. The warm-up runs outside the capture compile
+    def _capture(self, size: int, num_drafts: int, lora: bool) -> None:
+        """Capture (size, num_drafts, lora) over an all-padding batch. The warm-up runs outside the capture compile
         the kernels; neither they nor the capture touch a request's KV or drafter state."""
         start = time.perf_counter()
         self._fill_padding(0, size, num_drafts)
         self.spec.runner.buffers.upload(size)
         torch.cuda.synchronize()
-        graph, out = capture(lambda: self.static_step(size, num_drafts), self.pool)
+        graph, out = capture(lambda: self.static_step(size, num_drafts, lora), self.pool)
         if self.pool is None:
             self.pool = graph.pool()
         torch.cuda.synchronize()
-        self.graphs[(size, num_drafts)] = graph
-        self.outputs[(size, num_drafts)] = out
-        logger.info("captured speculative decode graph (batch %d, %d drafts) in %.2f s", size, num_drafts,
-                    time.perf_counter() - start)
+        self.graphs[(size, num_drafts, lora)] = graph
+        self.outputs[(size, num_drafts, lora)] = out
+        logger.info("captured speculative decode graph (batch %d, %d drafts, LoRA %s) in %.2f s", size, num_drafts,
+                    lora, time.perf_counter() - start)

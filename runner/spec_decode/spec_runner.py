@@ -111,10 +111,11 @@ class SpeculativeRunner:
         K = int(num_drafts.max()) if R else 0
         top_n = int(ib.top_logprobs[slots_r].max()) if R else 0
         uses = ib.truncation_uses(slots_r, r.model_config.vocab_size)
+        uses_lora = r.lora is not None and bool((ib.lora_slot[inputs.slots] >= 0).any())  # some row has an adapter
 
         size = self._graph_size(inputs, n_sched, num_drafts, K, top_n, uses)
         if size is not None:
-            output_ids, num_accepted, logprobs = self.graphs.run(inputs, K, size)
+            output_ids, num_accepted, logprobs = self.graphs.run(inputs, K, size, uses_lora)
             if routed is not None:
                 r.routed_launch(routed, final=False)
             return self._finish(inputs, output_ids, num_accepted, logprobs, None, num_drafts, routed)
@@ -126,7 +127,8 @@ class SpeculativeRunner:
             flat = _upload(cu[rows[d_rows]] + 1 + d_j, dev)
             b.input_ids[flat] = drafts[_upload(d_rows, dev), _upload(d_j, dev)]
 
-        hidden, aux = target.forward_with_aux(b.input_ids[:T], b.positions[:T], meta, self.drafter.aux_layers)
+        with r._adapters(T, uses_lora):  # the target verifies with each row's adapter; the drafter has none
+            hidden, aux = target.forward_with_aux(b.input_ids[:T], b.positions[:T], meta, self.drafter.aux_layers)
         if routed is not None:
             r.routed_launch(routed, final=False)
 
