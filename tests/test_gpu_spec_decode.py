@@ -71,7 +71,7 @@ def test_graph_sampling_equals_eager_in_deterministic_mode(model):
     engine = _engine(model, deterministic=True)
     graphs = engine.runner.spec.graphs
     graphs.capture_all(6, [0, 3])
-    assert {(s, d) for s in (1, 2, 4, 8) for d in (0, 3)} == set(graphs.graphs)
+    assert {(s, d, False) for s in (1, 2, 4, 8) for d in (0, 3)} == set(graphs.graphs)
     got = engine.generate(prompts, params)
     assert sum(graphs.num_steps.values()) > 0
     assert sum(engine.spec_decode_stats["acceptance_histogram"][1:]) > 0
