@@ -345,7 +345,7 @@ class ModelRunner:
             self._upload_done.synchronize()
         b = self.buffers
         R = inputs.sample_rows.shape[0]
-        uses_lora = self.lora is not None and bool((self.input_batch.lora_slot[inputs.slots] >= 0).any())
+        uses_lora = self.uses_lora(inputs)
         if (
             self.graphs is not None
             and inputs.max_query_len == 1
@@ -666,6 +666,10 @@ class ModelRunner:
         put(hs.positions, ib.num_tokens[rows] - ib.num_prompt_tokens[rows])
         if self.lora is not None:  # each token's adapter slot: its request's
             put(h.lora_idx, np.repeat(ib.lora_slot[inputs.slots], np.diff(inputs.query_start_loc)))
+
+    def uses_lora(self, inputs: StepInputs) -> bool:
+        """Whether some request of the step has an adapter (always False without LoRA slots)."""
+        return self.lora is not None and bool((self.input_batch.lora_slot[inputs.slots] >= 0).any())
 
     def _adapters(self, num_tokens: int, used: bool = True):
         """The LoRA context of a forward over the first `num_tokens` tokens of the step buffers: their adapter

@@ -31,6 +31,16 @@ def write_adapter(base_dir, out_dir, *, seed, **lora_kwargs):
     return out_dir
 
 
+def write_adapters(base_dir, root, names=("a", "b", "c")) -> dict:
+    """The test adapters of `base_dir` under `root`, by name: a, rank 4 on every module; b, rank 2 rsLoRA on some;
+    c, rank 8 on every module (a replacement for a)."""
+    kwargs = {"a": dict(seed=1, r=4, lora_alpha=8),
+              "b": dict(seed=2, r=2, lora_alpha=3, use_rslora=True,
+                        target_modules=["q_proj", "v_proj", "up_proj", "down_proj"]),
+              "c": dict(seed=5, r=8, lora_alpha=4)}
+    return {name: write_adapter(base_dir, root / name, **kwargs[name]) for name in names}
+
+
 def peft_model(base_dir, adapter_dir):
     return peft.PeftModel.from_pretrained(load_hf(base_dir), adapter_dir).eval()
 
@@ -57,12 +67,7 @@ def base(request, tmp_path_factory):
 
 @pytest.fixture(scope="module")
 def adapters(base, tmp_path_factory):
-    """a: rank 4 on every module; b: rank 2 rsLoRA on some; c: rank 8 on every module (a replacement for a)."""
-    root = tmp_path_factory.mktemp("lora_engine_adapters")
-    return {"a": write_adapter(base, root / "a", seed=1, r=4, lora_alpha=8),
-            "b": write_adapter(base, root / "b", seed=2, r=2, lora_alpha=3, use_rslora=True,
-                               target_modules=["q_proj", "v_proj", "up_proj", "down_proj"]),
-            "c": write_adapter(base, root / "c", seed=5, r=8, lora_alpha=4)}
+    return write_adapters(base, tmp_path_factory.mktemp("lora_engine_adapters"))
 
 
 @pytest.fixture(scope="module")

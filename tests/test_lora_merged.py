@@ -17,7 +17,7 @@ import torch
 
 from conftest import assert_engine_holds, load_hf, make_checkpoint, perturb_lora
 from rollout import Engine, EngineConfig, SamplingParams
-from test_lora_engine import hf_greedy, peft_model, write_adapter
+from test_lora_engine import hf_greedy, peft_model, write_adapter, write_adapters
 from trainer_bridge import TrainerBridge
 
 PROMPTS = [[5, 9, 13, 2, 7], [40, 41, 42, 43, 44, 45, 46, 47, 48, 49, 50], [100, 3], list(range(3, 30))]
@@ -54,11 +54,7 @@ def base(request, tmp_path_factory):
 
 @pytest.fixture(scope="module")
 def adapters(base, tmp_path_factory):
-    """a: rank 4 on every module; b: rank 2 rsLoRA on some."""
-    root = tmp_path_factory.mktemp("lora_merged_adapters")
-    return {"a": write_adapter(base, root / "a", seed=1, r=4, lora_alpha=8),
-            "b": write_adapter(base, root / "b", seed=2, r=2, lora_alpha=3, use_rslora=True,
-                               target_modules=["q_proj", "v_proj", "up_proj", "down_proj"])}
+    return write_adapters(base, tmp_path_factory.mktemp("lora_merged_adapters"), ("a", "b"))
 
 
 @pytest.fixture(scope="module")

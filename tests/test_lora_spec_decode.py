@@ -9,7 +9,7 @@ import torch
 
 from conftest import make_checkpoint
 from rollout import Engine, SamplingParams, SpeculativeConfig
-from test_lora_engine import config, hf_greedy, peft_model, slot_of, write_adapter
+from test_lora_engine import config, hf_greedy, peft_model, slot_of, write_adapters
 
 SPEC = SpeculativeConfig(method="eagle", num_speculative_tokens=3)
 PROMPTS = [[2, 5, 3], [7, 1, 4, 4, 6], [3, 3], [6, 2, 5, 1]]
@@ -24,10 +24,7 @@ def base(tmp_path_factory):
 
 @pytest.fixture(scope="module")
 def adapters(base, tmp_path_factory):
-    root = tmp_path_factory.mktemp("lora_spec_adapters")
-    return {"a": write_adapter(base, root / "a", seed=1, r=4, lora_alpha=8),
-            "b": write_adapter(base, root / "b", seed=2, r=2, lora_alpha=3, use_rslora=True,
-                               target_modules=["q_proj", "v_proj", "up_proj", "down_proj"])}
+    return write_adapters(base, tmp_path_factory.mktemp("lora_spec_adapters"), ("a", "b"))
 
 
 def engine_with(base, adapters, spec: SpeculativeConfig | None, static: bool = False) -> Engine:

@@ -19,7 +19,7 @@ import torch
 from conftest import make_checkpoint, perturb_lora
 from rollout import Engine, EngineConfig, SamplingParams
 from rollout.pool import PoolConfig, _EngineWorker, _pack, load_pool_config
-from test_lora_engine import peft_model, write_adapter
+from test_lora_engine import peft_model, write_adapters
 from trainer_bridge import TrainerBridge
 from weight_updates import Dense, WeightUpdateError
 from weight_updates.transports.protocol import commit_on_all
@@ -37,12 +37,7 @@ def base(tmp_path_factory):
 
 @pytest.fixture(scope="module")
 def adapters(base, tmp_path_factory):
-    """a: rank 4 on every module; b: rank 2 rsLoRA on some; c: rank 8 on every module (a replacement for a)."""
-    root = tmp_path_factory.mktemp("pool_lora_adapters")
-    return {"a": write_adapter(base, root / "a", seed=1, r=4, lora_alpha=8),
-            "b": write_adapter(base, root / "b", seed=2, r=2, lora_alpha=3, use_rslora=True,
-                               target_modules=["q_proj", "v_proj", "up_proj", "down_proj"]),
-            "c": write_adapter(base, root / "c", seed=5, r=8, lora_alpha=4)}
+    return write_adapters(base, tmp_path_factory.mktemp("pool_lora_adapters"))
 
 
 def _mixed(loras, *, seed=100, max_tokens=8):

@@ -111,7 +111,7 @@ class SpeculativeRunner:
         K = int(num_drafts.max()) if R else 0
         top_n = int(ib.top_logprobs[slots_r].max()) if R else 0
         uses = ib.truncation_uses(slots_r, r.model_config.vocab_size)
-        uses_lora = r.lora is not None and bool((ib.lora_slot[inputs.slots] >= 0).any())  # some row has an adapter
+        uses_lora = r.uses_lora(inputs)
 
         size = self._graph_size(inputs, n_sched, num_drafts, K, top_n, uses)
         if size is not None:
