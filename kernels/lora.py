@@ -116,6 +116,8 @@ class LoraBatch:
     tile_tokens: torch.Tensor  # [max_tiles, BLOCK_M] int32: the tile's token ids, -1 past its length
     num_tiles: torch.Tensor  # [1] int32: the tiles in use
     arrivals: torch.Tensor  # [max_tiles] int32 (stride _FLAG_STRIDE): per-tile launch counters, zero between launches
+    token_slot: torch.Tensor  # [T] int32: each token's slot, -1 for none (values outside the stacks included)
+    done: torch.Tensor  # [1] int32: a launch-wide counter (kernels/lora_linear.py), zero between launches
     num_slots: int  # S, the number of slots of the stacks it is used with
 
     @property
@@ -137,7 +139,7 @@ def _tile_groups(num_tokens: int, num_slots: int, per_tile_row: int) -> int:
 
 @triton.jit
 def _lora_batch_kernel(idx_ptr, order_ptr, tile_start_ptr, tile_len_ptr, tile_slot_ptr, tile_tokens_ptr,
-                       num_tiles_ptr, arrivals_ptr, num_tokens, num_slots, num_tile_rows,
+                       num_tiles_ptr, arrivals_ptr, token_slot_ptr, done_ptr, num_tokens, num_slots, num_tile_rows,
                        BLOCK_M: tl.constexpr, BLOCK_T: tl.constexpr, BLOCK_S: tl.constexpr,
                        FLAG_STRIDE: tl.constexpr):
     """One program: a counting sort of the tokens by slot (bucket S: no adapter), then the tiles of each slot."""
@@ -149,6 +151,7 @@ def _lora_batch_kernel(idx_ptr, order_ptr, tile_start_ptr, tile_len_ptr, tile_sl
         key = tl.where((raw >= 0) & (raw < num_slots), raw, num_slots)
         hit = (key[:, None] == s[None, :]) & (t < num_tokens)[:, None]  # [BLOCK_T, BLOCK_S]
         counts += tl.sum(hit.to(tl.int32), axis=0)
+        tl.store(token_slot_ptr + t, tl.where(key < num_slots, key, -1), mask=t < num_tokens)
     seg_start = tl.cumsum(counts, axis=0) - counts  # [BLOCK_S]: each bucket's first position in `order`
     seen = tl.zeros([BLOCK_S], dtype=tl.int32)  # tokens of each bucket placed so far
     for t0 in range(0, num_tokens, BLOCK_T):
@@ -165,6 +168,7 @@ def _lora_batch_kernel(idx_ptr, order_ptr, tile_start_ptr, tile_len_ptr, tile_sl
     tiles_end = tl.cumsum(tiles, axis=0)
     tiles_begin = tiles_end - tiles
     tl.store(num_tiles_ptr, tl.sum(tiles, axis=0))
+    tl.store(done_ptr, 0)
     m = tl.arange(0, BLOCK_M)
     for j0 in range(0, num_tile_rows, BLOCK_T):
         j = j0 + tl.arange(0, BLOCK_T)  # [BLOCK_T] tiles
@@ -194,17 +198,19 @@ def lora_batch(idx: torch.Tensor, num_slots: int) -> LoraBatch:
         raise ValueError(f"num_slots must be >= 1, got {num_slots}")
     n, dev = idx.shape[0], idx.device
     rows = max_tiles(n, num_slots)
-    ints = torch.empty(n + (3 + BLOCK_M + _FLAG_STRIDE) * rows + 1, dtype=torch.int32, device=dev)  # every field
-    order, tile_start, tile_len, tile_slot, tile_tokens, flags, num_tiles = ints.split(
-        [n, rows, rows, rows, BLOCK_M * rows, _FLAG_STRIDE * rows, 1])
+    ints = torch.empty(2 * n + (3 + BLOCK_M + _FLAG_STRIDE) * rows + _FLAG_STRIDE + 1, dtype=torch.int32,
+                       device=dev)  # every field; the counters on 128-byte lines of their own
+    flags, done, order, token_slot, tile_start, tile_len, tile_slot, tile_tokens, num_tiles = ints.split(
+        [_FLAG_STRIDE * rows, _FLAG_STRIDE, n, n, rows, rows, rows, BLOCK_M * rows, 1])
     block_s = triton.next_power_of_2(num_slots + 1)
     block_t = max(16, min(128, 8192 // block_s))
-    _lora_batch_kernel[(1,)](idx, order, tile_start, tile_len, tile_slot, tile_tokens, num_tiles, flags, n,
-                             num_slots, rows, BLOCK_M=BLOCK_M, BLOCK_T=block_t, BLOCK_S=block_s,
+    _lora_batch_kernel[(1,)](idx, order, tile_start, tile_len, tile_slot, tile_tokens, num_tiles, flags, token_slot,
+                             done, n, num_slots, rows, BLOCK_M=BLOCK_M, BLOCK_T=block_t, BLOCK_S=block_s,
                              FLAG_STRIDE=_FLAG_STRIDE, num_warps=8)
     return LoraBatch(order=order, tile_start=tile_start, tile_len=tile_len, tile_slot=tile_slot,
                      tile_tokens=tile_tokens.view(rows, BLOCK_M), num_tiles=num_tiles,
-                     arrivals=flags.view(rows, _FLAG_STRIDE)[:, 0], num_slots=num_slots)
+                     arrivals=flags.view(rows, _FLAG_STRIDE)[:, 0], token_slot=token_slot, done=done[:1],
+                     num_slots=num_slots)
 
 
 @triton.jit

@@ -1,0 +1,223 @@
+"""A decode step's linear layer and its LoRA deltas in one Triton launch: out = x W^T (+ b) + each token's adapter
+delta, with the delta added in the GEMM's epilogue instead of by a second kernel reading the output back.
+
+`kernels/lora.py` adds the deltas after the base GEMM (a cuBLAS call): at a decode batch its hooks are short,
+latency-bound kernels between the projections. Here one grid does both. Its lower program ids are the LoRA shrink's
+programs (`kernels.lora._shrink_tiles`: the step's adapter tokens in tiles of one slot, partial sums of x A[slot]^T
+over a fixed number of splits of `in`), each counting itself into the plan's launch-wide counter (`LoraBatch.done`,
+a release atomic) when its tiles are done. The programs after them are the GEMM's: one [BLOCK_M, BLOCK_N] block of
+the output each (BLOCK_N columns within one slice of a fused output, BLOCK_M = 64 token rows: a decode batch is
+one row block), walking `in` in BLOCK_K steps with tensor-core dots. A GEMM program rounds its block to the output
+dtype, then waits until every shrink program has counted (by then long done: the shrink is small next to a
+weight's read) and adds each row's delta: the row's partials summed in split order and rounded to the weights'
+dtype, times its slot's rows of B gathered for the block's columns (float32 sums over the rank in BLOCK_R steps),
+scaled, added to the rounded base in float32, rounded once: the numerics of `kernels/lora_ref.py` on the rounded
+output of the layer, so rows without an adapter get the GEMM's result alone. The last GEMM program to count takes
+the counter back to zero. Every shrink program is dispatched before any GEMM program (a 1-D grid's blocks go out in
+id order, as `kernels/lora.py` relies on too), so the waits end.
+
+Nothing is read back to the host and the grid is a function of T and the shapes, so it can be captured in a CUDA
+graph and replayed with new slot assignments. The shrink's bits are `add_lora`'s (same splits, same order); the
+base GEMM's are not cuBLAS's (another tile order over `in`), and the expand sums the rank in another order than
+`add_lora`'s dot: not for deterministic mode, whose linears are `kernels/matmul.py`'s.
+
+The reference is `linear_lora_ref` (kernels/lora_ref.py). Not here: more than a few row blocks (a prefill's
+linears belong to a GEMM library and `add_lora`), split-K of the GEMM, tensor-parallel sharding (the caller passes
+its shard's weight and stacks, as for `add_lora`).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import torch
+import triton
+import triton.language as tl
+
+from kernels.lora import (BLOCK_M as TILE_M, DEFAULT_CONFIG, _FLAG_STRIDE, LoraBatch, LoraKernelConfig, _as_batch,
+                          _block_k, _block_r, _check_layer, _check_x_a, _empty_partials, _shrink_split, _shrink_tiles,
+                          _tile_groups)
+
+BLOCK_M = 64  # token rows per GEMM program (the smallest M of Hopper's wgmma)
+
+
+@dataclass(frozen=True, kw_only=True, slots=True)
+class LinearLoraConfig:
+    """How `linear_lora` launches. The GEMM's tile (block_n, block_k) and the expand's rank step (block_r) move its
+    sums; `lora`'s split-K chunk fixes the shrink's, as for `add_lora`."""
+
+    block_n: int = 32
+    """Output columns per GEMM program (within one slice of a fused output)."""
+    block_k: int = 128
+    """In-features per step of the GEMM's loop."""
+    stages: int = 4
+    """Software-pipeline stages of the GEMM's loop."""
+    num_warps: int = 4
+    """Warps per program, shrink and GEMM."""
+    block_r: int = 4
+    """Rank entries per step of the epilogue's expand (a [BLOCK_M, block_n, block_r] product a step)."""
+    max_rows: int = 64
+    """The most tokens a forward may have for the engine to take this kernel (`linear_lora` itself takes any)."""
+    lora: LoraKernelConfig = field(default_factory=lambda: DEFAULT_CONFIG)
+    """The shrink's split of `in`, K step, pipeline stages and tile groups (`num_warps` and the expand's fields of
+    it are not used)."""
+
+    def __post_init__(self) -> None:
+        for name in ("stages", "num_warps", "max_rows"):
+            if getattr(self, name) < 1:
+                raise ValueError(f"LinearLoraConfig.{name} must be >= 1, got {getattr(self, name)}")
+        for name, low in (("block_n", 16), ("block_k", 16), ("block_r", 1)):
+            value = getattr(self, name)
+            if value < low or value & (value - 1):
+                raise ValueError(f"LinearLoraConfig.{name} must be a power of two >= {low}, got {value}")
+
+
+DEFAULT_LINEAR_CONFIG = LinearLoraConfig()
+
+
+@triton.jit
+def _gemm_lora_block(q, x_ptr, w_ptr, bias_ptr, out_ptr, part_ptr, b_ptr, scaling_ptr, token_slot_ptr, done_ptr,
+                     num_tokens, in_features, shrink_programs, gemm_programs, m_blocks, blocks0, blocks1, rank,
+                     width0, width1, width2, stride_xt, stride_wn, stride_ot, stride_pp, stride_pt, stride_bs,
+                     stride_bn, HAS_BIAS: tl.constexpr, SPLITS: tl.constexpr, EVEN_K: tl.constexpr,
+                     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, STAGES: tl.constexpr,
+                     BLOCK_R: tl.constexpr):
+    """GEMM program q = (column block of one slice, row block): out[rows, block] = round(round(x W^T + b) + the
+    rows' deltas), after the shrink's programs have all counted into `done`."""
+    f = q // m_blocks  # the row blocks of one column block are neighbours: they share its weight rows in L2
+    mb = q % m_blocks
+    sl = (f >= blocks0).to(tl.int32) + (f >= blocks0 + blocks1).to(tl.int32)
+    n = (f - tl.where(sl >= 1, blocks0, 0) - tl.where(sl >= 2, blocks1, 0)) * BLOCK_N + tl.arange(0, BLOCK_N)
+    nmask = n < tl.where(sl == 0, width0, tl.where(sl == 1, width1, width2))
+    cols = tl.where(sl >= 1, width0, 0) + tl.where(sl >= 2, width1, 0) + n  # columns of the fused output
+    rows = mb * BLOCK_M + tl.arange(0, BLOCK_M)
+    mmask = rows < num_tokens
+    x_rows = x_ptr + rows[:, None].to(tl.int64) * stride_xt  # [BLOCK_M, 1]
+    w_cols = w_ptr + cols[None, :].to(tl.int64) * stride_wn  # [1, BLOCK_N]
+    kk0 = tl.arange(0, BLOCK_K)
+    acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+    for k in tl.range(0, in_features, BLOCK_K, num_stages=STAGES):
+        kk = k + kk0
+        if EVEN_K:
+            xt = tl.load(x_rows + kk[None, :], mask=mmask[:, None], other=0.0)  # [BLOCK_M, BLOCK_K]
+            wt = tl.load(w_cols + kk[:, None], mask=nmask[None, :], other=0.0)  # [BLOCK_K, BLOCK_N]
+        else:
+            kmask = kk < in_features
+            xt = tl.load(x_rows + kk[None, :], mask=mmask[:, None] & kmask[None, :], other=0.0)
+            wt = tl.load(w_cols + kk[:, None], mask=nmask[None, :] & kmask[:, None], other=0.0)
+        acc = tl.dot(xt, wt, acc, input_precision="ieee")
+    if HAS_BIAS:
+        acc += tl.load(bias_ptr + cols, mask=nmask, other=0.0).to(tl.float32)[None, :]
+    base = acc.to(out_ptr.dtype.element_ty).to(tl.float32)  # the layer's output, rounded as the GEMM's
+    # what does not depend on the shrink first: the rows' slots and scales
+    slot = tl.load(token_slot_ptr + rows, mask=mmask, other=-1)
+    has = slot >= 0
+    slot64 = tl.where(has, slot, 0).to(tl.int64)
+    scale = tl.load(scaling_ptr + slot64, mask=has, other=0.0)
+    arrived = tl.load(done_ptr, volatile=True)
+    while arrived < shrink_programs:
+        arrived = tl.load(done_ptr, volatile=True)
+    seen = tl.atomic_add(done_ptr, 1, sem="acquire")  # the partials visible from here on; counted in
+    if seen == shrink_programs + gemm_programs - 1:  # the last GEMM program: ready for the next launch
+        tl.atomic_xchg(done_ptr, 0, sem="relaxed")
+    y_rows = part_ptr + rows[:, None].to(tl.int64) * stride_pt + sl * rank  # [BLOCK_M, 1]: the slice's entries
+    b_rows = b_ptr + slot64[:, None, None] * stride_bs + cols[None, :, None].to(tl.int64) * stride_bn
+    rr0 = tl.arange(0, BLOCK_R)
+    delta = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+    for r0 in range(0, rank, BLOCK_R):
+        rr = r0 + rr0
+        ymask = has[:, None] & (rr < rank)[None, :]  # [BLOCK_M, BLOCK_R]
+        y = tl.load(y_rows + rr[None, :], mask=ymask, other=0.0, cache_modifier=".cg")
+        for p in tl.static_range(1, SPLITS):
+            y += tl.load(y_rows + p * stride_pp + rr[None, :], mask=ymask, other=0.0, cache_modifier=".cg")
+        y = y.to(b_ptr.dtype.element_ty).to(tl.float32)  # rounded as a LoRA layer in the weights' dtype rounds it
+        bt = tl.load(b_rows + rr[None, None, :], mask=ymask[:, None, :] & nmask[None, :, None], other=0.0)
+        delta += tl.sum(y[:, None, :] * bt.to(tl.float32), axis=2)  # [BLOCK_M, BLOCK_N]
+    result = delta * scale[:, None] + base
+    tl.store(out_ptr + rows[:, None].to(tl.int64) * stride_ot + cols[None, :], result.to(out_ptr.dtype.element_ty),
+             mask=mmask[:, None] & nmask[None, :])
+
+
+@triton.jit
+def _linear_lora_kernel(x_ptr, w_ptr, bias_ptr, out_ptr, a_ptr, part_ptr, b_ptr, scaling_ptr, tile_tokens_ptr,
+                        tile_slot_ptr, arrivals_ptr, token_slot_ptr, done_ptr, num_tokens, in_features, num_tile_rows,
+                        groups, shrink_programs, gemm_programs, lora_rows, k_per_split, m_blocks, blocks0, blocks1,
+                        rank, width0, width1, width2, stride_xt, stride_wn, stride_ot, stride_as, stride_ar,
+                        stride_pp, stride_pt, stride_bs, stride_bn, HAS_BIAS: tl.constexpr, SPLITS: tl.constexpr,
+                        FLAG_STRIDE: tl.constexpr, TILE_M: tl.constexpr, BLOCK_RA: tl.constexpr,
+                        SHRINK_K: tl.constexpr, SHRINK_STAGES: tl.constexpr, EVEN_K: tl.constexpr,
+                        BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, STAGES: tl.constexpr,
+                        BLOCK_R: tl.constexpr):
+    """The shrink programs (ids below `shrink_programs`), each counting into `done` at its end, then the GEMM
+    programs, which wait for all of them before their epilogue."""
+    pid = tl.program_id(0)
+    if pid < shrink_programs:
+        _shrink_tiles(pid, x_ptr, a_ptr, part_ptr, tile_tokens_ptr, tile_slot_ptr, arrivals_ptr, num_tile_rows,
+                      groups, lora_rows, in_features, k_per_split, stride_xt, stride_as, stride_ar, stride_pp,
+                      stride_pt, SPLITS, False, FLAG_STRIDE, TILE_M, BLOCK_RA, SHRINK_K, SHRINK_STAGES)
+        tl.debug_barrier()  # every thread's partials stored before the count is published
+        tl.atomic_add(done_ptr, 1, sem="release")
+    else:
+        _gemm_lora_block(pid - shrink_programs, x_ptr, w_ptr, bias_ptr, out_ptr, part_ptr, b_ptr, scaling_ptr,
+                         token_slot_ptr, done_ptr, num_tokens, in_features, shrink_programs, gemm_programs, m_blocks,
+                         blocks0, blocks1, rank, width0, width1, width2, stride_xt, stride_wn, stride_ot, stride_pp,
+                         stride_pt, stride_bs, stride_bn, HAS_BIAS, SPLITS, EVEN_K, BLOCK_M, BLOCK_N, BLOCK_K,
+                         STAGES, BLOCK_R)
+
+
+def _check_weight(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, out: torch.Tensor) -> None:
+    if weight.dim() != 2 or weight.shape != (out.shape[1], x.shape[1]) or weight.dtype != x.dtype:
+        raise ValueError(f"weight must be [{out.shape[1]}, {x.shape[1]}] {x.dtype}; got {weight.dtype} "
+                         f"{tuple(weight.shape)}")
+    if weight.stride(1) != 1 or weight.device != x.device:
+        raise ValueError("weight must have unit stride in `in` and be on x's device")
+    if bias is not None and (bias.shape != (weight.shape[0],) or bias.dtype != x.dtype or bias.stride(0) != 1
+                             or bias.device != x.device):
+        raise ValueError(f"bias must be [{weight.shape[0]}] {x.dtype} on x's device; got {bias.dtype} "
+                         f"{tuple(bias.shape)} on {bias.device}")
+
+
+def linear_lora(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, A: torch.Tensor, B: torch.Tensor,
+                lora: torch.Tensor | LoraBatch, scaling: torch.Tensor, *, slices: tuple[int, ...] | None = None,
+                out: torch.Tensor | None = None, config: LinearLoraConfig = DEFAULT_LINEAR_CONFIG) -> torch.Tensor:
+    """x [T, in] -> out [T, N] = round(x weight^T (+ bias)) + each token's scaled LoRA delta, rounded once, in one
+    launch. weight [N, in], bias [N] or None, A [S, R, in], B [S, N, r_max], scaling [S] float32 (the stacks of
+    `kernels/lora.py`), all but scaling in x's dtype; lora: idx [T] (-1: no adapter) or its `lora_batch`; `slices`:
+    the output widths of a fused layer, (N,) when None; `out`: where to write it (a new tensor when None).
+    Returns out."""
+    _check_x_a(x, A)
+    if out is None:
+        out = torch.empty(x.shape[0], B.shape[1], dtype=x.dtype, device=x.device)
+    elif out.dtype != x.dtype:
+        raise ValueError(f"out must be x's dtype {x.dtype}; got {out.dtype}")
+    slices = _check_layer(out, x, A, B, scaling, slices)
+    _check_weight(x, weight, bias, out)
+    batch = _as_batch(lora, x.shape[0], A.shape[0])
+    if x.shape[0]:
+        _launch(x, weight, bias, A, _empty_partials(x, A, config.lora), B, batch, scaling, out, slices, config)
+    return out
+
+
+def _launch(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, A: torch.Tensor, part: torch.Tensor,
+            B: torch.Tensor, batch: LoraBatch, scaling: torch.Tensor, out: torch.Tensor, slices: tuple[int, ...],
+            config: LinearLoraConfig) -> None:
+    num_tokens, in_features = x.shape
+    shrink_k = _block_k(x.dtype, config.lora)
+    splits, per_split = _shrink_split(in_features, shrink_k, config.lora)
+    groups = _tile_groups(num_tokens, batch.num_slots, config.lora.groups_per_tile_row)
+    blocks = [triton.cdiv(w, config.block_n) for w in slices] + [0] * (3 - len(slices))
+    widths = tuple(slices) + (0,) * (3 - len(slices))
+    m_blocks = triton.cdiv(num_tokens, BLOCK_M)
+    shrink_programs, gemm_programs = splits * groups, sum(blocks) * m_blocks
+    _linear_lora_kernel[(shrink_programs + gemm_programs,)](
+        x, weight, x if bias is None else bias, out, A, part, B, scaling, batch.tile_tokens, batch.tile_slot,
+        batch.arrivals, batch.token_slot, batch.done, num_tokens, in_features, batch.tile_slot.shape[0], groups,
+        shrink_programs, gemm_programs, A.shape[1], per_split, m_blocks, blocks[0], blocks[1], B.shape[2], *widths,
+        x.stride(0), weight.stride(0), out.stride(0), A.stride(0), A.stride(1), part.stride(0), part.stride(1),
+        B.stride(0), B.stride(1), HAS_BIAS=bias is not None, SPLITS=splits, FLAG_STRIDE=_FLAG_STRIDE, TILE_M=TILE_M,
+        BLOCK_RA=_block_r(A.shape[1]), SHRINK_K=shrink_k, SHRINK_STAGES=config.lora.shrink_stages,
+        EVEN_K=in_features % config.block_k == 0, BLOCK_M=BLOCK_M, BLOCK_N=config.block_n, BLOCK_K=config.block_k,
+        STAGES=config.stages, BLOCK_R=config.block_r, num_warps=config.num_warps)
+
+
+__all__ = ["BLOCK_M", "DEFAULT_LINEAR_CONFIG", "LinearLoraConfig", "linear_lora"]

@@ -1,0 +1,236 @@
+"""The one-launch linear + LoRA kernel (kernels/lora_linear.py) against its reference (kernels/lora_linear_ref.py)
+and a per-token loop in float64, under the interpreter on the CPU (float32, tiny shapes): many slots with tokens
+without an adapter, the slices of a fused output, a bias, ragged `in` and column blocks, two row blocks, a shrink
+of several splits; the shrink's partials are `add_lora`'s; a token's row is the same bits alone and in any batch;
+rows without an adapter get the GEMM alone; one plan serves many launches and its counters end at zero. With CUDA
+(skipped without), the Llama-3.1-8B decode shapes in bfloat16 and a CUDA graph replayed across slot changes. (The
+interpreter runs programs one after another in id order, so there the GEMM programs find the shrink done.)"""
+
+from __future__ import annotations
+
+import os
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+if not torch.cuda.is_available():
+    os.environ.setdefault("TRITON_INTERPRET", "1")
+
+from kernels.lora import LoraKernelConfig, lora_batch, lora_shrink  # noqa: E402
+from kernels.lora_linear import LinearLoraConfig, linear_lora  # noqa: E402
+from kernels.lora_linear_ref import linear_lora_ref  # noqa: E402
+from kernels.lora_ref import lora_expand_ref  # noqa: E402
+
+DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
+S = 4  # slots
+SMALL = LinearLoraConfig(block_n=16, block_k=32, stages=2, block_r=2)  # interpreter-sized tiles
+
+
+def _layer(g, in_features, slices, r_max, ranks, bias=False):
+    """weight, bias, and slot stacks with slot s holding a random adapter of rank ranks[s] (zero-padded to r_max)
+    in every slice."""
+    n = sum(slices)
+    A = torch.zeros(S, len(slices) * r_max, in_features)
+    B = torch.zeros(S, n, r_max)
+    for s, r in enumerate(ranks):
+        start = 0
+        for j, width in enumerate(slices):
+            A[s, j * r_max:j * r_max + r] = torch.randn(r, in_features, generator=g) / in_features**0.5
+            B[s, start:start + width, :r] = torch.randn(width, r, generator=g)
+            start += width
+    W = torch.randn(n, in_features, generator=g) / in_features**0.5
+    b = torch.randn(n, generator=g) if bias else None
+    scaling = torch.rand(S, generator=g) + 0.5
+    return (W.to(DEVICE), None if b is None else b.to(DEVICE), A.to(DEVICE), B.to(DEVICE), scaling.to(DEVICE))
+
+
+def _per_token(x, W, b, A, B, idx, scaling, slices):
+    """The definition, one token and one slice at a time, in float64."""
+    r_max = B.shape[2]
+    out = x.double() @ W.double().t() + (0 if b is None else b.double())
+    for t, s in enumerate(idx.tolist()):
+        if s < 0:
+            continue
+        start = 0
+        for j, width in enumerate(slices):
+            y = A[s, j * r_max:(j + 1) * r_max].double() @ x[t].double()
+            out[t, start:start + width] += scaling[s].double() * (B[s, start:start + width].double() @ y)
+            start += width
+    return out
+
+
+def _idx(g, n):
+    idx = torch.randint(-1, S, (n,), generator=g, dtype=torch.int32)
+    if n > 1:
+        idx[0], idx[1] = -1, 2  # both kinds, whatever the draw
+    return idx.to(DEVICE)
+
+
+@pytest.mark.parametrize("num_tokens", [1, 7, 70])  # 70: two row blocks of the GEMM
+@pytest.mark.parametrize(("slices", "bias"), [((24,), False), ((16, 8, 8), True), ((12, 20), False)])
+@pytest.mark.parametrize("in_features", [40, 1100])  # ragged K steps; the shrink in three splits
+def test_linear_lora_matches_reference_and_per_token_loop(num_tokens, slices, bias, in_features):
+    g = torch.Generator().manual_seed(num_tokens * 1000 + in_features + len(slices))
+    W, b, A, B, scaling = _layer(g, in_features, slices, 8, ranks=(8, 3, 5, 1), bias=bias)
+    x = torch.randn(num_tokens, in_features, generator=g).to(DEVICE)
+    idx = _idx(g, num_tokens)
+    ours = linear_lora(x, W, b, A, B, idx, scaling, slices=slices, config=SMALL)
+    assert ours.shape == (num_tokens, sum(slices)) and ours.dtype == x.dtype
+    torch.testing.assert_close(ours, linear_lora_ref(x, W, b, A, B, idx, scaling, slices=slices), rtol=1e-5,
+                               atol=1e-5)
+    torch.testing.assert_close(ours.double(), _per_token(x, W, b, A, B, idx, scaling, slices), rtol=1e-5, atol=1e-5)
+
+
+def test_rows_without_an_adapter_get_the_gemm_alone_and_the_shrink_is_add_loras():
+    """A row without an adapter is the kernel's GEMM with zero stacks, bit for bit; an adapter row's delta over
+    that GEMM is the expand (reference) of `lora_shrink`'s y, the partials `add_lora` sums."""
+    g = torch.Generator().manual_seed(1)
+    slices = (16, 8, 8)
+    W, b, A, B, scaling = _layer(g, 1100, slices, 8, ranks=(8, 2, 7, 8), bias=True)
+    x, idx = torch.randn(30, 1100, generator=g).to(DEVICE), _idx(g, 30)
+    ours = linear_lora(x, W, b, A, B, idx, scaling, slices=slices, config=SMALL)
+    gemm = linear_lora(x, W, b, torch.zeros_like(A), torch.zeros_like(B), idx, scaling, slices=slices, config=SMALL)
+    none = idx < 0
+    assert torch.equal(ours[none], gemm[none]) and not torch.equal(ours[~none], gemm[~none])
+    torch.testing.assert_close(gemm, F.linear(x, W, b), rtol=1e-5, atol=1e-5)
+    y = lora_shrink(x, A, idx, config=SMALL.lora)
+    expected = lora_expand_ref(y, B, idx, scaling, gemm.clone(), slices=slices)
+    torch.testing.assert_close(ours, expected, rtol=1e-6, atol=1e-6)
+
+
+@pytest.mark.parametrize("num_tokens", [3, 70])
+def test_each_token_gets_the_bits_it_gets_alone(num_tokens):
+    """A row's GEMM, shrink and expand depend on that row, its slot and the layer only: alone, in a batch of other
+    adapters, or with another launch shape of the same tiles, the same bits."""
+    g = torch.Generator().manual_seed(9 + num_tokens)
+    slices = (16, 8, 8)
+    W, b, A, B, scaling = _layer(g, 300, slices, 8, ranks=(8, 3, 5, 1))
+    x, idx = torch.randn(num_tokens, 300, generator=g).to(DEVICE), _idx(g, num_tokens)
+    batch = linear_lora(x, W, b, A, B, idx, scaling, slices=slices, config=SMALL)
+    moved = LinearLoraConfig(block_n=16, block_k=32, stages=1, block_r=2, num_warps=2,
+                             lora=LoraKernelConfig(groups_per_tile_row=1))
+    for t in (0, 1, num_tokens - 1):
+        alone = linear_lora(x[t:t + 1], W, b, A, B, idx[t:t + 1], scaling, slices=slices, config=moved)
+        assert torch.equal(batch[t:t + 1], alone), t
+
+
+def test_one_plan_serves_many_launches_and_leaves_its_counters_at_zero():
+    g = torch.Generator().manual_seed(4)
+    layers = [(slices, _layer(g, 64, slices, 4, ranks=(4, 2, 4, 1))) for slices in ((16,), (16, 16), (8, 8, 16))]
+    x = torch.randn(19, 64, generator=g).to(DEVICE)
+    idx = _idx(g, 19)
+    batch = lora_batch(idx, S)
+    assert batch.token_slot.tolist() == idx.tolist()
+    for slices, (W, b, A, B, scaling) in layers:
+        out = torch.full((19, sum(slices)), float("nan"), device=DEVICE)
+        assert linear_lora(x, W, b, A, B, batch, scaling, slices=slices, out=out, config=SMALL) is out
+        torch.testing.assert_close(out, linear_lora_ref(x, W, b, A, B, idx, scaling, slices=slices), rtol=1e-5,
+                                   atol=1e-5)
+        assert int(batch.done[0]) == 0 and not batch.arrivals.any()
+
+
+def test_token_slot_counts_out_of_range_slots_as_none():
+    idx = torch.tensor([3, -1, 7, 0, -5, 2], dtype=torch.int32, device=DEVICE)
+    assert lora_batch(idx, 4).token_slot.tolist() == [3, -1, -1, 0, -1, 2]
+
+
+def test_bad_arguments_and_configs_are_refused():
+    g = torch.Generator().manual_seed(0)
+    W, _, A, B, scaling = _layer(g, 16, (16,), 4, ranks=(4, 4, 4, 4))
+    x, idx = torch.randn(3, 16, device=DEVICE), torch.zeros(3, dtype=torch.int32, device=DEVICE)
+    with pytest.raises(ValueError, match=r"weight must be \[16, 16\]"):
+        linear_lora(x, W[:8], None, A, B, idx, scaling)
+    with pytest.raises(ValueError, match=r"bias must be \[16\]"):
+        linear_lora(x, W, torch.zeros(8, device=DEVICE), A, B, idx, scaling)
+    with pytest.raises(ValueError, match="out must be x's dtype"):
+        linear_lora(x, W, None, A, B, idx, scaling, out=torch.zeros(3, 16, dtype=torch.float16, device=DEVICE))
+    with pytest.raises(ValueError, match="slot assignment is for 2 tokens"):
+        linear_lora(x, W, None, A, B, idx[:2], scaling)
+    with pytest.raises(ValueError, match="block_n must be a power of two >= 16"):
+        LinearLoraConfig(block_n=24)
+    with pytest.raises(ValueError, match="block_r must be a power of two >= 1"):
+        LinearLoraConfig(block_r=3)
+    with pytest.raises(ValueError, match="stages must be >= 1"):
+        LinearLoraConfig(stages=0)
+
+
+# ---- CUDA: the Llama-3.1-8B decode shapes in bfloat16 ------------------------------------------------------------
+cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+LLAMA_8B = {"qkv": (4096, (4096, 1024, 1024)), "o": (4096, (4096,)), "gate_up": (4096, (14336, 14336)),
+            "down": (14336, (4096,))}
+
+
+def _bf16_layer(g, num_slots, in_features, slices, rank):
+    n = sum(slices)
+    W = torch.randn(n, in_features, generator=g) / in_features**0.5
+    A = torch.randn(num_slots, len(slices) * rank, in_features, generator=g) / in_features**0.5
+    B = torch.randn(num_slots, n, rank, generator=g) / rank**0.5
+    return (W.to("cuda", torch.bfloat16), A.to("cuda", torch.bfloat16), B.to("cuda", torch.bfloat16),
+            (torch.rand(num_slots, generator=g) + 0.5).cuda())
+
+
+def _decode_idx(num_tokens, distinct, num_slots):
+    idx = torch.arange(num_tokens, dtype=torch.int32) % distinct * (num_slots // distinct)  # spread over the slots
+    idx[5] = -1
+    return idx.cuda()
+
+
+@cuda
+@pytest.mark.parametrize("distinct", [1, 16])
+@pytest.mark.parametrize("layer", sorted(LLAMA_8B))
+def test_cuda_8b_decode_matches_cublas_then_the_reference(layer, distinct):
+    """T = 64 over 64 rank-16 slots, 1 or 16 of them in the batch, against cuBLAS's F.linear then the reference's
+    delta. Tolerance (bfloat16): the two GEMMs sum `in` in different orders, so the rounded base may differ by an
+    ulp of the float32 sum's magnitude, and y's rounding by one ulp in any entry:
+    |ours - ref| <= 2**-7 * (|ref| + |x| @ |W|^T * 2**-8 + scaling * |y| @ |B|^T) elementwise."""
+    from kernels.lora_ref import lora_shrink_ref
+
+    in_features, slices = LLAMA_8B[layer]
+    g = torch.Generator().manual_seed(distinct + len(layer))
+    W, A, B, scaling = _bf16_layer(g, 64, in_features, slices, 16)
+    x = torch.randn(64, in_features, generator=g).to("cuda", torch.bfloat16)
+    idx = _decode_idx(64, distinct, 64)
+    batch = lora_batch(idx, 64)
+    ours = linear_lora(x, W, None, A, B, batch, scaling, slices=slices)
+    assert int(batch.done[0]) == 0
+    base = F.linear(x, W)
+    y = lora_shrink_ref(x, A, idx)
+    ref = lora_expand_ref(y, B, idx, scaling, base.clone(), slices=slices).float()
+    gemm_mag = x.abs().float() @ W.abs().float().t()
+    mag = lora_expand_ref(y.abs(), B.abs(), idx, scaling, torch.zeros_like(base), slices=slices).float()
+    err = (ours.float() - ref).abs()
+    assert (err <= 2.0**-7 * (ref.abs() + gemm_mag * 2.0**-8 + mag)).all()
+
+
+@cuda
+def test_cuda_graph_of_a_decode_step_replays_eager_bits_across_slot_changes():
+    g = torch.Generator().manual_seed(4)
+    layers = [(name, *_bf16_layer(g, 64, LLAMA_8B[name][0], LLAMA_8B[name][1], 16)) for name in sorted(LLAMA_8B)]
+    xs = {name: torch.randn(64, LLAMA_8B[name][0], generator=g).to("cuda", torch.bfloat16) for name in LLAMA_8B}
+    outs = {name: torch.empty(64, sum(LLAMA_8B[name][1]), dtype=torch.bfloat16, device="cuda") for name in LLAMA_8B}
+    idx = _decode_idx(64, 4, 64)
+
+    def step(graphed: bool):
+        batch = lora_batch(idx, 64)
+        return {name: linear_lora(xs[name], W, None, A, B, batch, scaling, slices=LLAMA_8B[name][1],
+                                  out=outs[name] if graphed else None) for name, W, A, B, scaling in layers}
+
+    stream = torch.cuda.Stream()
+    stream.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(stream):
+        step(True)  # compiles outside the capture
+    torch.cuda.current_stream().wait_stream(stream)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        step(True)
+    for fill in (None, 16, -1, 7, None):
+        if fill is None:
+            idx.copy_(torch.randint(-1, 64, (64,), generator=g, dtype=torch.int32))
+        else:
+            idx.copy_(_decode_idx(64, fill, 64) if fill > 0 else torch.full_like(idx, -1))
+        graph.replay()
+        eager = step(False)
+        torch.cuda.synchronize()
+        for name in LLAMA_8B:
+            assert torch.equal(outs[name], eager[name]), (fill, name)
