@@ -8,6 +8,7 @@ engine runs with `EngineConfig.lora_overlap`) and, with `--baseline FILE`, anoth
     python bench/lora_kernels.py
     git show main:kernels/lora.py > bench/lora_baseline.py  # where git is; then, on the GPU:
     python bench/lora_kernels.py --baseline bench/lora_baseline.py
+    python bench/lora_kernels.py --systems default,linear,linear_bn64,linear_k256_s3 --distinct 0,1,4,16
 
 Each case is a CUDA graph of one step: the tile plan (`lora_batch`, once) and per layer the four base GEMMs
 (`torch.mm` against random weights, 8B's 14 GB, so the adapters' weights come from memory as in the model) each
@@ -15,7 +16,10 @@ followed by its `add_lora` (systems `default`, `two_launches`, ...: `overlap: fa
 (`overlap: true`), each GEMM with its `lora_shrink_partials` forked onto a side stream before it and its
 `lora_expand_partials` joined after it; `side_delta` / `side_delta_deferred` put the whole LoRA of each layer on the
 side stream into a float32 delta (`side_delta()` says how each is joined); `residual` is
-`EngineConfig.lora_deferred` (`into_residual()`); the same graph without LoRA is the base. `step_ms`: the median
+`EngineConfig.lora_deferred` (`into_residual()`); the `linear*` systems replace each GEMM and its hook with one
+`kernels.lora_linear.linear_lora` launch (the GEMM in Triton, the delta added in its epilogue; `linear_configs()`,
+more with `--sweep`; their outputs differ from cuBLAS's in the GEMM's rounding: `max_abs_diff_to_first`, against
+the first system's); the same graph without LoRA is the base. `step_ms`: the median
 replay of the graph (`--replays` replays, best of 3 rounds); `lora_ms` = step_ms - base step_ms, `lora_us_per_hook`
 = lora_ms over the 128 hooks, `overhead_of_step` = lora_ms / `--step-ms` (the engine's whole base decode step at
 batch 64, 5.53 ms measured on one H200 by `bench/lora.py --profile`; the issue's target is <= 0.15). `lora_only_ms`:
@@ -34,6 +38,7 @@ loop before its K step grew to 256 with two pipeline stages (8 dependent steps o
 from __future__ import annotations
 
 import argparse
+import fnmatch
 import importlib.util
 import os
 import statistics
@@ -76,12 +81,36 @@ def configs(sweep: bool) -> tuple[dict, dict]:
 class Hook(NamedTuple):
     """How a case runs LoRA: `plan(idx, num_slots)` once per step; per layer `start(x, A, B, plan, scaling, slices)`
     before the GEMM (None: nothing before it), then `finish(out, x, A, B, plan, scaling, slices, started)` after
-    it; `end()` after the step's last layer (None: nothing)."""
+    it; `end()` after the step's last layer (None: nothing). With `linear`, each layer is
+    `linear(out, x, W, A, B, plan, scaling, slices)` instead: the GEMM and its LoRA in one call."""
 
     plan: Callable
-    finish: Callable
+    finish: Callable | None
     start: Callable | None = None
     end: Callable | None = None
+    linear: Callable | None = None
+
+
+def fused_linear(config) -> Hook:
+    """`kernels.lora_linear.linear_lora` in place of each GEMM and its hook (one launch per layer)."""
+    from kernels.lora import lora_batch
+    from kernels.lora_linear import linear_lora
+
+    return Hook(lora_batch, None, linear=lambda out, x, W, A, B, plan, scaling, slices: linear_lora(
+        x, W, None, A, B, plan, scaling, slices=slices, out=out, config=config))
+
+
+def linear_configs(sweep: bool) -> dict:
+    """name -> config of `linear_lora`."""
+    from kernels.lora_linear import LinearLoraConfig
+
+    named = {"linear": LinearLoraConfig(), "linear_bn64": LinearLoraConfig(block_n=64),
+             "linear_k256_s3": LinearLoraConfig(block_k=256, stages=3)}
+    if sweep:
+        named |= {f"linear_bn{n}_k{k}_s{st}_w{w}": LinearLoraConfig(block_n=n, block_k=k, stages=st, num_warps=w)
+                  for n in (32, 64) for k in (64, 128, 256) for st in (3, 4, 5) for w in (4, 8)
+                  if (n, k, st, w) != (32, 128, 4, 4)}
+    return named
 
 
 def after_gemm(lora_batch, add_lora, **kw) -> Hook:
@@ -198,6 +227,9 @@ class Step:
         for layer in self.layers:
             for name, t in layer.items():
                 out, x = self.out[name], self.x[name]
+                if hook is not None and hook.linear is not None:
+                    hook.linear(out, x, t["W"], t["A"], t["B"], plan, self.scaling, t["slices"])
+                    continue
                 started = (hook.start(x, t["A"], t["B"], plan, self.scaling, t["slices"])
                            if hook is not None and hook.start is not None else None)
                 if gemms:
@@ -244,9 +276,11 @@ def timed_graph(step: Step, hook, args, gemms: bool = True) -> tuple[float, dict
 
 
 def assign(step: Step, distinct: int, args) -> None:
-    """Token t takes slot (t mod distinct) * (slots // distinct): `distinct` adapters spread over the slots."""
+    """Token t takes slot (t mod distinct) * (slots // distinct): `distinct` adapters spread over the slots (0: no
+    token has one, which times what each system costs besides the adapters' work; for `linear*`, its GEMM against
+    cuBLAS's)."""
     t = torch.arange(args.tokens, dtype=torch.int32)
-    step.idx.copy_(t % distinct * (args.slots // distinct))
+    step.idx.copy_(t % distinct * (args.slots // distinct) if distinct else torch.full_like(t, -1))
 
 
 def main() -> None:
@@ -262,7 +296,8 @@ def main() -> None:
     ap.add_argument("--baseline", default=None, help="another kernels/lora.py to time alongside (its add_lora and "
                     "lora_batch)")
     ap.add_argument("--sweep", action="store_true", help="more launch shapes")
-    ap.add_argument("--systems", default=None, help="comma-separated systems to run (default: all)")
+    ap.add_argument("--systems", default=None, help="comma-separated systems (or shell patterns of them, "
+                    "e.g. 'linear*') to run (default: all)")
     ap.add_argument("--carveouts", default="0", help="comma-separated SM counts the base GEMMs leave to the side "
                     "stream (torch._C._set_sm_carveout_experimental through cuBLASLt; 0: torch's default BLAS, "
                     "no carve-out); each has its own base")
@@ -281,15 +316,16 @@ def main() -> None:
     hooks |= {name: overlapped(config) for name, config in overlaps.items()}
     hooks |= {"side_delta": side_delta(step, deferred=False), "side_delta_deferred": side_delta(step, deferred=True),
               "residual": into_residual(step)}
+    hooks |= {name: fused_linear(config) for name, config in linear_configs(args.sweep).items()}
     if args.baseline:
         old = load_baseline(args.baseline)
         hooks["baseline"] = after_gemm(old.lora_batch, old.add_lora)
     if args.systems:
         wanted = args.systems.split(",")
-        unknown = sorted(set(wanted) - set(hooks))
+        unknown = sorted(w for w in wanted if not fnmatch.filter(hooks, w))
         if unknown:
             raise SystemExit(f"--systems: unknown {unknown}; known: {sorted(hooks)}")
-        hooks = {name: hooks[name] for name in wanted}
+        hooks = {name: hooks[name] for name in dict.fromkeys(n for w in wanted for n in fnmatch.filter(hooks, w))}
     for carveout in [int(c) for c in args.carveouts.split(",")]:
         if carveout:
             torch.backends.cuda.preferred_blas_library("cublaslt")
@@ -306,7 +342,8 @@ def run_systems(step: Step, hooks: dict, distinct: int, base_ms: float, common: 
     reference = None
     for name, hook in hooks.items():
         step_ms, streams = timed_graph(step, hook, args)
-        lora_only, _ = timed_graph(step, hook, args, gemms=False)
+        fused = hook.linear is not None  # the GEMMs are the hook's own: no graph of the LoRA work alone
+        lora_only = None if fused else round(timed_graph(step, hook, args, gemms=False)[0], 4)
         step.run(hook)
         outs = torch.cat([o.flatten() for o in step.out.values()])
         reference = outs if reference is None else reference
@@ -315,8 +352,9 @@ def run_systems(step: Step, hooks: dict, distinct: int, base_ms: float, common: 
         emit(kind="lora_kernels", system=name, overlap=hook.start is not None, distinct=distinct,
              step_ms=round(step_ms, 4),
              lora_ms=round(lora_ms, 4), lora_us_per_hook=round(1e3 * lora_ms / (4 * args.layers), 2),
-             overhead_of_step=round(lora_ms / args.step_ms, 4), lora_only_ms=round(lora_only, 4),
-             bitwise_equal_to_default=None if deferred else bool(torch.equal(outs, reference)),
+             overhead_of_step=round(lora_ms / args.step_ms, 4), lora_only_ms=lora_only,
+             bitwise_equal_to_default=None if deferred or fused else bool(torch.equal(outs, reference)),
+             **({"max_abs_diff_to_first": float((outs.float() - reference.float()).abs().max())} if fused else {}),
              **({"stream_use": streams} if streams is not None else {}), **common)
 
 

@@ -65,3 +65,4 @@ class RunnerConfig:
     lora_target_modules: tuple[str, ...] | None = None
     lora_overlap: bool = False
     lora_deferred: bool = False
+    lora_fused_linear: bool = False

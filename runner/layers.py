@@ -48,6 +48,9 @@ class Linear(nn.Module):
         self.deterministic = deterministic
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        fused = self.fused_lora(x, self.bias)
+        if fused is not None:
+            return fused
         partials = None if self.lora is None else self.lora.start(x)  # the LoRA shrink, beside the matmul
         if self.takes_gemv(x):
             from kernels.gemv import fused_gemv
@@ -56,6 +59,13 @@ class Linear(nn.Module):
         else:
             out = linear(x, self.weight, self.bias, self.deterministic)
         return out if self.lora is None else self.lora(out, x, partials)
+
+    def fused_lora(self, x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor | None:
+        """x W^T (+ bias) with the LoRA delta, when the hook takes the layer in one launch
+        (`runner.lora.runtime.LoraHook.linear`); None otherwise (and in deterministic mode)."""
+        if self.lora is None or self.deterministic:
+            return None
+        return self.lora.linear(x, self.weight, bias)
 
     def lora_residual(self, residual: torch.Tensor) -> None:
         """The residual sum [T, out] this layer's next output is about to join, for a LoRA hook that adds its delta

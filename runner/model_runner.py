@@ -163,7 +163,8 @@ class ModelRunner:
             self.lora = LoraRuntime(self.model, model_config, max_loras=config.max_loras,
                                     max_rank=config.max_lora_rank, target_modules=config.lora_target_modules,
                                     device=self.device, dtype=self.dtype, overlap=config.lora_overlap,
-                                    deferred=config.lora_deferred, tp=self.tp)
+                                    deferred=config.lora_deferred, fused_linear=config.lora_fused_linear,
+                                    tp=self.tp)
         self.buffers = StepBuffers(
             config.max_num_batched_tokens, config.max_num_seqs, self.input_batch.max_blocks_per_seq, self.device,
             lora=self.lora is not None,

@@ -428,6 +428,27 @@ def test_lora_overlap_reaches_the_runner_and_the_cpu_runs_the_reference_whole(en
         assert hook.start(torch.zeros(3, hook.stack.A.shape[2])) is None
 
 
+def test_lora_fused_linear_reaches_the_runner_and_the_cpu_keeps_its_matmul(engine, base):
+    """`EngineConfig.lora_fused_linear` is off by default, reaches the runner, is refused beside the overlapped or
+    deferred hooks; on the CPU the hooks never take a layer's matmul (`LoraHook.linear` gives None)."""
+    from rollout.config import from_mapping
+
+    assert EngineConfig(model="m").lora_fused_linear is False
+    assert from_mapping(EngineConfig, {"model": "m", "lora_fused_linear": True}).runner_config().lora_fused_linear
+    for other in ("lora_overlap", "lora_deferred"):
+        with pytest.raises(ValueError, match="lora_fused_linear runs each adapted linear and its LoRA in one launch"):
+            EngineConfig(model="m", lora_fused_linear=True, **{other: True})
+    runtime = engine.runner.lora
+    assert runtime.fused_linear is False
+    proj = engine.runner.model.model.layers[0].self_attn.qkv_proj
+    runtime.fused_linear = True  # asked for, but on the CPU: the layer keeps its matmul and hook
+    try:
+        with runtime.tokens(torch.zeros(3, dtype=torch.int64)), torch.no_grad():
+            assert proj.lora.linear(torch.zeros(3, proj.in_features), proj.weight, proj.bias) is None
+    finally:
+        runtime.fused_linear = False
+
+
 @pytest.fixture(scope="module")
 def engine_deferred(base, adapters):
     """`lora_deferred`: o_proj's and down_proj's deltas go into the residual sum, gate_up_proj's to the
@@ -528,6 +549,12 @@ def test_linear_starts_its_hook_before_the_matmul_and_hands_it_the_result(monkey
         return real(*args)
 
     class Hook:
+        fused = None  # what `linear` gives: None, the layer runs its matmul and the hook's halves
+
+        def linear(self, x, weight, bias):
+            events.append("linear")
+            return self.fused
+
         def start(self, x):
             events.append("start")
             return "partials"
@@ -544,6 +571,13 @@ def test_linear_starts_its_hook_before_the_matmul_and_hands_it_the_result(monkey
     layer.lora = Hook()
     events.clear()
     assert torch.equal(layer(x), plain + 1)
+    assert events == ["linear", "start", "matmul", "partials"]
+    layer.lora.fused = torch.zeros(2, 3)  # the hook takes the whole layer (EngineConfig.lora_fused_linear)
+    events.clear()
+    assert layer(x) is layer.lora.fused and events == ["linear"]
+    layer.set_deterministic(True)  # deterministic mode keeps its own linears
+    events.clear()
+    assert torch.equal(layer(x), real(x, layer.weight, None, True) + 1)
     assert events == ["start", "matmul", "partials"]
 
 

@@ -13,6 +13,8 @@ stream (`kernels.lora.lora_shrink_partials`; one high-priority stream per runtim
 while the current stream runs the matmul, and the hook called on the output joins it and runs the expand
 (`lora_expand_partials`); in a captured decode graph the fork and the join are the graph's edges (the shrink a
 branch beside the matmul). Without `overlap`, `add_lora` after the matmul (one launch); both give the same bits.
+With `fused_linear` (`EngineConfig.lora_fused_linear`), a forward of a decode step's few tokens takes the linear
+from the Linear altogether (`LoraHook.linear`: the base GEMM and the delta in one Triton launch).
 With `deferred` (`EngineConfig.lora_deferred`), the hooks of o_proj and down_proj, whose outputs only join the
 residual sum, add their delta to that sum instead: the decoder layer hands it over just before the layer
 (`Linear.lora_residual`), `start(x)` forks the whole `add_lora` into it onto the side stream and the call joins it
@@ -146,6 +148,23 @@ class LoraHook:
             add_lora(into.zero_() if zero else into, x, stack.A, stack.B, tokens, scaling, slices=stack.slices)
         return _Deferred(side, delta)
 
+    def linear(self, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor | None:
+        """With `runtime.fused_linear`, in a forward with adapter tokens of at most
+        `kernels.lora_linear.LinearLoraConfig.max_rows` rows (no autograd): x [T, in] weight^T (+ bias) and the
+        adapters' delta in one launch (`kernels.lora_linear.linear_lora`), [T, N]. None otherwise: the layer runs its
+        matmul, then `start` / the call."""
+        runtime = self.runtime
+        if (not runtime.fused_linear or runtime.current is None or not x.is_cuda or x.dim() != 2
+                or torch.is_grad_enabled()):
+            return None
+        from kernels.lora_linear import DEFAULT_LINEAR_CONFIG, linear_lora
+
+        if not 0 < x.shape[0] <= DEFAULT_LINEAR_CONFIG.max_rows:
+            return None
+        stack = self.stack
+        return linear_lora(x, weight, bias, stack.A, stack.B, runtime.current, runtime.slots.scaling,
+                           slices=stack.slices)
+
     def __call__(self, out: torch.Tensor, x: torch.Tensor, partials=None) -> torch.Tensor:
         """out [T, N] += the adapters' delta for x [T, in]; `partials`: what `start(x)` returned."""
         tokens = self.runtime.current
@@ -177,7 +196,7 @@ class LoraRuntime:
 
     def __init__(self, model: torch.nn.Module, model_config: ModelConfig, *, max_loras: int, max_rank: int,
                  target_modules: tuple[str, ...] | None, device: torch.device, dtype: torch.dtype,
-                 overlap: bool = False, deferred: bool = False, tp=None) -> None:
+                 overlap: bool = False, deferred: bool = False, fused_linear: bool = False, tp=None) -> None:
         if target_modules is None:  # every module the model supports (a MoE model: the attention projections)
             target_modules = tuple(m for m in LORA_MODULES if m in lora_module_shapes(model_config))
         assert tp is None or not deferred, "deferred LoRA deltas under tensor parallelism"
@@ -196,6 +215,7 @@ class LoraRuntime:
         self._stage = StagedOnRank()  # the push `prepare` staged, until published or rolled back
         self.current = None  # the running forward's LoraBatch (CUDA) or idx [T] (CPU); None: no adapter
         self.overlap = overlap and device.type == "cuda"  # each hook's shrink on the side stream, beside the matmul
+        self.fused_linear = fused_linear and device.type == "cuda"  # decode linears and their LoRA in one launch
         self._side = None  # torch.cuda.Stream: the side stream, made on first use
         self.hooks: list[LoraHook] = []
         for (layer, fused), stack in self.slots.stacks.items():

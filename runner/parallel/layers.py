@@ -96,15 +96,17 @@ class RowParallelLinear(Linear):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if self.tp is None:
             return super().forward(x)
-        partials = None if self.lora is None else self.lora.start(x)  # the LoRA shrink of the rank's columns
-        if self.takes_gemv(x):
-            from kernels.gemv import fused_gemv
+        y = self.fused_lora(x, None)  # the rank's partial products and partial delta in one launch
+        if y is None:
+            partials = None if self.lora is None else self.lora.start(x)  # the LoRA shrink of the rank's columns
+            if self.takes_gemv(x):
+                from kernels.gemv import fused_gemv
 
-            y = fused_gemv(x, self.weight)
-        else:
-            y = linear(x, self.weight, None, self.deterministic)
-        if self.lora is not None:  # the rank's partial delta, summed over ranks with the partial products
-            y = self.lora(y, x, partials)
+                y = fused_gemv(x, self.weight)
+            else:
+                y = linear(x, self.weight, None, self.deterministic)
+            if self.lora is not None:  # the rank's partial delta, summed over ranks with the partial products
+                y = self.lora(y, x, partials)
         y = self.tp.all_reduce(y)
         return y if self.bias is None else y + self.bias
 
