@@ -27,9 +27,10 @@
 #                                     16 in the batch (default hooks and lora_deferred, profiled) and merged mode;
 #                                     LORA_BASELINE=FILE adds another kernels/lora.py to the kernels' systems
 #                                     (`git show REV:kernels/lora.py > bench/lora_baseline.py` here first)
-#   bash bench/gpu_round.sh lora-linear  the one-launch linear + LoRA kernel (kernels/lora_linear.py, < 9 min): its
-#                                     tests, then the kernels alone with 0 / 1 / 4 / 16 adapters in the batch
-#                                     against cuBLAS + the default hooks, and its tile sweep at 0 and 1 adapters
+#   bash bench/gpu_round.sh lora-linear  the one-launch linear + LoRA kernel (kernels/lora_linear.py, < 10 min):
+#                                     its tests, the kernels alone with 0 / 1 / 4 / 16 adapters in the batch against
+#                                     cuBLAS + the default hooks, its tile sweep at one adapter, and the engine with
+#                                     `lora_fused_linear` against the base (16 adapters loaded, 1 / 16 in the batch)
 # Logs and JSON lines go under $OUT (default ./gpu_out).
 set -uo pipefail
 OUT=${OUT:-gpu_out}
@@ -124,13 +125,15 @@ case "${1:-tests}" in
     grep -i -B2 -A3 "error\|traceback" "$OUT/lora.log" | tail -20
     ;;
   lora-linear)
-    timeout 150 python3 -m pytest -q -rfE -p no:cacheprovider tests/test_kernels_lora_linear.py \
+    timeout 90 python3 -m pytest -q -rfE -p no:cacheprovider tests/test_kernels_lora_linear.py \
       > "$OUT/lora_linear_tests.log" 2>&1; grep -E "^(FAILED|ERROR) |passed|failed" "$OUT/lora_linear_tests.log" | tail -8
     timeout 120 python3 bench/lora_kernels.py --systems "default,linear,linear_bn64,linear_k256_s3" \
       --distinct 0,1,4,16 > "$OUT/lora_linear.jsonl" 2>> "$OUT/lora.log"
-    timeout 250 python3 bench/lora_kernels.py --sweep --systems "linear*" --distinct 0,1 \
+    timeout 150 python3 bench/lora_kernels.py --sweep --systems "linear*" --distinct 1 \
       > "$OUT/lora_linear_sweep.jsonl" 2>> "$OUT/lora.log"
-    grep -h '"lora_kernels"' "$OUT/lora_linear.jsonl" | cut -c 1-300
+    timeout 200 python3 bench/lora.py --device cuda --fused-linear only --loras 16 --distinct 1,16 --profile \
+      > "$OUT/lora_linear_engine.jsonl" 2>> "$OUT/lora.log"
+    grep -h -E '"lora_kernels"|"decode"' "$OUT/lora_linear.jsonl" "$OUT/lora_linear_engine.jsonl" | cut -c 1-300
     grep -h '"lora_kernels"' "$OUT/lora_linear_sweep.jsonl" | cut -c 1-220
     grep -i -B2 -A3 "error\|traceback" "$OUT/lora.log" | tail -20
     ;;

@@ -7,6 +7,7 @@ milliseconds against a dense push of the base model. Prints one JSON line per me
     python bench/lora.py --device cuda --lora-overlap both  # the LoRA engine with and without the overlap
     python bench/lora.py --device cuda --merged  # and one adapter folded into the base (`lora_merged`)
     python bench/lora.py --device cuda --deferred  # and the deltas left to the next kernels (`lora_deferred`)
+    python bench/lora.py --device cuda --fused-linear  # and each decode linear + LoRA in one launch
     python bench/lora.py --quick                # CPU, a tiny Llama: a smoke test of the script
 
 The base weights are random (`EngineConfig(load_format="dummy")`; the model directory holds only config.json). One
@@ -18,7 +19,9 @@ LoRA line says which hook ran: `lora_overlap` (`EngineConfig.lora_overlap`: true
 stream beside its matmul; false, the default, all of the LoRA work after the matmul); `--lora-overlap both`
 measures a LoRA engine of each kind in the same run, against the same base; `--deferred` one more, with
 `EngineConfig.lora_deferred` (`lora_deferred: true`: every hook's whole LoRA on a side stream beside its matmul,
-added by the residual add, the SiLU-and-mul, or after qkv_proj's matmul).
+added by the residual add, the SiLU-and-mul, or after qkv_proj's matmul); `--fused-linear` one more, with
+`EngineConfig.lora_fused_linear` (`lora_fused_linear: true`: each adapted linear of a decode step and its LoRA as one
+Triton launch, kernels/lora_linear.py).
 
 `--merged`: after the slot engines, an engine with `EngineConfig(max_loras=1, lora_merged=True)` serves a batch
 whose every request takes its one adapter (`system: merged`, its overhead against the same base), and takes the
@@ -88,13 +91,14 @@ def write_adapter(path: str, cfg: dict, rank: int) -> None:
 
 
 def make_engine(path: str, args, max_loras: int, lora_overlap: bool = False, lora_merged: bool = False,
-                lora_deferred: bool = False):
+                lora_deferred: bool = False, lora_fused_linear: bool = False):
     from rollout import Engine, EngineConfig
 
     return Engine(EngineConfig(model=path, device=args.device, dtype=args.dtype, load_format="dummy",
                                max_num_seqs=args.batch, max_model_len=args.prompt_len + args.new_tokens + 16,
                                gpu_memory_utilization=0.6, max_loras=max_loras, max_lora_rank=args.rank,
-                               lora_overlap=lora_overlap, lora_merged=lora_merged, lora_deferred=lora_deferred))
+                               lora_overlap=lora_overlap, lora_merged=lora_merged, lora_deferred=lora_deferred,
+                               lora_fused_linear=lora_fused_linear))
 
 
 def timed_decode(engine, args, loras: list[str | None]) -> float:
@@ -201,6 +205,8 @@ def main() -> None:
     ap.add_argument("--merged", action="store_true", help="also one adapter merged into the base weights")
     ap.add_argument("--deferred", nargs="?", const="also", choices=("also", "only"), default=None,
                     help="also (or only) a LoRA engine with EngineConfig.lora_deferred")
+    ap.add_argument("--fused-linear", nargs="?", const="also", choices=("also", "only"), default=None,
+                    help="also (or only) a LoRA engine with EngineConfig.lora_fused_linear")
     ap.add_argument("--lora-overlap", choices=("on", "off", "both"), default="off",
                     help="EngineConfig.lora_overlap of the LoRA engine (both: one engine of each, one after the other)")
     ap.add_argument("--carveout", type=int, default=0, help="SMs the LoRA engines' cuBLASLt GEMMs leave to the side "
@@ -236,15 +242,18 @@ def main() -> None:
         release_memory()
 
         overlaps = {"on": [True], "off": [False], "both": [True, False]}[args.lora_overlap]
-        modes = [] if args.deferred == "only" else [(overlap, False) for overlap in overlaps]
-        modes += [(False, True)] if args.deferred else []
+        alone = "only" in (args.deferred, args.fused_linear)  # no engine of the --lora-overlap hooks
+        modes = [] if alone else [(overlap, False, False) for overlap in overlaps]
+        modes += [(False, True, False)] if args.deferred else []
+        modes += [(False, False, True)] if args.fused_linear else []
         if args.carveout:
             torch.backends.cuda.preferred_blas_library("cublaslt")
             torch._C._set_sm_carveout_experimental(args.carveout)
-        for run, (overlap, deferred) in enumerate(modes):
+        for run, (overlap, deferred, fused) in enumerate(modes):
             if run:
                 release_memory()
-            engine = make_engine(model_dir, args, max_loras=num_loras, lora_overlap=overlap, lora_deferred=deferred)
+            engine = make_engine(model_dir, args, max_loras=num_loras, lora_overlap=overlap, lora_deferred=deferred,
+                                 lora_fused_linear=fused)
             overlap = engine.runner.lora.overlap  # what the hooks run (the runner's, from the engine's config)
             t = time.perf_counter()
             names = [f"lora{i}" for i in range(num_loras)]
@@ -254,13 +263,14 @@ def main() -> None:
                  **common)
             for k in [0] + distinct:
                 tps = timed_decode(engine, args, names[:k] if k else [None])
-                emit(kind="decode", system="lora", lora_overlap=overlap, lora_deferred=deferred, carveout=args.carveout,
+                emit(kind="decode", system="lora", lora_overlap=overlap, lora_deferred=deferred,
+                     lora_fused_linear=fused, carveout=args.carveout,
                      loras_loaded=num_loras,
                      distinct=k,
                      tokens_per_s=round(tps, 1), overhead=round(base_tps / tps - 1, 4), **common)
                 if args.profile:
                     profile_graph(engine, args, names[:k] if k else [None], common, system="lora", distinct=k,
-                                  lora_overlap=overlap, lora_deferred=deferred)
+                                  lora_overlap=overlap, lora_deferred=deferred, lora_fused_linear=fused)
             if run == 0:  # the pushes do not depend on the hook
                 if len(names) > 1:
                     bench_adapter_push(engine, args, names[1], common, report=False)

@@ -1,6 +1,6 @@
 """bench/lora.py --quick on the CPU: the script runs end to end and reports every case it promises (base, slot
-engine per distinct-adapter count with the default hooks and with `lora_deferred`, merged engine, adapter pushes
-dense then patch, the base push); and the stream accounting its `--profile` rows carry (`stream_use`), on a
+engine per distinct-adapter count with the default hooks, with `lora_deferred` and with `lora_fused_linear`, merged
+engine, adapter pushes dense then patch, the base push); and the stream accounting its `--profile` rows carry (`stream_use`), on a
 hand-made trace."""
 
 import json
@@ -12,15 +12,18 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 
 def test_quick_run_reports_each_case_with_the_merged_and_deferred_engines():
-    run = subprocess.run([sys.executable, os.path.join(ROOT, "bench", "lora.py"), "--quick", "--merged", "--deferred"],
+    run = subprocess.run([sys.executable, os.path.join(ROOT, "bench", "lora.py"), "--quick", "--merged", "--deferred",
+                          "--fused-linear"],
                          capture_output=True, text=True, timeout=600, cwd=ROOT)
     assert run.returncode == 0, run.stderr[-2000:]
     lines = [json.loads(line) for line in run.stdout.splitlines() if line.startswith("{")]
     decode = {(d["system"], d["distinct"]) for d in lines if d["kind"] == "decode"}
     assert decode == {("base", 0), ("lora", 0), ("lora", 1), ("lora", 4), ("merged", 1)}
     assert all(d["tokens_per_s"] > 0 for d in lines if d["kind"] == "decode")
-    slot = [(d["lora_deferred"], d["distinct"]) for d in lines if d["kind"] == "decode" and d["system"] == "lora"]
-    assert slot == [(False, 0), (False, 1), (False, 4), (True, 0), (True, 1), (True, 4)]
+    slot = [(d["lora_deferred"], d["lora_fused_linear"], d["distinct"]) for d in lines
+            if d["kind"] == "decode" and d["system"] == "lora"]
+    assert slot == [(deferred, fused, k) for deferred, fused in ((False, False), (True, False), (False, True))
+                    for k in (0, 1, 4)]
     for system in (None, "merged"):
         pushes = [d for d in lines if d["kind"] == "lora_push" and d.get("system") == system]
         assert [p["mode"] for p in pushes] == ["dense", "patch"], system
