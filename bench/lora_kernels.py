@@ -340,8 +340,14 @@ def run_systems(step: Step, hooks: dict, distinct: int, base_ms: float, common: 
     """Every system of `hooks` with `distinct` adapters in the batch, against the base step `base_ms`."""
     assign(step, distinct, args)
     reference = None
+    from triton.runtime.errors import OutOfResources
+
     for name, hook in hooks.items():
-        step_ms, streams = timed_graph(step, hook, args)
+        try:
+            step_ms, streams = timed_graph(step, hook, args)
+        except OutOfResources as e:  # a tile of the sweep that does not fit the SM's shared memory or registers
+            emit(kind="lora_kernels", system=name, distinct=distinct, error=str(e)[:200], **common)
+            continue
         fused = hook.linear is not None  # the GEMMs are the hook's own: no graph of the LoRA work alone
         lora_only = None if fused else round(timed_graph(step, hook, args, gemms=False)[0], 4)
         step.run(hook)
