@@ -122,10 +122,14 @@ def test_lora_overlap_on_and_off_give_the_same_tokens(setup):
     assert results[False, True][0] == results[True, True][0]  # graphs and eager: the same tokens
 
 
-def test_fused_linear_through_graphs_and_eagerly_gives_peft_tokens(setup, monkeypatch):
-    """`lora_fused_linear` (each adapted linear and its LoRA in one Triton launch at decode) with the decode graphs
-    and eagerly: peft's greedy tokens for a batch mixing the base and two adapters, the kernel used (counted at
-    its entry, captures included), and logprobs within float32 rounding of the default hooks'."""
+@pytest.mark.parametrize("mode", ["lora_deferred", "lora_fused_linear"])
+def test_deferred_and_fused_linear_modes_through_graphs_and_eagerly_give_peft_tokens(setup, monkeypatch, mode):
+    """`lora_deferred` (o_proj's and down_proj's deltas into the residual sum, gate_up_proj's left to the
+    SiLU-and-mul, qkv_proj's added after the matmul, each computed on the side stream beside its matmul) and
+    `lora_fused_linear` (each adapted linear of a decode step and its LoRA in one Triton launch), with the decode
+    graphs and eagerly: peft's greedy tokens for a batch mixing the base and two adapters, the mode's path taken
+    (the side stream used; the one-launch kernel called, captures included, at decode sizes only), and logprobs
+    within float32 rounding of the default hooks'."""
     import kernels.lora_linear as lora_linear
 
     base, adapters = setup
@@ -138,41 +142,18 @@ def test_fused_linear_through_graphs_and_eagerly_gives_peft_tokens(setup, monkey
     models = {None: load_hf(base), "x": peft_model(base, adapters["a"]), "y": peft_model(base, adapters["c"])}
     want = [hf_greedy(models[lora], prompt, 10) for lora, prompt in zip(loras, prompts)]
     logprobs = {}
-    for eager, fused in ((False, True), (True, True), (False, False)):
+    for eager, on in ((False, True), (True, True), (False, False)):
         calls.clear()
-        engine = _engine(base, lora_fused_linear=fused, enforce_eager=eager)
+        engine = _engine(base, enforce_eager=eager, **{mode: on})
         engine.load_lora("x", str(adapters["a"]))
         engine.load_lora("y", str(adapters["c"]))
         outs = engine.generate(prompts, params)
-        assert [o.outputs[0].token_ids for o in outs] == want, (eager, fused)
-        assert bool(calls) is fused and all(0 < t <= 64 for t in calls), (eager, fused)
-        logprobs[eager, fused] = [o.outputs[0].logprobs for o in outs]
-        engine.close()
-    for key in ((False, True), (True, True)):
-        for got, ref in zip(logprobs[key], logprobs[False, False]):
-            assert got == pytest.approx(ref, abs=1e-4), key
-
-
-def test_deferred_mode_through_graphs_and_eagerly_gives_peft_tokens(setup):
-    """`lora_deferred` (o_proj's and down_proj's deltas into the residual sum, gate_up_proj's left to the
-    SiLU-and-mul, qkv_proj's added after the matmul, each computed on the side stream beside its matmul) with the decode graphs and eagerly: peft's greedy
-    tokens for a batch mixing the base and two adapters, the side stream used, and logprobs within float32
-    rounding of the default hooks'."""
-    base, adapters = setup
-    loras = [None, "x", "y", "x", "y", None, "x", "y"]
-    prompts = [PROMPTS[i % len(PROMPTS)] for i in range(len(loras))]
-    params = [SamplingParams(temperature=0, max_tokens=10, ignore_eos=True, lora=lora) for lora in loras]
-    models = {None: load_hf(base), "x": peft_model(base, adapters["a"]), "y": peft_model(base, adapters["c"])}
-    want = [hf_greedy(models[lora], prompt, 10) for lora, prompt in zip(loras, prompts)]
-    logprobs = {}
-    for eager, deferred in ((False, True), (True, True), (False, False)):
-        engine = _engine(base, lora_deferred=deferred, enforce_eager=eager)
-        engine.load_lora("x", str(adapters["a"]))
-        engine.load_lora("y", str(adapters["c"]))
-        outs = engine.generate(prompts, params)
-        assert [o.outputs[0].token_ids for o in outs] == want, (eager, deferred)
-        assert (engine.runner.lora._side is not None) is deferred  # the deferred hooks forked
-        logprobs[eager, deferred] = [o.outputs[0].logprobs for o in outs]
+        assert [o.outputs[0].token_ids for o in outs] == want, (eager, on)
+        if mode == "lora_deferred":
+            assert (engine.runner.lora._side is not None) is on  # the deferred hooks forked
+        else:
+            assert bool(calls) is on and all(0 < t <= 64 for t in calls), (eager, on)
+        logprobs[eager, on] = [o.outputs[0].logprobs for o in outs]
         engine.close()
     for key in ((False, True), (True, True)):
         for got, ref in zip(logprobs[key], logprobs[False, False]):

@@ -21,6 +21,8 @@ from kernels.lora import LoraKernelConfig, lora_batch, lora_shrink  # noqa: E402
 from kernels.lora_linear import LinearLoraConfig, linear_lora  # noqa: E402
 from kernels.lora_linear_ref import linear_lora_ref  # noqa: E402
 from kernels.lora_ref import lora_expand_ref  # noqa: E402
+from test_kernels_lora import LLAMA_8B, _decode_idx, cuda  # noqa: E402
+from test_kernels_lora import _per_token as per_token_deltas  # noqa: E402
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 S = 4  # slots
@@ -46,18 +48,9 @@ def _layer(g, in_features, slices, r_max, ranks, bias=False):
 
 
 def _per_token(x, W, b, A, B, idx, scaling, slices):
-    """The definition, one token and one slice at a time, in float64."""
-    r_max = B.shape[2]
-    out = x.double() @ W.double().t() + (0 if b is None else b.double())
-    for t, s in enumerate(idx.tolist()):
-        if s < 0:
-            continue
-        start = 0
-        for j, width in enumerate(slices):
-            y = A[s, j * r_max:(j + 1) * r_max].double() @ x[t].double()
-            out[t, start:start + width] += scaling[s].double() * (B[s, start:start + width].double() @ y)
-            start += width
-    return out
+    """The definition in float64: the layer, then test_kernels_lora's per-token loop of the deltas."""
+    return per_token_deltas(x.double() @ W.double().t() + (0 if b is None else b.double()), x, A, B, idx, scaling,
+                            slices)
 
 
 def _idx(g, n):
@@ -155,12 +148,7 @@ def test_bad_arguments_and_configs_are_refused():
         LinearLoraConfig(stages=0)
 
 
-# ---- CUDA: the Llama-3.1-8B decode shapes in bfloat16 ------------------------------------------------------------
-cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
-LLAMA_8B = {"qkv": (4096, (4096, 1024, 1024)), "o": (4096, (4096,)), "gate_up": (4096, (14336, 14336)),
-            "down": (14336, (4096,))}
-
-
+# ---- CUDA: the Llama-3.1-8B decode shapes in bfloat16 (test_kernels_lora.py's) ------------------------------------
 def _bf16_layer(g, num_slots, in_features, slices, rank):
     n = sum(slices)
     W = torch.randn(n, in_features, generator=g) / in_features**0.5
@@ -168,12 +156,6 @@ def _bf16_layer(g, num_slots, in_features, slices, rank):
     B = torch.randn(num_slots, n, rank, generator=g) / rank**0.5
     return (W.to("cuda", torch.bfloat16), A.to("cuda", torch.bfloat16), B.to("cuda", torch.bfloat16),
             (torch.rand(num_slots, generator=g) + 0.5).cuda())
-
-
-def _decode_idx(num_tokens, distinct, num_slots):
-    idx = torch.arange(num_tokens, dtype=torch.int32) % distinct * (num_slots // distinct)  # spread over the slots
-    idx[5] = -1
-    return idx.cuda()
 
 
 @cuda
