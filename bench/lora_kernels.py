@@ -30,7 +30,9 @@ unchanged; `side_delta` rounds the base output plus the float32 delta in torch, 
 for `side_delta_deferred` and `residual`, whose deltas are not in the outputs). `--carveouts 0,8,16` repeats it all
 (base included) with that many SMs left out of the base GEMMs (cuBLASLt), room for the side stream's deltas.
 `--streams` adds to each LoRA row how 3 profiled replays used the streams (`stream_use`: per stream its launches,
-busy µs and µs beside another stream's kernels; the µs two streams ran at once). `k64_unpipelined` is the shrink
+busy µs and µs beside another stream's kernels; the µs two streams ran at once). `--per-linear` times each linear
+of the layer alone (rows with `linear`; `hooks` = its 32; its own base), which says per projection shape whether
+the Triton GEMM of `linear*` keeps up with cuBLAS. `k64_unpipelined` is the shrink
 loop before its K step grew to 256 with two pipeline stages (8 dependent steps of
 64 per split).
 """
@@ -107,8 +109,10 @@ def linear_configs(sweep: bool) -> dict:
     named = {"linear": LinearLoraConfig(), "linear_bn64": LinearLoraConfig(block_n=64),
              "linear_k256_s3": LinearLoraConfig(block_k=256, stages=3)}
     if sweep:
+        # K steps of 64 and 128 with 3 stages, and 256 with more than 3, lost or did not fit at every column
+        # block of the whole step (2026-12-06, H100)
         named |= {f"linear_bn{n}_k{k}_s{st}_w{w}": LinearLoraConfig(block_n=n, block_k=k, stages=st, num_warps=w)
-                  for n in (32, 64) for k in (64, 128, 256) for st in (3, 4, 5) for w in (4, 8)
+                  for n in (16, 32, 64, 128) for k, st in ((64, 5), (128, 4), (128, 5), (256, 3)) for w in (4, 8)
                   if (n, k, st, w) != (32, 128, 4, 4)}
     return named
 
@@ -203,6 +207,7 @@ class Step:
 
     def __init__(self, args, g: torch.Generator):
         dev, dt = "cuda", torch.bfloat16
+        self.only: str | None = None  # one linear of LAYERS: the step runs that one alone (`--per-linear`)
         self.idx = torch.zeros(args.tokens, dtype=torch.int32, device=dev)
         self.layers = []
         for _ in range(args.layers):
@@ -226,6 +231,8 @@ class Step:
         plan = hook.plan(self.idx, self.num_slots) if hook is not None else None
         for layer in self.layers:
             for name, t in layer.items():
+                if self.only is not None and name != self.only:
+                    continue
                 out, x = self.out[name], self.x[name]
                 if hook is not None and hook.linear is not None:
                     hook.linear(out, x, t["W"], t["A"], t["B"], plan, self.scaling, t["slices"])
@@ -301,6 +308,8 @@ def main() -> None:
     ap.add_argument("--carveouts", default="0", help="comma-separated SM counts the base GEMMs leave to the side "
                     "stream (torch._C._set_sm_carveout_experimental through cuBLASLt; 0: torch's default BLAS, "
                     "no carve-out); each has its own base")
+    ap.add_argument("--per-linear", action="store_true", help="each linear of the layer alone (qkv, o, gate_up, "
+                    "down: its 32 GEMMs, each with its hook, as the step) instead of the whole step")
     ap.add_argument("--streams", action="store_true", help="per case, how 3 profiled replays used the streams "
                     "(`stream_use`: launches and busy µs per stream, µs of two streams at once)")
     args = ap.parse_args()
@@ -330,10 +339,13 @@ def main() -> None:
         if carveout:
             torch.backends.cuda.preferred_blas_library("cublaslt")
         torch._C._set_sm_carveout_experimental(carveout or None)
-        base_ms, _ = timed_graph(step, None, args)
-        emit(kind="lora_kernels", system="base", carveout=carveout, step_ms=round(base_ms, 4), **common)
-        for distinct in [int(d) for d in args.distinct.split(",")]:
-            run_systems(step, hooks, distinct, base_ms, dict(common, carveout=carveout), args)
+        for only in LAYERS if args.per_linear else [None]:
+            step.only = only
+            case = dict(common, carveout=carveout) | ({"linear": only, "hooks": args.layers} if only else {})
+            base_ms, _ = timed_graph(step, None, args)
+            emit(kind="lora_kernels", system="base", step_ms=round(base_ms, 4), **case)
+            for distinct in [int(d) for d in args.distinct.split(",")]:
+                run_systems(step, hooks, distinct, base_ms, case, args)
 
 
 def run_systems(step: Step, hooks: dict, distinct: int, base_ms: float, common: dict, args) -> None:
@@ -351,13 +363,13 @@ def run_systems(step: Step, hooks: dict, distinct: int, base_ms: float, common: 
         fused = hook.linear is not None  # the GEMMs are the hook's own: no graph of the LoRA work alone
         lora_only = None if fused else round(timed_graph(step, hook, args, gemms=False)[0], 4)
         step.run(hook)
-        outs = torch.cat([o.flatten() for o in step.out.values()])
+        outs = torch.cat([o.flatten() for name, o in step.out.items() if step.only in (None, name)])
         reference = outs if reference is None else reference
         lora_ms = step_ms - base_ms
         deferred = name in ("side_delta_deferred", "residual")  # deltas outside the outputs: nothing to compare
         emit(kind="lora_kernels", system=name, overlap=hook.start is not None, distinct=distinct,
              step_ms=round(step_ms, 4),
-             lora_ms=round(lora_ms, 4), lora_us_per_hook=round(1e3 * lora_ms / (4 * args.layers), 2),
+             lora_ms=round(lora_ms, 4), lora_us_per_hook=round(1e3 * lora_ms / common["hooks"], 2),
              overhead_of_step=round(lora_ms / args.step_ms, 4), lora_only_ms=lora_only,
              bitwise_equal_to_default=None if deferred or fused else bool(torch.equal(outs, reference)),
              **({"max_abs_diff_to_first": float((outs.float() - reference.float()).abs().max())} if fused else {}),
