@@ -31,7 +31,8 @@ for `side_delta_deferred` and `residual`, whose deltas are not in the outputs). 
 (base included) with that many SMs left out of the base GEMMs (cuBLASLt), room for the side stream's deltas.
 `--streams` adds to each LoRA row how 3 profiled replays used the streams (`stream_use`: per stream its launches,
 busy µs and µs beside another stream's kernels; the µs two streams ran at once). `--per-linear` times each linear
-of the layer alone (rows with `linear`; `hooks` = its 32; its own base), which says per projection shape whether
+of the layer alone (rows with `linear`; `hooks` = its 32; its own base; `overhead_of_step` its hooks' share of
+the engine's whole step), which says per projection shape whether
 the Triton GEMM of `linear*` keeps up with cuBLAS. `k64_unpipelined` is the shrink
 loop before its K step grew to 256 with two pipeline stages (8 dependent steps of
 64 per split).
@@ -109,8 +110,8 @@ def linear_configs(sweep: bool) -> dict:
     named = {"linear": LinearLoraConfig(), "linear_bn64": LinearLoraConfig(block_n=64),
              "linear_k256_s3": LinearLoraConfig(block_k=256, stages=3)}
     if sweep:
-        # K steps of 64 and 128 with 3 stages, and 256 with more than 3, lost or did not fit at every column
-        # block of the whole step (2026-12-06, H100)
+        # left out: K steps of 64 at 3 or 4 stages and of 128 at 3 (slower than these at every column block of
+        # the whole step, 2026-12-06, H100) and of 256 at 4 or 5 (past the shared memory of 64 columns)
         named |= {f"linear_bn{n}_k{k}_s{st}_w{w}": LinearLoraConfig(block_n=n, block_k=k, stages=st, num_warps=w)
                   for n in (16, 32, 64, 128) for k, st in ((64, 5), (128, 4), (128, 5), (256, 3)) for w in (4, 8)
                   if (n, k, st, w) != (32, 128, 4, 4)}
