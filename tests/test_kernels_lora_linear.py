@@ -123,6 +123,21 @@ def test_one_plan_serves_many_launches_and_leaves_its_counters_at_zero():
         assert int(batch.done[0]) == 0 and not batch.arrivals.any()
 
 
+def test_each_layer_shape_takes_its_measured_tile_and_every_tile_computes_the_layer():
+    from kernels.lora_linear import DEFAULT_LINEAR_CONFIG, LONG_CONFIG, WIDE_CONFIG, linear_config_for
+
+    assert {name: linear_config_for(inp, sum(slices)) for name, (inp, slices) in LLAMA_8B.items()} == {
+        "qkv": DEFAULT_LINEAR_CONFIG, "o": DEFAULT_LINEAR_CONFIG, "gate_up": WIDE_CONFIG, "down": LONG_CONFIG}
+    g = torch.Generator().manual_seed(6)
+    slices = (40, 24)
+    W, b, A, B, scaling = _layer(g, 100, slices, 4, ranks=(4, 2, 3, 1), bias=True)
+    x, idx = torch.randn(5, 100, generator=g).to(DEVICE), _idx(g, 5)
+    want = linear_lora_ref(x, W, b, A, B, idx, scaling, slices=slices)
+    for config in (WIDE_CONFIG, LONG_CONFIG):
+        torch.testing.assert_close(linear_lora(x, W, b, A, B, idx, scaling, slices=slices, config=config), want,
+                                   rtol=1e-5, atol=1e-5)
+
+
 def test_token_slot_counts_out_of_range_slots_as_none():
     idx = torch.tensor([3, -1, 7, 0, -5, 2], dtype=torch.int32, device=DEVICE)
     assert lora_batch(idx, 4).token_slot.tolist() == [3, -1, -1, 0, -1, 2]

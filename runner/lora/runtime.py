@@ -157,13 +157,14 @@ class LoraHook:
         if (not runtime.fused_linear or runtime.current is None or not x.is_cuda or x.dim() != 2
                 or torch.is_grad_enabled()):
             return None
-        from kernels.lora_linear import DEFAULT_LINEAR_CONFIG, linear_lora
+        from kernels.lora_linear import linear_config_for, linear_lora
 
-        if not 0 < x.shape[0] <= DEFAULT_LINEAR_CONFIG.max_rows:
+        config = linear_config_for(weight.shape[1], weight.shape[0])  # the tile of the layer's shape
+        if not 0 < x.shape[0] <= config.max_rows:
             return None
         stack = self.stack
         return linear_lora(x, weight, bias, stack.A, stack.B, runtime.current, runtime.slots.scaling,
-                           slices=stack.slices)
+                           slices=stack.slices, config=config)
 
     def __call__(self, out: torch.Tensor, x: torch.Tensor, partials=None) -> torch.Tensor:
         """out [T, N] += the adapters' delta for x [T, in]; `partials`: what `start(x)` returned."""
