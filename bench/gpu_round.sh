@@ -28,9 +28,11 @@
 #                                     LORA_BASELINE=FILE adds another kernels/lora.py to the kernels' systems
 #                                     (`git show REV:kernels/lora.py > bench/lora_baseline.py` here first)
 #   bash bench/gpu_round.sh lora-linear  the one-launch linear + LoRA kernel (kernels/lora_linear.py, < 10 min):
-#                                     its tests, the kernels alone with 0 / 1 / 4 / 16 adapters in the batch against
-#                                     cuBLAS + the default hooks, its tile sweep at one adapter, and the engine with
+#                                     its tests (the engine's fused-linear test included), the kernels alone with
+#                                     0 / 1 / 4 / 16 adapters in the batch against cuBLAS + the default hooks (the
+#                                     default tile and the tile by layer shape), and the engine with
 #                                     `lora_fused_linear` against the base (16 adapters loaded, 1 / 16 in the batch)
+#   bash bench/gpu_round.sh lora-linear-sweep  each projection alone, every tile of the sweep, 0 and 1 adapters
 # Logs and JSON lines go under $OUT (default ./gpu_out).
 set -uo pipefail
 OUT=${OUT:-gpu_out}
@@ -125,17 +127,20 @@ case "${1:-tests}" in
     grep -i -B2 -A3 "error\|traceback" "$OUT/lora.log" | tail -20
     ;;
   lora-linear)
-    timeout 90 python3 -m pytest -q -rfE -p no:cacheprovider tests/test_kernels_lora_linear.py \
+    timeout 150 python3 -m pytest -q -rfE -p no:cacheprovider tests/test_kernels_lora_linear.py \
+      "tests/test_gpu_lora_engine.py::test_deferred_and_fused_linear_modes_through_graphs_and_eagerly_give_peft_tokens" \
       > "$OUT/lora_linear_tests.log" 2>&1; grep -E "^(FAILED|ERROR) |passed|failed" "$OUT/lora_linear_tests.log" | tail -8
-    timeout 120 python3 bench/lora_kernels.py --systems "default,linear,linear_bn64,linear_k256_s3" \
+    timeout 130 python3 bench/lora_kernels.py --systems "default,linear,linear_by_shape" --replays 5 \
       --distinct 0,1,4,16 > "$OUT/lora_linear.jsonl" 2>> "$OUT/lora.log"
-    timeout 150 python3 bench/lora_kernels.py --sweep --systems "linear*" --distinct 1 \
-      > "$OUT/lora_linear_sweep.jsonl" 2>> "$OUT/lora.log"
-    timeout 200 python3 bench/lora.py --device cuda --fused-linear only --loras 16 --distinct 1,16 --profile \
+    timeout 300 python3 bench/lora.py --device cuda --fused-linear only --loras 16 --distinct 1,16 \
       > "$OUT/lora_linear_engine.jsonl" 2>> "$OUT/lora.log"
     grep -h -E '"lora_kernels"|"decode"' "$OUT/lora_linear.jsonl" "$OUT/lora_linear_engine.jsonl" | cut -c 1-300
-    grep -h '"lora_kernels"' "$OUT/lora_linear_sweep.jsonl" | cut -c 1-220
     grep -i -B2 -A3 "error\|traceback" "$OUT/lora.log" | tail -20
+    ;;
+  lora-linear-sweep)
+    timeout 570 python3 bench/lora_kernels.py --per-linear --sweep --systems "default,linear*" --distinct 0,1 \
+      --replays 5 > "$OUT/lora_linear_sweep.jsonl" 2>> "$OUT/lora.log"
+    grep -h '"lora_kernels"' "$OUT/lora_linear_sweep.jsonl" | cut -c 1-220
     ;;
   tp)
     export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1
