@@ -123,8 +123,9 @@ class EngineConfig:
     """CUDA, slot mode: a forward with adapter tokens and at most 64 tokens (a decode step) runs each adapted linear
     as one Triton launch, the base GEMM and the adapters' deltas together (`kernels.lora_linear.linear_lora`: the
     shrink's programs first, then the GEMM's, which add each row's delta in their epilogue; each layer with the tile
-    of its shape, `kernels.lora_linear.linear_config_for`), in place of cuBLAS's GEMM and the LoRA kernel after it. The base GEMM then rounds as the Triton kernel does, not as cuBLAS does, so
-    the outputs differ from the default's in the last bits. Not in deterministic mode (its linears stay
+    of its shape, `kernels.lora_linear.linear_config_for`), in place of cuBLAS's GEMM and the LoRA kernel after it.
+    The base GEMM then rounds as the Triton kernel does, not as cuBLAS does, so the outputs differ from the
+    default's in the last bits. Not in deterministic mode (its linears stay
     batch-invariant) and not with `lora_overlap` or `lora_deferred`."""
     lora_merged: bool = False
     """Merged mode: one adapter at a time, folded into the base weights (W = W_base + scaling * B @ A, computed in
