@@ -125,8 +125,8 @@ class EngineConfig:
     shrink's programs first, then the GEMM's, which add each row's delta in their epilogue; each layer with the tile
     of its shape, `kernels.lora_linear.linear_config_for`), in place of cuBLAS's GEMM and the LoRA kernel after it.
     The base GEMM then rounds as the Triton kernel does, not as cuBLAS does, so the outputs differ from the
-    default's in the last bits. Not in deterministic mode (its linears stay
-    batch-invariant) and not with `lora_overlap` or `lora_deferred`."""
+    default's in the last bits. Not in deterministic mode (its linears stay batch-invariant) and not with
+    `lora_overlap` or `lora_deferred`."""
     lora_merged: bool = False
     """Merged mode: one adapter at a time, folded into the base weights (W = W_base + scaling * B @ A, computed in
     float32 from a kept copy of the base and rounded once to the weights' dtype, so bfloat16 weights are the
