@@ -95,21 +95,26 @@ class Hook(NamedTuple):
 
 
 def fused_linear(config) -> Hook:
-    """`kernels.lora_linear.linear_lora` in place of each GEMM and its hook (one launch per layer); config None:
-    each layer's tile from its shape (`linear_config_for`, what the engine runs)."""
+    """`kernels.lora_linear.linear_lora` in place of each GEMM and its hook (one launch per layer); config a
+    `LinearLoraConfig`, or a function of (in, out) giving one (`linear_config_for`: what the engine runs)."""
     from kernels.lora import lora_batch
-    from kernels.lora_linear import linear_config_for, linear_lora
+    from kernels.lora_linear import linear_lora
 
+    pick = config if callable(config) else lambda in_features, out_features: config
     return Hook(lora_batch, None, linear=lambda out, x, W, A, B, plan, scaling, slices: linear_lora(
-        x, W, None, A, B, plan, scaling, slices=slices, out=out,
-        config=config or linear_config_for(W.shape[1], W.shape[0])))
+        x, W, None, A, B, plan, scaling, slices=slices, out=out, config=pick(W.shape[1], W.shape[0])))
 
 
 def linear_configs(sweep: bool) -> dict:
-    """name -> config of `linear_lora` (None: by the layer's shape)."""
-    from kernels.lora_linear import LinearLoraConfig
+    """name -> config of `linear_lora`, or a function of the layer's (in, out) giving one ("linear_by_shape": the
+    engine's; "linear_by_shape_gathered": the same tiles with each row's B rows gathered in the expand)."""
+    from dataclasses import replace
 
-    named = {"linear": LinearLoraConfig(), "linear_by_shape": None, "linear_bn64": LinearLoraConfig(block_n=64),
+    from kernels.lora_linear import LinearLoraConfig, linear_config_for
+
+    named = {"linear": LinearLoraConfig(), "linear_by_shape": linear_config_for,
+             "linear_by_shape_gathered": lambda i, o: replace(linear_config_for(i, o), expand_by_slot=False),
+             "linear_bn64": LinearLoraConfig(block_n=64),
              "linear_k256_s3": LinearLoraConfig(block_k=256, stages=3)}
     if sweep:
         # left out: K steps of 64 at 3 or 4 stages and of 128 at 3 (slower than these at every column block of

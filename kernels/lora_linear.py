@@ -39,6 +39,7 @@ from kernels.lora import (BLOCK_M as TILE_M, DEFAULT_CONFIG, _FLAG_STRIDE, LoraB
                           _tile_groups)
 
 BLOCK_M = 64  # token rows per GEMM program (the smallest M of Hopper's wgmma)
+DOT_R = 16  # rank entries per step of the expand by slot (the K of a 16-bit tensor-core dot)
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)
@@ -54,8 +55,13 @@ class LinearLoraConfig:
     """Software-pipeline stages of the GEMM's loop."""
     num_warps: int = 4
     """Warps per program, shrink and GEMM."""
+    expand_by_slot: bool = True
+    """The epilogue's expand as one tensor-core dot per slot the step uses: the block's rows of that slot (the
+    others masked to zero) times the slot's B block, `DOT_R` rank entries a step (B read once per slot and
+    block). False: each row's own B rows gathered, `block_r` rank entries a step (a [BLOCK_M, block_n, block_r]
+    product), B read once per row."""
     block_r: int = 4
-    """Rank entries per step of the epilogue's expand (a [BLOCK_M, block_n, block_r] product a step)."""
+    """Rank entries per step of the gathered expand (`expand_by_slot=False`)."""
     max_rows: int = 64
     """The most tokens a forward may have for the engine to take this kernel (`linear_lora` itself takes any)."""
     lora: LoraKernelConfig = field(default_factory=lambda: DEFAULT_CONFIG)
@@ -94,12 +100,13 @@ def linear_config_for(in_features: int, out_features: int) -> LinearLoraConfig:
 
 
 @triton.jit
-def _gemm_lora_block(q, x_ptr, w_ptr, bias_ptr, out_ptr, part_ptr, b_ptr, scaling_ptr, token_slot_ptr, done_ptr,
-                     num_tokens, in_features, shrink_programs, gemm_programs, m_blocks, blocks0, blocks1, rank,
-                     width0, width1, width2, stride_xt, stride_wn, stride_ot, stride_pp, stride_pt, stride_bs,
-                     stride_bn, HAS_BIAS: tl.constexpr, SPLITS: tl.constexpr, EVEN_K: tl.constexpr,
-                     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, STAGES: tl.constexpr,
-                     BLOCK_R: tl.constexpr):
+def _gemm_lora_block(q, x_ptr, w_ptr, bias_ptr, out_ptr, part_ptr, b_ptr, scaling_ptr, token_slot_ptr, tile_slot_ptr,
+                     done_ptr, num_tokens, in_features, num_tile_rows, shrink_programs, gemm_programs, m_blocks,
+                     blocks0, blocks1, rank, width0, width1, width2, stride_xt, stride_wn, stride_ot, stride_pp,
+                     stride_pt, stride_bs, stride_bn, HAS_BIAS: tl.constexpr, SPLITS: tl.constexpr,
+                     EVEN_K: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+                     STAGES: tl.constexpr, BLOCK_R: tl.constexpr, BY_SLOT: tl.constexpr, TILES: tl.constexpr,
+                     DOT_R: tl.constexpr):
     """GEMM program q = (column block of one slice, row block): out[rows, block] = round(round(x W^T + b) + the
     rows' deltas), after the shrink's programs have all counted into `done`."""
     f = q // m_blocks  # the row blocks of one column block are neighbours: they share its weight rows in L2
@@ -132,6 +139,13 @@ def _gemm_lora_block(q, x_ptr, w_ptr, bias_ptr, out_ptr, part_ptr, b_ptr, scalin
     has = slot >= 0
     slot64 = tl.where(has, slot, 0).to(tl.int64)
     scale = tl.load(scaling_ptr + slot64, mask=has, other=0.0)
+    if BY_SLOT:  # the slots the step uses: the first tile of each (tiles are sorted by slot, in-use ones first)
+        j = tl.arange(0, TILES)
+        tile_slots = tl.load(tile_slot_ptr + j, mask=j < num_tile_rows, other=-1)  # [TILES]
+        before = tl.load(tile_slot_ptr + j - 1, mask=(j >= 1) & (j < num_tile_rows), other=-1)
+        used = (tile_slots >= 0) & (tile_slots != before)
+        order = tl.cumsum(used.to(tl.int32), axis=0) - 1  # the rank of each used slot among them
+        num_used = tl.sum(used.to(tl.int32))
     arrived = tl.load(done_ptr, volatile=True)
     while arrived < shrink_programs:
         arrived = tl.load(done_ptr, volatile=True)
@@ -139,18 +153,34 @@ def _gemm_lora_block(q, x_ptr, w_ptr, bias_ptr, out_ptr, part_ptr, b_ptr, scalin
     if seen == shrink_programs + gemm_programs - 1:  # the last GEMM program: ready for the next launch
         tl.atomic_xchg(done_ptr, 0, sem="relaxed")
     y_rows = part_ptr + rows[:, None].to(tl.int64) * stride_pt + sl * rank  # [BLOCK_M, 1]: the slice's entries
-    b_rows = b_ptr + slot64[:, None, None] * stride_bs + cols[None, :, None].to(tl.int64) * stride_bn
-    rr0 = tl.arange(0, BLOCK_R)
     delta = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
-    for r0 in range(0, rank, BLOCK_R):
-        rr = r0 + rr0
-        ymask = has[:, None] & (rr < rank)[None, :]  # [BLOCK_M, BLOCK_R]
-        y = tl.load(y_rows + rr[None, :], mask=ymask, other=0.0, cache_modifier=".cg")
-        for p in tl.static_range(1, SPLITS):
-            y += tl.load(y_rows + p * stride_pp + rr[None, :], mask=ymask, other=0.0, cache_modifier=".cg")
-        y = y.to(b_ptr.dtype.element_ty).to(tl.float32)  # rounded as a LoRA layer in the weights' dtype rounds it
-        bt = tl.load(b_rows + rr[None, None, :], mask=ymask[:, None, :] & nmask[None, :, None], other=0.0)
-        delta += tl.sum(y[:, None, :] * bt.to(tl.float32), axis=2)  # [BLOCK_M, BLOCK_N]
+    if BY_SLOT:
+        rr0 = tl.arange(0, DOT_R)
+        for r0 in range(0, rank, DOT_R):
+            rr = r0 + rr0
+            ymask = has[:, None] & (rr < rank)[None, :]  # [BLOCK_M, DOT_R]
+            y = tl.load(y_rows + rr[None, :], mask=ymask, other=0.0, cache_modifier=".cg")
+            for p in tl.static_range(1, SPLITS):
+                y += tl.load(y_rows + p * stride_pp + rr[None, :], mask=ymask, other=0.0, cache_modifier=".cg")
+            y = y.to(b_ptr.dtype.element_ty)  # rounded as a LoRA layer in the weights' dtype rounds it
+            b_cols = b_ptr + cols[None, :].to(tl.int64) * stride_bn + rr[:, None]  # [DOT_R, BLOCK_N] of slot 0
+            bmask = (rr < rank)[:, None] & nmask[None, :]
+            for i in range(0, num_used):
+                s = tl.sum(tl.where(used & (order == i), tile_slots, 0))  # the i-th slot the step uses
+                bt = tl.load(b_cols + s.to(tl.int64) * stride_bs, mask=bmask, other=0.0)
+                delta = tl.dot(tl.where((slot == s)[:, None], y, 0.0), bt, delta, input_precision="ieee")
+    else:
+        b_rows = b_ptr + slot64[:, None, None] * stride_bs + cols[None, :, None].to(tl.int64) * stride_bn
+        rr0 = tl.arange(0, BLOCK_R)
+        for r0 in range(0, rank, BLOCK_R):
+            rr = r0 + rr0
+            ymask = has[:, None] & (rr < rank)[None, :]  # [BLOCK_M, BLOCK_R]
+            y = tl.load(y_rows + rr[None, :], mask=ymask, other=0.0, cache_modifier=".cg")
+            for p in tl.static_range(1, SPLITS):
+                y += tl.load(y_rows + p * stride_pp + rr[None, :], mask=ymask, other=0.0, cache_modifier=".cg")
+            y = y.to(b_ptr.dtype.element_ty).to(tl.float32)  # rounded as a LoRA layer in the weights' dtype rounds it
+            bt = tl.load(b_rows + rr[None, None, :], mask=ymask[:, None, :] & nmask[None, :, None], other=0.0)
+            delta += tl.sum(y[:, None, :] * bt.to(tl.float32), axis=2)  # [BLOCK_M, BLOCK_N]
     result = delta * scale[:, None] + base
     tl.store(out_ptr + rows[:, None].to(tl.int64) * stride_ot + cols[None, :], result.to(out_ptr.dtype.element_ty),
              mask=mmask[:, None] & nmask[None, :])
@@ -165,7 +195,7 @@ def _linear_lora_kernel(x_ptr, w_ptr, bias_ptr, out_ptr, a_ptr, part_ptr, b_ptr,
                         FLAG_STRIDE: tl.constexpr, TILE_M: tl.constexpr, BLOCK_RA: tl.constexpr,
                         SHRINK_K: tl.constexpr, SHRINK_STAGES: tl.constexpr, EVEN_K: tl.constexpr,
                         BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, STAGES: tl.constexpr,
-                        BLOCK_R: tl.constexpr):
+                        BLOCK_R: tl.constexpr, BY_SLOT: tl.constexpr, TILES: tl.constexpr, DOT_R: tl.constexpr):
     """The shrink programs (ids below `shrink_programs`), each counting into `done` at its end, then the GEMM
     programs, which wait for all of them before their epilogue."""
     pid = tl.program_id(0)
@@ -177,10 +207,10 @@ def _linear_lora_kernel(x_ptr, w_ptr, bias_ptr, out_ptr, a_ptr, part_ptr, b_ptr,
         tl.atomic_add(done_ptr, 1, sem="release")
     else:
         _gemm_lora_block(pid - shrink_programs, x_ptr, w_ptr, bias_ptr, out_ptr, part_ptr, b_ptr, scaling_ptr,
-                         token_slot_ptr, done_ptr, num_tokens, in_features, shrink_programs, gemm_programs, m_blocks,
-                         blocks0, blocks1, rank, width0, width1, width2, stride_xt, stride_wn, stride_ot, stride_pp,
-                         stride_pt, stride_bs, stride_bn, HAS_BIAS, SPLITS, EVEN_K, BLOCK_M, BLOCK_N, BLOCK_K,
-                         STAGES, BLOCK_R)
+                         token_slot_ptr, tile_slot_ptr, done_ptr, num_tokens, in_features, num_tile_rows,
+                         shrink_programs, gemm_programs, m_blocks, blocks0, blocks1, rank, width0, width1, width2,
+                         stride_xt, stride_wn, stride_ot, stride_pp, stride_pt, stride_bs, stride_bn, HAS_BIAS, SPLITS,
+                         EVEN_K, BLOCK_M, BLOCK_N, BLOCK_K, STAGES, BLOCK_R, BY_SLOT, TILES, DOT_R)
 
 
 def _check_weight(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, out: torch.Tensor) -> None:
@@ -235,7 +265,8 @@ def _launch(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, A:
         B.stride(0), B.stride(1), HAS_BIAS=bias is not None, SPLITS=splits, FLAG_STRIDE=_FLAG_STRIDE, TILE_M=TILE_M,
         BLOCK_RA=_block_r(A.shape[1]), SHRINK_K=shrink_k, SHRINK_STAGES=config.lora.shrink_stages,
         EVEN_K=in_features % config.block_k == 0, BLOCK_M=BLOCK_M, BLOCK_N=config.block_n, BLOCK_K=config.block_k,
-        STAGES=config.stages, BLOCK_R=config.block_r, num_warps=config.num_warps)
+        STAGES=config.stages, BLOCK_R=config.block_r, BY_SLOT=config.expand_by_slot,
+        TILES=triton.next_power_of_2(batch.tile_slot.shape[0]), DOT_R=DOT_R, num_warps=config.num_warps)
 
 
 __all__ = ["BLOCK_M", "DEFAULT_LINEAR_CONFIG", "LONG_CONFIG", "LinearLoraConfig", "WIDE_CONFIG", "linear_config_for",

@@ -138,6 +138,21 @@ def test_each_layer_shape_takes_its_measured_tile_and_every_tile_computes_the_la
                                    rtol=1e-5, atol=1e-5)
 
 
+@pytest.mark.parametrize("ranks", [(8, 3, 5, 1), (20, 17, 1, 20)])  # 20: the expand by slot takes two rank steps
+def test_the_expand_by_slot_and_the_gathered_expand_both_give_the_reference(ranks):
+    """Tokens of all four slots and none, two row blocks: each slot's dot must pick its own rows only."""
+    from dataclasses import replace
+
+    g = torch.Generator().manual_seed(12)
+    slices = (16, 8)
+    W, b, A, B, scaling = _layer(g, 48, slices, max(ranks), ranks=ranks)
+    x, idx = torch.randn(70, 48, generator=g).to(DEVICE), _idx(g, 70)
+    want = _per_token(x, W, b, A, B, idx, scaling, slices)
+    for by_slot in (True, False):
+        got = linear_lora(x, W, b, A, B, idx, scaling, slices=slices, config=replace(SMALL, expand_by_slot=by_slot))
+        torch.testing.assert_close(got.double(), want, rtol=1e-5, atol=1e-5, msg=f"expand_by_slot={by_slot}")
+
+
 def test_token_slot_counts_out_of_range_slots_as_none():
     idx = torch.tensor([3, -1, 7, 0, -5, 2], dtype=torch.int32, device=DEVICE)
     assert lora_batch(idx, 4).token_slot.tolist() == [3, -1, -1, 0, -1, 2]
