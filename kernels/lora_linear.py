@@ -10,9 +10,12 @@ the output each (BLOCK_N columns within one slice of a fused output, BLOCK_M = 6
 one row block), walking `in` in BLOCK_K steps with tensor-core dots. A GEMM program rounds its block to the output
 dtype, then waits until every shrink program has counted (by then long done: the shrink is small next to a
 weight's read) and adds each row's delta: the row's partials summed in split order and rounded to the weights'
-dtype, times its slot's rows of B gathered for the block's columns (float32 sums over the rank in BLOCK_R steps),
-scaled, added to the rounded base in float32, rounded once: the numerics of `kernels/lora_ref.py` on the rounded
-output of the layer, so rows without an adapter get the GEMM's result alone. The last GEMM program to count takes
+dtype, times its slot's B rows for the block's columns (float32 sums over the rank), scaled, added to the rounded
+base in float32, rounded once: the numerics of `kernels/lora_ref.py` on the rounded output of the layer, so rows
+without an adapter get the GEMM's result alone. By default that product is one tensor-core dot per slot the step
+uses (the slots read from the plan's tiles, which are sorted by slot): the block's rows of that slot, the others'
+masked to zero (exact zeros, so a row's sum is its own slot's dot alone), times the slot's B block, read once per
+block; `expand_by_slot=False` gathers each row's B rows instead. The last GEMM program to count takes
 the counter back to zero. Every shrink program is dispatched before any GEMM program (a 1-D grid's blocks go out in
 id order, as `kernels/lora.py` relies on too), so the waits end.
 
