@@ -35,7 +35,8 @@
 #                                     them in the batch)
 #   bash bench/gpu_round.sh lora-16      16 distinct adapters in the kernel bench, each system and layer count in
 #                                     its own process under a hard 60 s limit (a step graph that does not finish
-#                                     is killed and reported as "killed"), the spin-free two launches included
+#                                     is killed and reported as "killed"), the spin-free two launches and the
+#                                     ticketed roles (LoraKernelConfig.ticketed) included
 #   bash bench/gpu_round.sh lora-linear-sweep  each projection alone, every tile of the sweep, 0 and 1 adapters
 # Logs and JSON lines go under $OUT (default ./gpu_out).
 set -uo pipefail
@@ -142,7 +143,8 @@ case "${1:-tests}" in
     grep -i -B2 -A3 "error\|traceback" "$OUT/lora.log" | tail -20
     ;;
   lora-16)
-    for case in "two_launches 32" "default 1" "default 4" "default 16" "default 32" "linear_by_shape 32"; do
+    for case in "two_launches 32" "ticketed 32" "default 1" "default 4" "default 16" "default 32" \
+                "linear_by_shape 32"; do
       set -- $case
       timeout -k 5 60 python3 bench/lora_kernels.py --systems "$1" --layers "$2" --replays 2 --distinct 16 \
         > "$OUT/lora16_$1_$2.jsonl" 2>> "$OUT/lora.log" || echo "{\"system\": \"$1\", \"layers\": $2, \"killed\": true}"

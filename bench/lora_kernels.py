@@ -65,6 +65,7 @@ def configs(sweep: bool) -> tuple[dict, dict]:
     from kernels.lora import LoraKernelConfig
 
     named = {"default": LoraKernelConfig(), "two_launches": LoraKernelConfig(fused=False),
+             "ticketed": LoraKernelConfig(ticketed=True),
              "groups2": LoraKernelConfig(groups_per_tile_row=2), "bn256_w8": LoraKernelConfig(block_n=256, num_warps=8),
              "k64_unpipelined": LoraKernelConfig(block_k=64, shrink_stages=1, max_split_k=16)}
     overlapped = {"overlap": LoraKernelConfig()}

@@ -90,6 +90,11 @@ class LoraKernelConfig:
     and 32 for float32."""
     shrink_stages: int = 2
     """Software-pipeline stages of the shrink's loop over its split (1: none)."""
+    ticketed: bool = False
+    """The one-launch kernels (`add_lora` fused, `kernels/lora_linear.py`) give each program its role by a ticket
+    (an atomic count taken when the program starts, `LoraBatch.ticket`) instead of its block id: a waiting program
+    then holds a later ticket than every program it waits on, which has therefore started, whatever order the GPU
+    dispatches blocks in. One atomic round trip more per program."""
 
     def __post_init__(self) -> None:
         for name in ("groups_per_tile_row", "split_k_chunk", "max_split_k", "num_warps", "shrink_stages"):
@@ -118,6 +123,7 @@ class LoraBatch:
     arrivals: torch.Tensor  # [max_tiles] int32 (stride _FLAG_STRIDE): per-tile launch counters, zero between launches
     token_slot: torch.Tensor  # [T] int32: each token's slot, -1 for none (values outside the stacks included)
     done: torch.Tensor  # [1] int32: a launch-wide counter (kernels/lora_linear.py), zero between launches
+    ticket: torch.Tensor  # [1] int32: the one-launch kernels' role tickets (LoraKernelConfig.ticketed), zero between
     num_slots: int  # S, the number of slots of the stacks it is used with
 
     @property
@@ -139,7 +145,8 @@ def _tile_groups(num_tokens: int, num_slots: int, per_tile_row: int) -> int:
 
 @triton.jit
 def _lora_batch_kernel(idx_ptr, order_ptr, tile_start_ptr, tile_len_ptr, tile_slot_ptr, tile_tokens_ptr,
-                       num_tiles_ptr, arrivals_ptr, token_slot_ptr, done_ptr, num_tokens, num_slots, num_tile_rows,
+                       num_tiles_ptr, arrivals_ptr, token_slot_ptr, done_ptr, ticket_ptr, num_tokens, num_slots,
+                       num_tile_rows,
                        BLOCK_M: tl.constexpr, BLOCK_T: tl.constexpr, BLOCK_S: tl.constexpr,
                        FLAG_STRIDE: tl.constexpr):
     """One program: a counting sort of the tokens by slot (bucket S: no adapter), then the tiles of each slot."""
@@ -169,6 +176,7 @@ def _lora_batch_kernel(idx_ptr, order_ptr, tile_start_ptr, tile_len_ptr, tile_sl
     tiles_begin = tiles_end - tiles
     tl.store(num_tiles_ptr, tl.sum(tiles, axis=0))
     tl.store(done_ptr, 0)
+    tl.store(ticket_ptr, 0)
     m = tl.arange(0, BLOCK_M)
     for j0 in range(0, num_tile_rows, BLOCK_T):
         j = j0 + tl.arange(0, BLOCK_T)  # [BLOCK_T] tiles
@@ -198,19 +206,19 @@ def lora_batch(idx: torch.Tensor, num_slots: int) -> LoraBatch:
         raise ValueError(f"num_slots must be >= 1, got {num_slots}")
     n, dev = idx.shape[0], idx.device
     rows = max_tiles(n, num_slots)
-    ints = torch.empty(2 * n + (3 + BLOCK_M + _FLAG_STRIDE) * rows + _FLAG_STRIDE + 1, dtype=torch.int32,
+    ints = torch.empty(2 * n + (3 + BLOCK_M + _FLAG_STRIDE) * rows + 2 * _FLAG_STRIDE + 1, dtype=torch.int32,
                        device=dev)  # every field; the counters on 128-byte lines of their own
-    flags, done, order, token_slot, tile_start, tile_len, tile_slot, tile_tokens, num_tiles = ints.split(
-        [_FLAG_STRIDE * rows, _FLAG_STRIDE, n, n, rows, rows, rows, BLOCK_M * rows, 1])
+    flags, done, ticket, order, token_slot, tile_start, tile_len, tile_slot, tile_tokens, num_tiles = ints.split(
+        [_FLAG_STRIDE * rows, _FLAG_STRIDE, _FLAG_STRIDE, n, n, rows, rows, rows, BLOCK_M * rows, 1])
     block_s = triton.next_power_of_2(num_slots + 1)
     block_t = max(16, min(128, 8192 // block_s))
     _lora_batch_kernel[(1,)](idx, order, tile_start, tile_len, tile_slot, tile_tokens, num_tiles, flags, token_slot,
-                             done, n, num_slots, rows, BLOCK_M=BLOCK_M, BLOCK_T=block_t, BLOCK_S=block_s,
+                             done, ticket, n, num_slots, rows, BLOCK_M=BLOCK_M, BLOCK_T=block_t, BLOCK_S=block_s,
                              FLAG_STRIDE=_FLAG_STRIDE, num_warps=8)
     return LoraBatch(order=order, tile_start=tile_start, tile_len=tile_len, tile_slot=tile_slot,
                      tile_tokens=tile_tokens.view(rows, BLOCK_M), num_tiles=num_tiles,
                      arrivals=flags.view(rows, _FLAG_STRIDE)[:, 0], token_slot=token_slot, done=done[:1],
-                     num_slots=num_slots)
+                     ticket=ticket[:1], num_slots=num_slots)
 
 
 @triton.jit
@@ -340,15 +348,28 @@ def _lora_expand_kernel(part_ptr, b_ptr, out_ptr, scaling_ptr, tile_tokens_ptr, 
 
 
 @triton.jit
+def _program_role(ticket_ptr, programs, TICKETED: tl.constexpr):
+    """This program's role id: its block id, or with TICKETED the next ticket (the last taker sets the counter back
+    to zero for the next launch: every ticket of this launch is taken by then)."""
+    if TICKETED:
+        pid = tl.atomic_add(ticket_ptr, 1, sem="relaxed")
+        if pid == programs - 1:
+            tl.atomic_xchg(ticket_ptr, 0, sem="relaxed")
+    else:
+        pid = tl.program_id(0)
+    return pid
+
+
+@triton.jit
 def _lora_fused_kernel(x_ptr, a_ptr, part_ptr, b_ptr, out_ptr, scaling_ptr, tile_tokens_ptr, tile_slot_ptr,
-                       arrivals_ptr, num_tile_rows, groups, shrink_programs, rows, in_features, k_per_split,
-                       col_blocks, blocks0, blocks1, rank, width0, width1, width2, stride_xt, stride_as, stride_ar,
-                       stride_pp, stride_pt, stride_bs, stride_bn, stride_ot, SPLITS: tl.constexpr,
+                       arrivals_ptr, ticket_ptr, programs, num_tile_rows, groups, shrink_programs, rows, in_features,
+                       k_per_split, col_blocks, blocks0, blocks1, rank, width0, width1, width2, stride_xt, stride_as,
+                       stride_ar, stride_pp, stride_pt, stride_bs, stride_bn, stride_ot, SPLITS: tl.constexpr,
                        FLAG_STRIDE: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_RA: tl.constexpr,
                        BLOCK_K: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_RB: tl.constexpr,
-                       RANK_CHUNKS: tl.constexpr, STAGES: tl.constexpr):
+                       RANK_CHUNKS: tl.constexpr, STAGES: tl.constexpr, TICKETED: tl.constexpr):
     """The shrink programs (ids below `shrink_programs`), then the expand programs, which wait on them."""
-    pid = tl.program_id(0)
+    pid = _program_role(ticket_ptr, programs, TICKETED)
     if pid < shrink_programs:
         _shrink_tiles(pid, x_ptr, a_ptr, part_ptr, tile_tokens_ptr, tile_slot_ptr, arrivals_ptr, num_tile_rows,
                       groups, rows, in_features, k_per_split, stride_xt, stride_as, stride_ar, stride_pp, stride_pt,
@@ -468,12 +489,13 @@ def _fused(x: torch.Tensor, A: torch.Tensor, part: torch.Tensor, B: torch.Tensor
     groups = _tile_groups(x.shape[0], batch.num_slots, config.groups_per_tile_row)
     expand, col_blocks = _expand_args(part, B, out, batch, groups, slices, config.block_n)
     _lora_fused_kernel[((splits + col_blocks) * groups,)](
-        x, A, part, B, out, scaling, batch.tile_tokens, batch.tile_slot, batch.arrivals, batch.tile_slot.shape[0],
+        x, A, part, B, out, scaling, batch.tile_tokens, batch.tile_slot, batch.arrivals, batch.ticket,
+        (splits + col_blocks) * groups, batch.tile_slot.shape[0],
         groups, splits * groups, A.shape[1], x.shape[1], per_split, *expand[5:12], x.stride(0), A.stride(0),
         A.stride(1), *expand[12:], SPLITS=splits, FLAG_STRIDE=_FLAG_STRIDE, BLOCK_M=BLOCK_M,
         BLOCK_RA=_block_r(A.shape[1]), BLOCK_K=block_k, BLOCK_N=config.block_n, BLOCK_RB=_block_r(B.shape[2]),
         RANK_CHUNKS=triton.cdiv(B.shape[2], _block_r(B.shape[2])), STAGES=config.shrink_stages,
-        num_warps=config.num_warps)
+        TICKETED=config.ticketed, num_warps=config.num_warps)
 
 
 def _empty_partials(x: torch.Tensor, A: torch.Tensor, config: LoraKernelConfig) -> torch.Tensor:

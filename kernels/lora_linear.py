@@ -38,8 +38,8 @@ import triton
 import triton.language as tl
 
 from kernels.lora import (BLOCK_M as TILE_M, DEFAULT_CONFIG, _FLAG_STRIDE, LoraBatch, LoraKernelConfig, _as_batch,
-                          _block_k, _block_r, _check_layer, _check_x_a, _empty_partials, _shrink_split, _shrink_tiles,
-                          _tile_groups)
+                          _block_k, _block_r, _check_layer, _check_x_a, _empty_partials, _program_role, _shrink_split,
+                          _shrink_tiles, _tile_groups)
 
 BLOCK_M = 64  # token rows per GEMM program (the smallest M of Hopper's wgmma)
 DOT_R = 16  # rank entries per step of the expand by slot (the K of a 16-bit tensor-core dot)
@@ -191,17 +191,19 @@ def _gemm_lora_block(q, x_ptr, w_ptr, bias_ptr, out_ptr, part_ptr, b_ptr, scalin
 
 @triton.jit
 def _linear_lora_kernel(x_ptr, w_ptr, bias_ptr, out_ptr, a_ptr, part_ptr, b_ptr, scaling_ptr, tile_tokens_ptr,
-                        tile_slot_ptr, arrivals_ptr, token_slot_ptr, done_ptr, num_tokens, in_features, num_tile_rows,
-                        groups, shrink_programs, gemm_programs, lora_rows, k_per_split, m_blocks, blocks0, blocks1,
-                        rank, width0, width1, width2, stride_xt, stride_wn, stride_ot, stride_as, stride_ar,
-                        stride_pp, stride_pt, stride_bs, stride_bn, HAS_BIAS: tl.constexpr, SPLITS: tl.constexpr,
+                        tile_slot_ptr, arrivals_ptr, token_slot_ptr, done_ptr, ticket_ptr, num_tokens, in_features,
+                        num_tile_rows, groups, shrink_programs, gemm_programs, lora_rows, k_per_split, m_blocks,
+                        blocks0, blocks1, rank, width0, width1, width2, stride_xt, stride_wn, stride_ot, stride_as,
+                        stride_ar, stride_pp, stride_pt, stride_bs, stride_bn, HAS_BIAS: tl.constexpr,
+                        SPLITS: tl.constexpr,
                         FLAG_STRIDE: tl.constexpr, TILE_M: tl.constexpr, BLOCK_RA: tl.constexpr,
                         SHRINK_K: tl.constexpr, SHRINK_STAGES: tl.constexpr, EVEN_K: tl.constexpr,
                         BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, STAGES: tl.constexpr,
-                        BLOCK_R: tl.constexpr, BY_SLOT: tl.constexpr, TILES: tl.constexpr, DOT_R: tl.constexpr):
+                        BLOCK_R: tl.constexpr, BY_SLOT: tl.constexpr, TILES: tl.constexpr, DOT_R: tl.constexpr,
+                        TICKETED: tl.constexpr):
     """The shrink programs (ids below `shrink_programs`), each counting into `done` at its end, then the GEMM
     programs, which wait for all of them before their epilogue."""
-    pid = tl.program_id(0)
+    pid = _program_role(ticket_ptr, shrink_programs + gemm_programs, TICKETED)
     if pid < shrink_programs:
         _shrink_tiles(pid, x_ptr, a_ptr, part_ptr, tile_tokens_ptr, tile_slot_ptr, arrivals_ptr, num_tile_rows,
                       groups, lora_rows, in_features, k_per_split, stride_xt, stride_as, stride_ar, stride_pp,
@@ -262,14 +264,15 @@ def _launch(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, A:
     shrink_programs, gemm_programs = splits * groups, sum(blocks) * m_blocks
     _linear_lora_kernel[(shrink_programs + gemm_programs,)](
         x, weight, x if bias is None else bias, out, A, part, B, scaling, batch.tile_tokens, batch.tile_slot,
-        batch.arrivals, batch.token_slot, batch.done, num_tokens, in_features, batch.tile_slot.shape[0], groups,
-        shrink_programs, gemm_programs, A.shape[1], per_split, m_blocks, blocks[0], blocks[1], B.shape[2], *widths,
-        x.stride(0), weight.stride(0), out.stride(0), A.stride(0), A.stride(1), part.stride(0), part.stride(1),
+        batch.arrivals, batch.token_slot, batch.done, batch.ticket, num_tokens, in_features, batch.tile_slot.shape[0],
+        groups, shrink_programs, gemm_programs, A.shape[1], per_split, m_blocks, blocks[0], blocks[1], B.shape[2],
+        *widths, x.stride(0), weight.stride(0), out.stride(0), A.stride(0), A.stride(1), part.stride(0), part.stride(1),
         B.stride(0), B.stride(1), HAS_BIAS=bias is not None, SPLITS=splits, FLAG_STRIDE=_FLAG_STRIDE, TILE_M=TILE_M,
         BLOCK_RA=_block_r(A.shape[1]), SHRINK_K=shrink_k, SHRINK_STAGES=config.lora.shrink_stages,
         EVEN_K=in_features % config.block_k == 0, BLOCK_M=BLOCK_M, BLOCK_N=config.block_n, BLOCK_K=config.block_k,
         STAGES=config.stages, BLOCK_R=config.block_r, BY_SLOT=config.expand_by_slot,
-        TILES=triton.next_power_of_2(batch.tile_slot.shape[0]), DOT_R=DOT_R, num_warps=config.num_warps)
+        TILES=triton.next_power_of_2(batch.tile_slot.shape[0]), DOT_R=DOT_R, TICKETED=config.lora.ticketed,
+        num_warps=config.num_warps)
 
 
 __all__ = ["BLOCK_M", "DEFAULT_LINEAR_CONFIG", "LONG_CONFIG", "LinearLoraConfig", "WIDE_CONFIG", "linear_config_for",
