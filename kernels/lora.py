@@ -123,7 +123,7 @@ class LoraBatch:
     arrivals: torch.Tensor  # [max_tiles] int32 (stride _FLAG_STRIDE): per-tile launch counters, zero between launches
     token_slot: torch.Tensor  # [T] int32: each token's slot, -1 for none (values outside the stacks included)
     done: torch.Tensor  # [1] int32: a launch-wide counter (kernels/lora_linear.py), zero between launches
-    ticket: torch.Tensor  # [1] int32: the one-launch kernels' role tickets (LoraKernelConfig.ticketed), zero between
+    ticket: torch.Tensor  # [1] int32: role tickets (LoraKernelConfig.ticketed), zero between launches
     num_slots: int  # S, the number of slots of the stacks it is used with
 
     @property
@@ -146,8 +146,7 @@ def _tile_groups(num_tokens: int, num_slots: int, per_tile_row: int) -> int:
 @triton.jit
 def _lora_batch_kernel(idx_ptr, order_ptr, tile_start_ptr, tile_len_ptr, tile_slot_ptr, tile_tokens_ptr,
                        num_tiles_ptr, arrivals_ptr, token_slot_ptr, done_ptr, ticket_ptr, num_tokens, num_slots,
-                       num_tile_rows,
-                       BLOCK_M: tl.constexpr, BLOCK_T: tl.constexpr, BLOCK_S: tl.constexpr,
+                       num_tile_rows, BLOCK_M: tl.constexpr, BLOCK_T: tl.constexpr, BLOCK_S: tl.constexpr,
                        FLAG_STRIDE: tl.constexpr):
     """One program: a counting sort of the tokens by slot (bucket S: no adapter), then the tiles of each slot."""
     s = tl.arange(0, BLOCK_S)  # [BLOCK_S] buckets: the slots, then S for tokens without one

@@ -17,7 +17,8 @@ uses (the slots read from the plan's tiles, which are sorted by slot): the block
 masked to zero (exact zeros, so a row's sum is its own slot's dot alone), times the slot's B block, read once per
 block; `expand_by_slot=False` gathers each row's B rows instead. The last GEMM program to count takes
 the counter back to zero. Every shrink program is dispatched before any GEMM program (a 1-D grid's blocks go out in
-id order, as `kernels/lora.py` relies on too), so the waits end.
+id order, as `kernels/lora.py` relies on too; with `LoraKernelConfig.ticketed` the roles follow the order in which
+programs start instead), so the waits end.
 
 Nothing is read back to the host and the grid is a function of T and the shapes, so it can be captured in a CUDA
 graph and replayed with new slot assignments. The shrink's bits are `add_lora`'s (same splits, same order); the
@@ -103,6 +104,16 @@ def linear_config_for(in_features: int, out_features: int) -> LinearLoraConfig:
 
 
 @triton.jit
+def _rows_y(y_rows, rr, ymask, stride_pp, SPLITS: tl.constexpr):
+    """The rows' y entries `rr` [BLOCK_M, len(rr)] float32: the shrink's partials summed in split order (the caller
+    rounds them to the weights' dtype, as a LoRA layer in that dtype rounds them)."""
+    y = tl.load(y_rows + rr[None, :], mask=ymask, other=0.0, cache_modifier=".cg")
+    for p in tl.static_range(1, SPLITS):
+        y += tl.load(y_rows + p * stride_pp + rr[None, :], mask=ymask, other=0.0, cache_modifier=".cg")
+    return y
+
+
+@triton.jit
 def _gemm_lora_block(q, x_ptr, w_ptr, bias_ptr, out_ptr, part_ptr, b_ptr, scaling_ptr, token_slot_ptr, tile_slot_ptr,
                      done_ptr, num_tokens, in_features, num_tile_rows, shrink_programs, gemm_programs, m_blocks,
                      blocks0, blocks1, rank, width0, width1, width2, stride_xt, stride_wn, stride_ot, stride_pp,
@@ -161,11 +172,7 @@ def _gemm_lora_block(q, x_ptr, w_ptr, bias_ptr, out_ptr, part_ptr, b_ptr, scalin
         rr0 = tl.arange(0, DOT_R)
         for r0 in range(0, rank, DOT_R):
             rr = r0 + rr0
-            ymask = has[:, None] & (rr < rank)[None, :]  # [BLOCK_M, DOT_R]
-            y = tl.load(y_rows + rr[None, :], mask=ymask, other=0.0, cache_modifier=".cg")
-            for p in tl.static_range(1, SPLITS):
-                y += tl.load(y_rows + p * stride_pp + rr[None, :], mask=ymask, other=0.0, cache_modifier=".cg")
-            y = y.to(b_ptr.dtype.element_ty)  # rounded as a LoRA layer in the weights' dtype rounds it
+            y = _rows_y(y_rows, rr, has[:, None] & (rr < rank)[None, :], stride_pp, SPLITS).to(b_ptr.dtype.element_ty)
             b_cols = b_ptr + cols[None, :].to(tl.int64) * stride_bn + rr[:, None]  # [DOT_R, BLOCK_N] of slot 0
             bmask = (rr < rank)[:, None] & nmask[None, :]
             for i in range(0, num_used):
@@ -178,10 +185,7 @@ def _gemm_lora_block(q, x_ptr, w_ptr, bias_ptr, out_ptr, part_ptr, b_ptr, scalin
         for r0 in range(0, rank, BLOCK_R):
             rr = r0 + rr0
             ymask = has[:, None] & (rr < rank)[None, :]  # [BLOCK_M, BLOCK_R]
-            y = tl.load(y_rows + rr[None, :], mask=ymask, other=0.0, cache_modifier=".cg")
-            for p in tl.static_range(1, SPLITS):
-                y += tl.load(y_rows + p * stride_pp + rr[None, :], mask=ymask, other=0.0, cache_modifier=".cg")
-            y = y.to(b_ptr.dtype.element_ty).to(tl.float32)  # rounded as a LoRA layer in the weights' dtype rounds it
+            y = _rows_y(y_rows, rr, ymask, stride_pp, SPLITS).to(b_ptr.dtype.element_ty).to(tl.float32)
             bt = tl.load(b_rows + rr[None, None, :], mask=ymask[:, None, :] & nmask[None, :, None], other=0.0)
             delta += tl.sum(y[:, None, :] * bt.to(tl.float32), axis=2)  # [BLOCK_M, BLOCK_N]
     result = delta * scale[:, None] + base
@@ -195,8 +199,7 @@ def _linear_lora_kernel(x_ptr, w_ptr, bias_ptr, out_ptr, a_ptr, part_ptr, b_ptr,
                         num_tile_rows, groups, shrink_programs, gemm_programs, lora_rows, k_per_split, m_blocks,
                         blocks0, blocks1, rank, width0, width1, width2, stride_xt, stride_wn, stride_ot, stride_as,
                         stride_ar, stride_pp, stride_pt, stride_bs, stride_bn, HAS_BIAS: tl.constexpr,
-                        SPLITS: tl.constexpr,
-                        FLAG_STRIDE: tl.constexpr, TILE_M: tl.constexpr, BLOCK_RA: tl.constexpr,
+                        SPLITS: tl.constexpr, FLAG_STRIDE: tl.constexpr, TILE_M: tl.constexpr, BLOCK_RA: tl.constexpr,
                         SHRINK_K: tl.constexpr, SHRINK_STAGES: tl.constexpr, EVEN_K: tl.constexpr,
                         BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, STAGES: tl.constexpr,
                         BLOCK_R: tl.constexpr, BY_SLOT: tl.constexpr, TILES: tl.constexpr, DOT_R: tl.constexpr,
