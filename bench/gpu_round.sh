@@ -37,6 +37,8 @@
 #                                     its own process under a hard 60 s limit (a step graph that does not finish
 #                                     is killed and reported as "killed"), the spin-free two launches and the
 #                                     ticketed roles (LoraKernelConfig.ticketed) included
+#   bash bench/gpu_round.sh lora-roles   block-id roles against ticketed ones and the spin-free two launches at
+#                                     1 / 4 / 16 distinct adapters, each case in its own process under a hard limit
 #   bash bench/gpu_round.sh lora-linear-sweep  each projection alone, every tile of the sweep, 0 and 1 adapters
 # Logs and JSON lines go under $OUT (default ./gpu_out).
 set -uo pipefail
@@ -150,6 +152,15 @@ case "${1:-tests}" in
         > "$OUT/lora16_$1_$2.jsonl" 2>> "$OUT/lora.log" || echo "{\"system\": \"$1\", \"layers\": $2, \"killed\": true}"
       grep -h '"distinct"' "$OUT/lora16_$1_$2.jsonl" | cut -c 1-200
     done
+    ;;
+  lora-roles)
+    for case in "default,two_launches,ticketed,linear_by_shape,linear_by_shape_ticketed 1,4 200" \
+                "two_launches,ticketed,linear_by_shape_ticketed 16" "ticketed 16" "linear_by_shape_ticketed 16"; do
+      set -- $case
+      timeout -k 5 ${3:-90} python3 bench/lora_kernels.py --systems "$1" --replays 5 --distinct "$2" \
+        >> "$OUT/lora_roles.jsonl" 2>> "$OUT/lora.log" || echo "{\"systems\": \"$1\", \"distinct\": \"$2\", \"killed\": true}"
+    done
+    grep -h '"lora_kernels"' "$OUT/lora_roles.jsonl" | cut -c 1-200
     ;;
   lora-linear-sweep)
     timeout 570 python3 bench/lora_kernels.py --per-linear --sweep --systems "default,linear*" --distinct 0,1 \

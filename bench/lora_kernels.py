@@ -108,13 +108,17 @@ def fused_linear(config) -> Hook:
 
 def linear_configs(sweep: bool) -> dict:
     """name -> config of `linear_lora`, or a function of the layer's (in, out) giving one ("linear_by_shape": the
-    engine's; "linear_by_shape_gathered": the same tiles with each row's B rows gathered in the expand)."""
+    engine's; "linear_by_shape_gathered": the same tiles with each row's B rows gathered in the expand;
+    "linear_by_shape_ticketed": the same with the programs' roles from tickets, `LoraKernelConfig.ticketed`)."""
     from dataclasses import replace
 
+    from kernels.lora import LoraKernelConfig
     from kernels.lora_linear import LinearLoraConfig, linear_config_for
 
     named = {"linear": LinearLoraConfig(), "linear_by_shape": linear_config_for,
              "linear_by_shape_gathered": lambda i, o: replace(linear_config_for(i, o), expand_by_slot=False),
+             "linear_by_shape_ticketed": lambda i, o: replace(linear_config_for(i, o),
+                                                              lora=LoraKernelConfig(ticketed=True)),
              "linear_bn64": LinearLoraConfig(block_n=64),
              "linear_k256_s3": LinearLoraConfig(block_k=256, stages=3)}
     if sweep:
