@@ -33,12 +33,9 @@
 #                                     tile by layer shape, its expand by slot and gathered), and the engine with
 #                                     `lora_fused_linear` against the base (16 adapters loaded, DISTINCT=1,16 of
 #                                     them in the batch)
-#   bash bench/gpu_round.sh lora-16      16 distinct adapters in the kernel bench, each system and layer count in
-#                                     its own process under a hard 60 s limit (a step graph that does not finish
-#                                     is killed and reported as "killed"), the spin-free two launches and the
-#                                     ticketed roles (LoraKernelConfig.ticketed) included
-#   bash bench/gpu_round.sh lora-roles   block-id roles against ticketed ones and the spin-free two launches at
-#                                     1 / 4 / 16 distinct adapters, each case in its own process under a hard limit
+#   bash bench/gpu_round.sh lora-roles   the two launches (default) against one launch with ticketed roles and with
+#                                     block-id roles, the fused linear likewise, at 1 / 4 / 16 distinct adapters,
+#                                     each case in its own process under a hard limit (block ids not at 16: hung)
 #   bash bench/gpu_round.sh lora-linear-sweep  each projection alone, every tile of the sweep, 0 and 1 adapters
 # Logs and JSON lines go under $OUT (default ./gpu_out).
 set -uo pipefail
@@ -144,18 +141,9 @@ case "${1:-tests}" in
     grep -h -E '"lora_kernels"|"decode"' "$OUT/lora_linear.jsonl" "$OUT/lora_linear_engine.jsonl" | cut -c 1-300
     grep -i -B2 -A3 "error\|traceback" "$OUT/lora.log" | tail -20
     ;;
-  lora-16)
-    for case in "two_launches 32" "ticketed 32" "default 1" "default 4" "default 16" "default 32" \
-                "linear_by_shape 32"; do
-      set -- $case
-      timeout -k 5 60 python3 bench/lora_kernels.py --systems "$1" --layers "$2" --replays 2 --distinct 16 \
-        > "$OUT/lora16_$1_$2.jsonl" 2>> "$OUT/lora.log" || echo "{\"system\": \"$1\", \"layers\": $2, \"killed\": true}"
-      grep -h '"distinct"' "$OUT/lora16_$1_$2.jsonl" | cut -c 1-200
-    done
-    ;;
   lora-roles)
-    for case in "default,two_launches,ticketed,linear_by_shape,linear_by_shape_ticketed 1,4 200" \
-                "two_launches,ticketed,linear_by_shape_ticketed 16" "ticketed 16" "linear_by_shape_ticketed 16"; do
+    for case in "default,one_launch,block_ids,linear_by_shape,linear_by_shape_block_ids 1,4 200" \
+                "default,one_launch,linear_by_shape 16 120"; do
       set -- $case
       timeout -k 5 ${3:-90} python3 bench/lora_kernels.py --systems "$1" --replays 5 --distinct "$2" \
         >> "$OUT/lora_roles.jsonl" 2>> "$OUT/lora.log" || echo "{\"systems\": \"$1\", \"distinct\": \"$2\", \"killed\": true}"

@@ -64,15 +64,15 @@ def configs(sweep: bool) -> tuple[dict, dict]:
     """(name -> config of `add_lora` after the GEMM, name -> config of the overlapped halves)."""
     from kernels.lora import LoraKernelConfig
 
-    named = {"default": LoraKernelConfig(), "two_launches": LoraKernelConfig(fused=False),
-             "ticketed": LoraKernelConfig(ticketed=True),
+    named = {"default": LoraKernelConfig(), "one_launch": LoraKernelConfig(fused=True),
+             "block_ids": LoraKernelConfig(fused=True, ticketed=False),
              "groups2": LoraKernelConfig(groups_per_tile_row=2), "bn256_w8": LoraKernelConfig(block_n=256, num_warps=8),
              "k64_unpipelined": LoraKernelConfig(block_k=64, shrink_stages=1, max_split_k=16)}
     overlapped = {"overlap": LoraKernelConfig()}
     if sweep:
         named |= {"groups8": LoraKernelConfig(groups_per_tile_row=8), "bn64": LoraKernelConfig(block_n=64),
                   "w8": LoraKernelConfig(num_warps=8),
-                  "two_groups2": LoraKernelConfig(fused=False, groups_per_tile_row=2),
+                  "one_groups2": LoraKernelConfig(fused=True, groups_per_tile_row=2),
                   "split256": LoraKernelConfig(split_k_chunk=256, max_split_k=64),
                   "k128": LoraKernelConfig(block_k=128), "k256_stages1": LoraKernelConfig(shrink_stages=1),
                   "k256_split1024": LoraKernelConfig(split_k_chunk=1024), "k64": LoraKernelConfig(block_k=64)}
@@ -109,7 +109,7 @@ def fused_linear(config) -> Hook:
 def linear_configs(sweep: bool) -> dict:
     """name -> config of `linear_lora`, or a function of the layer's (in, out) giving one ("linear_by_shape": the
     engine's; "linear_by_shape_gathered": the same tiles with each row's B rows gathered in the expand;
-    "linear_by_shape_ticketed": the same with the programs' roles from tickets, `LoraKernelConfig.ticketed`)."""
+    "linear_by_shape_block_ids": the same with each program's role its block id, `LoraKernelConfig.ticketed=False`)."""
     from dataclasses import replace
 
     from kernels.lora import LoraKernelConfig
@@ -117,8 +117,8 @@ def linear_configs(sweep: bool) -> dict:
 
     named = {"linear": LinearLoraConfig(), "linear_by_shape": linear_config_for,
              "linear_by_shape_gathered": lambda i, o: replace(linear_config_for(i, o), expand_by_slot=False),
-             "linear_by_shape_ticketed": lambda i, o: replace(linear_config_for(i, o),
-                                                              lora=LoraKernelConfig(ticketed=True)),
+             "linear_by_shape_block_ids": lambda i, o: replace(linear_config_for(i, o),
+                                                               lora=LoraKernelConfig(ticketed=False)),
              "linear_bn64": LinearLoraConfig(block_n=64),
              "linear_k256_s3": LinearLoraConfig(block_k=256, stages=3)}
     if sweep:

@@ -17,21 +17,24 @@ how many slots the step uses, and programs past the tiles in use stop after one 
     scales, adds the base output in float32 and rounds once. The slices of a fused output (q|k|v, gate|up; at
     most three) each read their own entries of y and rows of B.
 
-`add_lora` runs both parts in ONE launch by default (`LoraKernelConfig.fused`): the shrink programs take the
-lower program ids and the expand programs follow them, so every shrink program is dispatched before any expand
-program (the GPU hands out a 1-D grid's blocks in id order, the assumption CUB's single-pass scan makes too) and
-a shrink program never waits on anything: the waits always end. The expand's loads of B and of the base rows
-overlap the shrink. Each tile's counter is taken back to zero by the last expand program to pass it (the counter
-also counts the expand programs), so every launch leaves the counters as it found them.
+`add_lora` runs the two parts as two launches by default, which the stream orders: nothing waits on anything.
+`LoraKernelConfig.fused` runs both in ONE launch: each program takes a ticket when it starts (an atomic count,
+`LoraBatch.ticket`; the last taker sets it back to zero), the lower tickets run the shrink and the later ones the
+expand, so a waiting expand program holds a later ticket than every shrink program it waits on, which has
+therefore started, and the waits end whatever order the GPU hands out blocks in (with `ticketed=False` the role
+is the block id, which trusts in-order dispatch: on an H100 a step graph of 32 layers at 16 distinct adapters
+never finished that way, `bash bench/gpu_round.sh lora-16`, 2026-12-06). The expand's loads of B and of the base
+rows overlap the shrink. Each tile's counter is taken back to zero by the last expand program to pass it (the
+counter also counts the expand programs), so every launch leaves the counters as it found them.
 
-The two parts also run as two launches, bitwise equal to the one: `lora_shrink_partials` launches the shrink
+The two launches are bitwise equal to the one: `lora_shrink_partials` launches the shrink
 (the partials allocated on the caller's stream) and returns a `LoraPartials`; `lora_expand_partials` launches the
 expand from it. Those launches neither count nor wait: the stream orders them, and the counters stay at zero.
 Given a second stream, `lora_shrink_partials` forks the shrink onto it (that stream waits for the caller's), so
 the caller's stream can run the base layer's matmul meanwhile (the shrink needs only the layer's input), and
 `lora_expand_partials` joins it back (the caller's stream waits for it) before the expand: the LoRA work left
 after the matmul is the expand alone (runner/lora/runtime.py does this, `EngineConfig.lora_overlap`). The fork
-and the join are stream waits, which a CUDA-graph capture records as edges. `config.fused=False` is the same two
+and the join are stream waits, which a CUDA-graph capture records as edges. `add_lora`'s default is the same two
 launches on one stream.
 
 Rows of tokens without an adapter (-1, or outside the stacks) are in no tile: nothing reads or writes them (the
@@ -70,9 +73,9 @@ class LoraKernelConfig:
     """How `add_lora` / `lora_shrink` / `lora_expand` launch. Only `split_k_chunk` and `max_split_k` change a
     token's bits (they fix the shrink's sums); everything else only moves work between programs."""
 
-    fused: bool = True
+    fused: bool = False
     """`add_lora` in one launch (expand programs wait on the shrink's per-tile counters); False: two launches that
-    the stream orders (`lora_shrink_partials` then `lora_expand_partials`)."""
+    the stream orders (`lora_shrink_partials` then `lora_expand_partials`), in which nothing waits."""
     groups_per_tile_row: int = 4
     """Tile groups (programs along the tile axis) per BLOCK_M tokens of the step, at most the tiles there can
     be: 4 gives a decode batch of 64 sixteen groups, one tile each even when 16 adapters share it."""
@@ -90,11 +93,12 @@ class LoraKernelConfig:
     and 32 for float32."""
     shrink_stages: int = 2
     """Software-pipeline stages of the shrink's loop over its split (1: none)."""
-    ticketed: bool = False
+    ticketed: bool = True
     """The one-launch kernels (`add_lora` fused, `kernels/lora_linear.py`) give each program its role by a ticket
-    (an atomic count taken when the program starts, `LoraBatch.ticket`) instead of its block id: a waiting program
-    then holds a later ticket than every program it waits on, which has therefore started, whatever order the GPU
-    dispatches blocks in. One atomic round trip more per program."""
+    (an atomic count taken when the program starts, `LoraBatch.ticket`): a waiting program then holds a later
+    ticket than every program it waits on, which has therefore started, whatever order the GPU dispatches blocks
+    in. False: the role is the block id, one atomic round trip less per program, safe only where the GPU hands a
+    grid's blocks out in id order (on an H100 a 32-layer step graph at 16 distinct adapters hung that way)."""
 
     def __post_init__(self) -> None:
         for name in ("groups_per_tile_row", "split_k_chunk", "max_split_k", "num_warps", "shrink_stages"):

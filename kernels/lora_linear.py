@@ -16,9 +16,9 @@ without an adapter get the GEMM's result alone. By default that product is one t
 uses (the slots read from the plan's tiles, which are sorted by slot): the block's rows of that slot, the others'
 masked to zero (exact zeros, so a row's sum is its own slot's dot alone), times the slot's B block, read once per
 block; `expand_by_slot=False` gathers each row's B rows instead. The last GEMM program to count takes
-the counter back to zero. Every shrink program is dispatched before any GEMM program (a 1-D grid's blocks go out in
-id order, as `kernels/lora.py` relies on too; with `LoraKernelConfig.ticketed` the roles follow the order in which
-programs start instead), so the waits end.
+the counter back to zero. Roles follow the order in which programs start (a ticket, `LoraKernelConfig.ticketed`, as
+in `kernels/lora.py`'s one launch): the lower tickets are the shrink's, so every program a GEMM program waits on
+has started, and the waits end.
 
 Nothing is read back to the host and the grid is a function of T and the shapes, so it can be captured in a CUDA
 graph and replayed with new slot assignments. The shrink's bits are `add_lora`'s (same splits, same order); the

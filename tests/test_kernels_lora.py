@@ -25,9 +25,10 @@ from kernels.lora_ref import add_lora_ref, lora_expand_ref, lora_shrink_ref  # n
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 S = 4  # slots
-TWO_LAUNCHES = LoraKernelConfig(fused=False)
-LAUNCH_SHAPES = [LoraKernelConfig(), TWO_LAUNCHES, LoraKernelConfig(groups_per_tile_row=1, block_n=16, num_warps=2),
-                 LoraKernelConfig(fused=False, groups_per_tile_row=8, block_n=64)]
+TWO_LAUNCHES = LoraKernelConfig()  # the default
+ONE_LAUNCH = LoraKernelConfig(fused=True)
+LAUNCH_SHAPES = [ONE_LAUNCH, TWO_LAUNCHES, LoraKernelConfig(fused=True, groups_per_tile_row=1, block_n=16, num_warps=2),
+                 LoraKernelConfig(fused=True, ticketed=False), LoraKernelConfig(groups_per_tile_row=8, block_n=64)]
 
 
 def _stacks(g, in_features, slices, r_max, ranks, dtype=torch.float32):
@@ -148,7 +149,7 @@ def test_fused_entry_equals_shrink_then_expand_bitwise():
     A, B, scaling = _stacks(g, 1100, (16, 8, 8), 8, ranks=(8, 2, 7, 8))
     x, idx = torch.randn(30, 1100, generator=g).to(DEVICE), _idx(g, 30)
     base = torch.randn(30, 32, generator=g).to(DEVICE)
-    fused = add_lora(base.clone(), x, A, B, idx, scaling, slices=(16, 8, 8))
+    fused = add_lora(base.clone(), x, A, B, idx, scaling, slices=(16, 8, 8), config=ONE_LAUNCH)
     two = lora_expand(lora_shrink(x, A, idx), B, idx, scaling, base.clone(), slices=(16, 8, 8))
     assert torch.equal(fused, two)
 
@@ -322,7 +323,7 @@ def test_empty_batch_and_bad_arguments():
 
 
 
-@pytest.mark.parametrize("config", LAUNCH_SHAPES, ids=["fused", "two", "fused-narrow", "two-wide"])
+@pytest.mark.parametrize("config", LAUNCH_SHAPES, ids=["fused", "two", "fused-narrow", "fused-block-ids", "two-wide"])
 @pytest.mark.parametrize(("num_tokens", "in_features"), [(1, 40), (19, 1100), (45, 9000)])  # splits: 1, 3, 16
 def test_every_launch_shape_gives_the_bits_of_the_default(config, num_tokens, in_features):
     """One launch or two, tile groups, column blocks and warps move work between programs only: the bits are
@@ -432,10 +433,10 @@ def test_cuda_8b_decode_matches_the_reference_one_launch_and_two(layer, distinct
     base = torch.randn(64, sum(slices), generator=g).to("cuda", torch.bfloat16)
     idx = _decode_idx(64, distinct, 64)
     batch = lora_batch(idx, 64)
-    fused = add_lora(base.clone(), x, A, B, batch, scaling, slices=slices)
+    fused = add_lora(base.clone(), x, A, B, batch, scaling, slices=slices, config=ONE_LAUNCH)
     two = add_lora(base.clone(), x, A, B, batch, scaling, slices=slices, config=TWO_LAUNCHES)
     assert torch.equal(fused, two)
-    assert not batch.arrivals.any()
+    assert not batch.arrivals.any() and int(batch.ticket[0]) == 0
     y = lora_shrink_ref(x, A, idx)
     ref = lora_expand_ref(y, B, idx, scaling, base.clone(), slices=slices)
     mag = lora_expand_ref(y.abs(), B.abs(), idx, scaling, torch.zeros_like(base), slices=slices).float()
@@ -458,12 +459,12 @@ def test_cuda_8b_token_bits_alone_and_in_any_batch():
                          config=TWO_LAUNCHES)
         assert torch.equal(batch[t:t + 1], alone), t
     same = add_lora(base.clone(), x, A, B, torch.full_like(mixed, int(mixed[17])), scaling, slices=slices,
-                    config=LoraKernelConfig(groups_per_tile_row=1, block_n=256, num_warps=8))
+                    config=LoraKernelConfig(fused=True, groups_per_tile_row=1, block_n=256, num_warps=8))
     assert torch.equal(same[17], batch[17])  # other adapters around it, other launch shape: the same bits
 
 
 @cuda
-@pytest.mark.parametrize("config", [LoraKernelConfig(), TWO_LAUNCHES], ids=["fused", "two"])
+@pytest.mark.parametrize("config", [ONE_LAUNCH, TWO_LAUNCHES], ids=["fused", "two"])
 def test_cuda_graph_of_a_decode_step_replays_eager_bits_across_slot_changes(config):
     g = torch.Generator().manual_seed(4)
     layers = [(name, *_bf16_stacks(g, 64, LLAMA_8B[name][0], LLAMA_8B[name][1], 16)) for name in sorted(LLAMA_8B)]

@@ -153,9 +153,9 @@ def test_the_expand_by_slot_and_the_gathered_expand_both_give_the_reference(rank
         torch.testing.assert_close(got.double(), want, rtol=1e-5, atol=1e-5, msg=f"expand_by_slot={by_slot}")
 
 
-def test_ticketed_roles_give_the_same_bits_and_leave_the_ticket_at_zero():
-    """LoraKernelConfig.ticketed: each program's role from a ticket instead of its block id; the same programs, so
-    the same bits, launch after launch on one plan, add_lora's one launch and the linear's alike."""
+def test_ticketed_and_block_id_roles_give_the_same_bits_and_leave_the_counters_at_zero():
+    """LoraKernelConfig.ticketed (the default): each program's role from a ticket instead of its block id; the same
+    programs, so the same bits, launch after launch on one plan, add_lora's one launch and the linear's alike."""
     from dataclasses import replace
 
     from kernels.lora import add_lora
@@ -165,14 +165,17 @@ def test_ticketed_roles_give_the_same_bits_and_leave_the_ticket_at_zero():
     W, b, A, B, scaling = _layer(g, 600, slices, 4, ranks=(4, 2, 3, 1))
     x, idx = torch.randn(21, 600, generator=g).to(DEVICE), _idx(g, 21)
     batch = lora_batch(idx, S)
-    ticketed = LoraKernelConfig(ticketed=True)
+    assert SMALL.lora.ticketed
+    block_ids = LoraKernelConfig(fused=True, ticketed=False)
     for _ in range(2):
-        plain = linear_lora(x, W, b, A, B, batch, scaling, slices=slices, config=SMALL)
+        ticketed = linear_lora(x, W, b, A, B, batch, scaling, slices=slices, config=SMALL)
+        assert int(batch.ticket[0]) == 0 and int(batch.done[0]) == 0
         assert torch.equal(linear_lora(x, W, b, A, B, batch, scaling, slices=slices,
-                                       config=replace(SMALL, lora=ticketed)), plain)
+                                       config=replace(SMALL, lora=block_ids)), ticketed)
         base = torch.randn(21, 24, generator=g).to(DEVICE)
-        want = add_lora(base.clone(), x, A, B, batch, scaling, slices=slices)
-        assert torch.equal(add_lora(base.clone(), x, A, B, batch, scaling, slices=slices, config=ticketed), want)
+        want = add_lora(base.clone(), x, A, B, batch, scaling, slices=slices, config=replace(block_ids, ticketed=True))
+        assert int(batch.ticket[0]) == 0 and not batch.arrivals.any()
+        assert torch.equal(add_lora(base.clone(), x, A, B, batch, scaling, slices=slices, config=block_ids), want)
         assert int(batch.ticket[0]) == 0 and int(batch.done[0]) == 0 and not batch.arrivals.any()
 
 
