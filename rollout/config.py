@@ -108,7 +108,7 @@ class EngineConfig:
     """CUDA, slot mode: each adapted linear starts its adapters' shrink (x @ A^T, which needs only the layer's input)
     on a second CUDA stream before the base matmul, so the two run at once and only the expand (and its add into
     the base output) follows the matmul, in eager steps and in the captured decode graphs alike. False runs all of
-    the LoRA work after the matmul, in one launch per layer (the default: measured at the Llama-3.1-8B shape, batch
+    the LoRA work after the matmul (the default: measured at the Llama-3.1-8B shape, batch
     64, rank 16, the overlap took 15% off the hooks' time in a graph of the layers' matmuls alone but made the
     engine 1% faster with one adapter in the batch and 3-6% slower with 4 or 16: the matmuls leave the shrink little
     room beside them). The outputs are bitwise the same either way."""

@@ -12,7 +12,7 @@ around the base matmul: `start(x)`, called by the Linear before its matmul, fork
 stream (`kernels.lora.lora_shrink_partials`; one high-priority stream per runtime, made on first use), so it runs
 while the current stream runs the matmul, and the hook called on the output joins it and runs the expand
 (`lora_expand_partials`); in a captured decode graph the fork and the join are the graph's edges (the shrink a
-branch beside the matmul). Without `overlap`, `add_lora` after the matmul (one launch); both give the same bits.
+branch beside the matmul). Without `overlap`, `add_lora` after the matmul (its two launches); both give the same bits.
 With `fused_linear` (`EngineConfig.lora_fused_linear`), a forward of a decode step's few tokens takes the linear
 from the Linear altogether (`LoraHook.linear`: the base GEMM and the delta in one Triton launch).
 With `deferred` (`EngineConfig.lora_deferred`), the hooks of o_proj and down_proj, whose outputs only join the
