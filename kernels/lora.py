@@ -23,9 +23,10 @@ how many slots the step uses, and programs past the tiles in use stop after one 
 expand, so a waiting expand program holds a later ticket than every shrink program it waits on, which has
 therefore started, and the waits end whatever order the GPU hands out blocks in (with `ticketed=False` the role
 is the block id, which trusts in-order dispatch: on an H100 a step graph of 32 layers at 16 distinct adapters
-never finished that way, `bash bench/gpu_round.sh lora-16`, 2026-12-06). The expand's loads of B and of the base
-rows overlap the shrink. Each tile's counter is taken back to zero by the last expand program to pass it (the
-counter also counts the expand programs), so every launch leaves the counters as it found them.
+never finished that way, `python bench/lora_kernels.py --systems block_ids --distinct 16`, 2026-12-06). The
+expand's loads of B and of the base rows overlap the shrink. Each tile's counter is taken back to zero by the
+last expand program to pass it (the counter also counts the expand programs), so every launch leaves the
+counters as it found them.
 
 The two launches are bitwise equal to the one: `lora_shrink_partials` launches the shrink
 (the partials allocated on the caller's stream) and returns a `LoraPartials`; `lora_expand_partials` launches the
