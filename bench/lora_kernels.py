@@ -109,7 +109,8 @@ def fused_linear(config) -> Hook:
 def linear_configs(sweep: bool) -> dict:
     """name -> config of `linear_lora`, or a function of the layer's (in, out) giving one ("linear_by_shape": the
     engine's; "linear_by_shape_gathered": the same tiles with each row's B rows gathered in the expand;
-    "linear_by_shape_block_ids": the same with each program's role its block id, `LoraKernelConfig.ticketed=False`)."""
+    "linear_by_shape_block_ids": the same with each program's role its block id, `LoraKernelConfig.ticketed=False`;
+    "linear_by_shape_expandN": the same with N software-pipeline stages over the expand's slots, 1: none)."""
     from dataclasses import replace
 
     from kernels.lora import LoraKernelConfig
@@ -119,6 +120,8 @@ def linear_configs(sweep: bool) -> dict:
              "linear_by_shape_gathered": lambda i, o: replace(linear_config_for(i, o), expand_by_slot=False),
              "linear_by_shape_block_ids": lambda i, o: replace(linear_config_for(i, o),
                                                                lora=LoraKernelConfig(ticketed=False)),
+             **{f"linear_by_shape_expand{n}": (lambda n: lambda i, o: replace(linear_config_for(i, o),
+                                                                              expand_stages=n))(n) for n in (1, 2, 4)},
              "linear_bn64": LinearLoraConfig(block_n=64),
              "linear_k256_s3": LinearLoraConfig(block_k=256, stages=3)}
     if sweep:

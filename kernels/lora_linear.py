@@ -66,6 +66,9 @@ class LinearLoraConfig:
     product), B read once per row."""
     block_r: int = 4
     """Rank entries per step of the gathered expand (`expand_by_slot=False`)."""
+    expand_stages: int = 3
+    """Software-pipeline stages of the expand by slot's loop over the slots the step uses (1: none): with 16
+    adapters in a batch, 16 loads of B blocks in a row, each waiting for the last without it."""
     max_rows: int = 64
     """The most tokens a forward may have for the engine to take this kernel (`linear_lora` itself takes any)."""
     lora: LoraKernelConfig = field(default_factory=lambda: DEFAULT_CONFIG)
@@ -73,7 +76,7 @@ class LinearLoraConfig:
     it are not used)."""
 
     def __post_init__(self) -> None:
-        for name in ("stages", "num_warps", "max_rows"):
+        for name in ("stages", "num_warps", "max_rows", "expand_stages"):
             if getattr(self, name) < 1:
                 raise ValueError(f"LinearLoraConfig.{name} must be >= 1, got {getattr(self, name)}")
         for name, low in (("block_n", 16), ("block_k", 16), ("block_r", 1)):
@@ -120,7 +123,7 @@ def _gemm_lora_block(q, x_ptr, w_ptr, bias_ptr, out_ptr, part_ptr, b_ptr, scalin
                      stride_pt, stride_bs, stride_bn, HAS_BIAS: tl.constexpr, SPLITS: tl.constexpr,
                      EVEN_K: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
                      STAGES: tl.constexpr, BLOCK_R: tl.constexpr, BY_SLOT: tl.constexpr, TILES: tl.constexpr,
-                     DOT_R: tl.constexpr):
+                     DOT_R: tl.constexpr, EXPAND_STAGES: tl.constexpr):
     """GEMM program q = (column block of one slice, row block): out[rows, block] = round(round(x W^T + b) + the
     rows' deltas), after the shrink's programs have all counted into `done`."""
     f = q // m_blocks  # the row blocks of one column block are neighbours: they share its weight rows in L2
@@ -175,7 +178,7 @@ def _gemm_lora_block(q, x_ptr, w_ptr, bias_ptr, out_ptr, part_ptr, b_ptr, scalin
             y = _rows_y(y_rows, rr, has[:, None] & (rr < rank)[None, :], stride_pp, SPLITS).to(b_ptr.dtype.element_ty)
             b_cols = b_ptr + cols[None, :].to(tl.int64) * stride_bn + rr[:, None]  # [DOT_R, BLOCK_N] of slot 0
             bmask = (rr < rank)[:, None] & nmask[None, :]
-            for i in range(0, num_used):
+            for i in tl.range(0, num_used, num_stages=EXPAND_STAGES):
                 s = tl.sum(tl.where(used & (order == i), tile_slots, 0))  # the i-th slot the step uses
                 bt = tl.load(b_cols + s.to(tl.int64) * stride_bs, mask=bmask, other=0.0)
                 delta = tl.dot(tl.where((slot == s)[:, None], y, 0.0), bt, delta, input_precision="ieee")
@@ -203,7 +206,7 @@ def _linear_lora_kernel(x_ptr, w_ptr, bias_ptr, out_ptr, a_ptr, part_ptr, b_ptr,
                         SHRINK_K: tl.constexpr, SHRINK_STAGES: tl.constexpr, EVEN_K: tl.constexpr,
                         BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, STAGES: tl.constexpr,
                         BLOCK_R: tl.constexpr, BY_SLOT: tl.constexpr, TILES: tl.constexpr, DOT_R: tl.constexpr,
-                        TICKETED: tl.constexpr):
+                        EXPAND_STAGES: tl.constexpr, TICKETED: tl.constexpr):
     """The shrink programs (ids below `shrink_programs`), each counting into `done` at its end, then the GEMM
     programs, which wait for all of them before their epilogue."""
     pid = _program_role(ticket_ptr, shrink_programs + gemm_programs, TICKETED)
@@ -218,7 +221,8 @@ def _linear_lora_kernel(x_ptr, w_ptr, bias_ptr, out_ptr, a_ptr, part_ptr, b_ptr,
                          token_slot_ptr, tile_slot_ptr, done_ptr, num_tokens, in_features, num_tile_rows,
                          shrink_programs, gemm_programs, m_blocks, blocks0, blocks1, rank, width0, width1, width2,
                          stride_xt, stride_wn, stride_ot, stride_pp, stride_pt, stride_bs, stride_bn, HAS_BIAS, SPLITS,
-                         EVEN_K, BLOCK_M, BLOCK_N, BLOCK_K, STAGES, BLOCK_R, BY_SLOT, TILES, DOT_R)
+                         EVEN_K, BLOCK_M, BLOCK_N, BLOCK_K, STAGES, BLOCK_R, BY_SLOT, TILES, DOT_R,
+                         EXPAND_STAGES)
 
 
 def _check_weight(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, out: torch.Tensor) -> None:
@@ -274,7 +278,8 @@ def _launch(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, A:
         BLOCK_RA=_block_r(A.shape[1]), SHRINK_K=shrink_k, SHRINK_STAGES=config.lora.shrink_stages,
         EVEN_K=in_features % config.block_k == 0, BLOCK_M=BLOCK_M, BLOCK_N=config.block_n, BLOCK_K=config.block_k,
         STAGES=config.stages, BLOCK_R=config.block_r, BY_SLOT=config.expand_by_slot,
-        TILES=triton.next_power_of_2(batch.tile_slot.shape[0]), DOT_R=DOT_R, TICKETED=config.lora.ticketed,
+        TILES=triton.next_power_of_2(batch.tile_slot.shape[0]), DOT_R=DOT_R, EXPAND_STAGES=config.expand_stages,
+        TICKETED=config.lora.ticketed,
         num_warps=config.num_warps)
 
 

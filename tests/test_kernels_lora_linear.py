@@ -9,6 +9,7 @@ interpreter runs programs one after another in id order, so there the GEMM progr
 from __future__ import annotations
 
 import os
+from dataclasses import replace
 
 import pytest
 import torch
@@ -18,7 +19,7 @@ if not torch.cuda.is_available():
     os.environ.setdefault("TRITON_INTERPRET", "1")
 
 from kernels.lora import LoraKernelConfig, lora_batch, lora_shrink  # noqa: E402
-from kernels.lora_linear import LinearLoraConfig, linear_lora  # noqa: E402
+from kernels.lora_linear import LinearLoraConfig, linear_config_for, linear_lora  # noqa: E402
 from kernels.lora_linear_ref import linear_lora_ref  # noqa: E402
 from kernels.lora_ref import lora_expand_ref  # noqa: E402
 from test_kernels_lora import LLAMA_8B, _decode_idx, cuda  # noqa: E402
@@ -101,7 +102,7 @@ def test_each_token_gets_the_bits_it_gets_alone(num_tokens):
     W, b, A, B, scaling = _layer(g, 300, slices, 8, ranks=(8, 3, 5, 1))
     x, idx = torch.randn(num_tokens, 300, generator=g).to(DEVICE), _idx(g, num_tokens)
     batch = linear_lora(x, W, b, A, B, idx, scaling, slices=slices, config=SMALL)
-    moved = LinearLoraConfig(block_n=16, block_k=32, stages=1, block_r=2, num_warps=2,
+    moved = LinearLoraConfig(block_n=16, block_k=32, stages=1, block_r=2, num_warps=2, expand_stages=1,
                              lora=LoraKernelConfig(groups_per_tile_row=1))
     for t in (0, 1, num_tokens - 1):
         alone = linear_lora(x[t:t + 1], W, b, A, B, idx[t:t + 1], scaling, slices=slices, config=moved)
@@ -124,7 +125,7 @@ def test_one_plan_serves_many_launches_and_leaves_its_counters_at_zero():
 
 
 def test_each_layer_shape_takes_its_measured_tile_and_every_tile_computes_the_layer():
-    from kernels.lora_linear import DEFAULT_LINEAR_CONFIG, LONG_CONFIG, WIDE_CONFIG, linear_config_for
+    from kernels.lora_linear import DEFAULT_LINEAR_CONFIG, LONG_CONFIG, WIDE_CONFIG
 
     assert {name: linear_config_for(inp, sum(slices)) for name, (inp, slices) in LLAMA_8B.items()} == {
         "qkv": DEFAULT_LINEAR_CONFIG, "o": DEFAULT_LINEAR_CONFIG, "gate_up": WIDE_CONFIG, "down": LONG_CONFIG}
@@ -141,8 +142,6 @@ def test_each_layer_shape_takes_its_measured_tile_and_every_tile_computes_the_la
 @pytest.mark.parametrize("ranks", [(8, 3, 5, 1), (20, 17, 1, 20)])  # 20: the expand by slot takes two rank steps
 def test_the_expand_by_slot_and_the_gathered_expand_both_give_the_reference(ranks):
     """Tokens of all four slots and none, two row blocks: each slot's dot must pick its own rows only."""
-    from dataclasses import replace
-
     g = torch.Generator().manual_seed(12)
     slices = (16, 8)
     W, b, A, B, scaling = _layer(g, 48, slices, max(ranks), ranks=ranks)
@@ -156,8 +155,6 @@ def test_the_expand_by_slot_and_the_gathered_expand_both_give_the_reference(rank
 def test_ticketed_and_block_id_roles_give_the_same_bits_and_leave_the_counters_at_zero():
     """LoraKernelConfig.ticketed (the default): each program's role from a ticket instead of its block id; the same
     programs, so the same bits, launch after launch on one plan, add_lora's one launch and the linear's alike."""
-    from dataclasses import replace
-
     from kernels.lora import add_lora
 
     g = torch.Generator().manual_seed(13)
@@ -202,6 +199,8 @@ def test_bad_arguments_and_configs_are_refused():
         LinearLoraConfig(block_r=3)
     with pytest.raises(ValueError, match="stages must be >= 1"):
         LinearLoraConfig(stages=0)
+    with pytest.raises(ValueError, match="expand_stages must be >= 1"):
+        LinearLoraConfig(expand_stages=0)
 
 
 # ---- CUDA: the Llama-3.1-8B decode shapes in bfloat16 (test_kernels_lora.py's) ------------------------------------
@@ -219,7 +218,8 @@ def _bf16_layer(g, num_slots, in_features, slices, rank):
 @pytest.mark.parametrize("layer", sorted(LLAMA_8B))
 def test_cuda_8b_decode_matches_cublas_then_the_reference(layer, distinct):
     """T = 64 over 64 rank-16 slots, 1 or 16 of them in the batch, against cuBLAS's F.linear then the reference's
-    delta. Tolerance (bfloat16): the two GEMMs sum `in` in different orders, so the rounded base may differ by an
+    delta, and the expand's loop over slots pipelined or not (`expand_stages`) giving the same bits. Tolerance
+    (bfloat16): the two GEMMs sum `in` in different orders, so the rounded base may differ by an
     ulp of the float32 sum's magnitude, and y's rounding by one ulp in any entry:
     |ours - ref| <= 2**-7 * (|ref| + |x| @ |W|^T * 2**-8 + scaling * |y| @ |B|^T) elementwise."""
     from kernels.lora_ref import lora_shrink_ref
@@ -230,8 +230,13 @@ def test_cuda_8b_decode_matches_cublas_then_the_reference(layer, distinct):
     x = torch.randn(64, in_features, generator=g).to("cuda", torch.bfloat16)
     idx = _decode_idx(64, distinct, 64)
     batch = lora_batch(idx, 64)
-    ours = linear_lora(x, W, None, A, B, batch, scaling, slices=slices)
+    config = linear_config_for(in_features, sum(slices))
+    ours = linear_lora(x, W, None, A, B, batch, scaling, slices=slices, config=config)
     assert int(batch.done[0]) == 0
+    for stages in (1, 2):
+        again = linear_lora(x, W, None, A, B, batch, scaling, slices=slices,
+                            config=replace(config, expand_stages=stages))
+        assert torch.equal(ours, again), stages
     base = F.linear(x, W)
     y = lora_shrink_ref(x, A, idx)
     ref = lora_expand_ref(y, B, idx, scaling, base.clone(), slices=slices).float()
