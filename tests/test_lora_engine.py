@@ -254,7 +254,8 @@ def test_decode_graphs_without_adapter_tokens_take_the_variant_without_lora(base
     assert runner.graphs.lora_variants == (True, False)
     loras = ["a", None, "b", None]
     lengths = [3, 9, 5, 9]  # the adapter requests finish first: the last decode steps have base tokens only
-    params = [SamplingParams(temperature=0, max_tokens=n, ignore_eos=True, lora=lora) for lora, n in zip(loras, lengths)]
+    params = [SamplingParams(temperature=0, max_tokens=n, ignore_eos=True, lora=lora)
+              for lora, n in zip(loras, lengths)]
     got = graphed.generate(PROMPTS, params)
     want = engine.generate(PROMPTS, params)
     assert [o.outputs[0].token_ids for o in got] == [o.outputs[0].token_ids for o in want]
@@ -429,11 +430,22 @@ def test_lora_overlap_reaches_the_runner_and_the_cpu_runs_the_reference_whole(en
 
 
 def test_lora_fused_linear_reaches_the_runner_and_the_cpu_keeps_its_matmul(engine, base):
-    """`EngineConfig.lora_fused_linear` is off by default, reaches the runner, is refused beside the overlapped or
-    deferred hooks; on the CPU the hooks never take a layer's matmul (`LoraHook.linear` gives None)."""
+    """`EngineConfig.lora_fused_linear` is on by default for slot mode on CUDA only (not on the CPU, in merged or
+    deterministic mode, beside the overlapped or deferred hooks, under tensor parallelism), reaches the runner, is
+    refused beside the overlapped or deferred hooks when asked for; on the CPU the hooks never take a layer's matmul
+    (`LoraHook.linear` gives None)."""
     from rollout.config import from_mapping
 
     assert EngineConfig(model="m").lora_fused_linear is False
+    assert EngineConfig(model="m", max_loras=4).lora_fused_linear is False  # the CPU
+    cuda = dict(model="m", device="cuda", max_loras=4)
+    assert EngineConfig(**cuda).lora_fused_linear is True
+    assert EngineConfig(**cuda, lora_fused_linear=False).lora_fused_linear is False
+    assert EngineConfig(**cuda).runner_config().lora_fused_linear is True
+    assert EngineConfig(model="m", device="cuda").lora_fused_linear is False  # no slots
+    for off in (dict(max_loras=1, lora_merged=True), dict(deterministic=True), dict(lora_overlap=True),
+                dict(lora_deferred=True), dict(tensor_parallel_size=2)):
+        assert EngineConfig(**(cuda | off)).lora_fused_linear is False, off
     assert from_mapping(EngineConfig, {"model": "m", "lora_fused_linear": True}).runner_config().lora_fused_linear
     for other in ("lora_overlap", "lora_deferred"):
         with pytest.raises(ValueError, match="lora_fused_linear runs each adapted linear and its LoRA in one launch"):
