@@ -145,7 +145,7 @@ def test_deferred_and_fused_linear_modes_through_graphs_and_eagerly_give_peft_to
     logprobs = {}
     for eager, on in ((False, True), (True, True), (False, False)):
         calls.clear()
-        engine = _engine(base, enforce_eager=eager, **{mode: on}, **({} if on else {"lora_fused_linear": False}))
+        engine = _engine(base, enforce_eager=eager, **({"lora_fused_linear": False} | {mode: on}))
         engine.load_lora("x", str(adapters["a"]))
         engine.load_lora("y", str(adapters["c"]))
         outs = engine.generate(prompts, params)
