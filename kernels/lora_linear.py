@@ -67,10 +67,10 @@ class LinearLoraConfig:
     block_r: int = 4
     """Rank entries per step of the gathered expand (`expand_by_slot=False`)."""
     expand_stages: int = 3
-    """Software-pipeline stages of the expand by slot's loop over the slots the step uses, taken when the step
-    uses at least that many slots (1: never): with 16 adapters in a batch, 16 loads of B blocks in a row, each
-    waiting for the last without it; with one, the pipeline's prologue only costs (one H100, 8B shape, batch 64,
-    µs a hook, unpipelined / 3 stages: 5.6 / 7.1 at one adapter, 20.5 / 16.6 at 16)."""
+    """Software-pipeline stages of the expand by slot's loop over the slots the step uses (1: none): with 16
+    adapters in a batch, 16 loads of B blocks in a row, each waiting for the last without it; with one, the
+    pipeline's prologue only costs (one H100, 8B shape, batch 64, µs a hook, none / 3 stages: 5.6 / 7.1 at one
+    adapter, 20.5 / 16.6 at 16; 3 is also what Triton gives the loop unasked)."""
     max_rows: int = 64
     """The most tokens a forward may have for the engine to take this kernel (`linear_lora` itself takes any)."""
     lora: LoraKernelConfig = field(default_factory=lambda: DEFAULT_CONFIG)
@@ -116,14 +116,6 @@ def _rows_y(y_rows, rr, ymask, stride_pp, SPLITS: tl.constexpr):
     for p in tl.static_range(1, SPLITS):
         y += tl.load(y_rows + p * stride_pp + rr[None, :], mask=ymask, other=0.0, cache_modifier=".cg")
     return y
-
-
-@triton.jit
-def _slot_dot(delta, i, y, slot, b_cols, bmask, used, order, tile_slots, stride_bs):
-    """delta + (the rows of the step's i-th used slot in y, the others zero) @ that slot's B block."""
-    s = tl.sum(tl.where(used & (order == i), tile_slots, 0))  # the i-th slot the step uses
-    bt = tl.load(b_cols + s.to(tl.int64) * stride_bs, mask=bmask, other=0.0)
-    return tl.dot(tl.where((slot == s)[:, None], y, 0.0), bt, delta, input_precision="ieee")
 
 
 @triton.jit
@@ -188,12 +180,10 @@ def _gemm_lora_block(q, x_ptr, w_ptr, bias_ptr, out_ptr, part_ptr, b_ptr, scalin
             y = _rows_y(y_rows, rr, has[:, None] & (rr < rank)[None, :], stride_pp, SPLITS).to(b_ptr.dtype.element_ty)
             b_cols = b_ptr + cols[None, :].to(tl.int64) * stride_bn + rr[:, None]  # [DOT_R, BLOCK_N] of slot 0
             bmask = (rr < rank)[:, None] & nmask[None, :]
-            if num_used >= EXPAND_STAGES:  # enough slots to fill the pipeline's stages
-                for i in tl.range(0, num_used, num_stages=EXPAND_STAGES):
-                    delta = _slot_dot(delta, i, y, slot, b_cols, bmask, used, order, tile_slots, stride_bs)
-            else:
-                for i in tl.range(0, num_used, num_stages=1):
-                    delta = _slot_dot(delta, i, y, slot, b_cols, bmask, used, order, tile_slots, stride_bs)
+            for i in tl.range(0, num_used, num_stages=EXPAND_STAGES):
+                s = tl.sum(tl.where(used & (order == i), tile_slots, 0))  # the i-th slot the step uses
+                bt = tl.load(b_cols + s.to(tl.int64) * stride_bs, mask=bmask, other=0.0)
+                delta = tl.dot(tl.where((slot == s)[:, None], y, 0.0), bt, delta, input_precision="ieee")
     else:
         b_rows = b_ptr + slot64[:, None, None] * stride_bs + cols[None, :, None].to(tl.int64) * stride_bn
         rr0 = tl.arange(0, BLOCK_R)
