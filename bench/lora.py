@@ -21,7 +21,8 @@ measures a LoRA engine of each kind in the same run, against the same base; `--d
 `EngineConfig.lora_deferred` (`lora_deferred: true`: every hook's whole LoRA on a side stream beside its matmul,
 added by the residual add, the SiLU-and-mul, or after qkv_proj's matmul); `--fused-linear` one more, with
 `EngineConfig.lora_fused_linear` (`lora_fused_linear: true`: each adapted linear of a decode step and its LoRA as one
-Triton launch, kernels/lora_linear.py).
+Triton launch, kernels/lora_linear.py; the engine's default for slot mode on CUDA, which every other LoRA engine
+here turns off to measure the hooks after cuBLAS's matmul).
 
 `--merged`: after the slot engines, an engine with `EngineConfig(max_loras=1, lora_merged=True)` serves a batch
 whose every request takes its one adapter (`system: merged`, its overhead against the same base), and takes the

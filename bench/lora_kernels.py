@@ -120,8 +120,8 @@ def linear_configs(sweep: bool) -> dict:
              "linear_by_shape_gathered": lambda i, o: replace(linear_config_for(i, o), expand_by_slot=False),
              "linear_by_shape_block_ids": lambda i, o: replace(linear_config_for(i, o),
                                                                lora=LoraKernelConfig(ticketed=False)),
-             **{f"linear_by_shape_expand{n}": (lambda n: lambda i, o: replace(linear_config_for(i, o),
-                                                                              expand_stages=n))(n) for n in (1, 2, 4)},
+             **{f"linear_by_shape_expand{n}": lambda i, o, n=n: replace(linear_config_for(i, o), expand_stages=n)
+                for n in (1, 2, 4)},
              "linear_bn64": LinearLoraConfig(block_n=64),
              "linear_k256_s3": LinearLoraConfig(block_k=256, stages=3)}
     if sweep:
