@@ -125,8 +125,8 @@ class EngineConfig:
     shrink's programs first, then the GEMM's, which add each row's delta in their epilogue; each layer with the tile
     of its shape, `kernels.lora_linear.linear_config_for`), in place of cuBLAS's GEMM and the LoRA kernel after it.
     The base GEMM then rounds as the Triton kernel does, not as cuBLAS does, so the outputs differ from the
-    default's in the last bits. Not in deterministic mode (its linears stay batch-invariant) and not with
-    `lora_overlap` or `lora_deferred`. None (the default) turns it on for slot mode on CUDA outside deterministic
+    default's in the last bits. Not in deterministic mode (its linears stay batch-invariant; True beside
+    `deterministic=True` is refused) and not with `lora_overlap` or `lora_deferred`. None (the default) turns it on for slot mode on CUDA outside deterministic
     mode, without `lora_overlap` / `lora_deferred`, at tensor_parallel_size 1 (measured at the Llama-3.1-8B shape,
     batch 64, rank 16, one H100: faster than the hooks after cuBLAS's GEMM at 1, 4 and 16 distinct adapters in the
     batch; README, LoRA); False keeps cuBLAS's GEMM and the LoRA kernels after it."""
@@ -207,6 +207,9 @@ class EngineConfig:
         if self.lora_fused_linear and (self.lora_overlap or self.lora_deferred):
             raise ValueError("EngineConfig.lora_fused_linear runs each adapted linear and its LoRA in one launch: "
                              "leave lora_overlap and lora_deferred off with it")
+        if self.lora_fused_linear and self.deterministic:
+            raise ValueError("EngineConfig.lora_fused_linear is not batch-invariant (its Triton GEMM rounds as no "
+                             "deterministic linear does): leave it off (None or False) with deterministic=True")
         if self.lora_fused_linear is None:
             self.lora_fused_linear = (self.device != "cpu" and self.max_loras > 0 and not self.lora_merged
                                       and not self.lora_overlap and not self.lora_deferred and not self.deterministic

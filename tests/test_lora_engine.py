@@ -432,8 +432,8 @@ def test_lora_overlap_reaches_the_runner_and_the_cpu_runs_the_reference_whole(en
 def test_lora_fused_linear_reaches_the_runner_and_the_cpu_keeps_its_matmul(engine, base):
     """`EngineConfig.lora_fused_linear` is on by default for slot mode on CUDA only (not on the CPU, in merged or
     deterministic mode, beside the overlapped or deferred hooks, under tensor parallelism), reaches the runner, is
-    refused beside the overlapped or deferred hooks when asked for; on the CPU the hooks never take a layer's matmul
-    (`LoraHook.linear` gives None)."""
+    refused beside the overlapped or deferred hooks or deterministic mode when asked for; on the CPU the hooks never
+    take a layer's matmul (`LoraHook.linear` gives None)."""
     from rollout.config import from_mapping
 
     assert EngineConfig(model="m").lora_fused_linear is False
@@ -450,6 +450,8 @@ def test_lora_fused_linear_reaches_the_runner_and_the_cpu_keeps_its_matmul(engin
     for other in ("lora_overlap", "lora_deferred"):
         with pytest.raises(ValueError, match="lora_fused_linear runs each adapted linear and its LoRA in one launch"):
             EngineConfig(model="m", lora_fused_linear=True, **{other: True})
+    with pytest.raises(ValueError, match="lora_fused_linear is not batch-invariant.*deterministic=True"):
+        EngineConfig(**cuda, lora_fused_linear=True, deterministic=True)
     runtime = engine.runner.lora
     assert runtime.fused_linear is False
     proj = engine.runner.model.model.layers[0].self_attn.qkv_proj
