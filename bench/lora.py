@@ -171,8 +171,9 @@ def bench_adapter_push(engine, args, name: str, common: dict, report: bool = Tru
         result = bridge.push_weights(weights)
         if report:
             emit(kind="lora_push", mode=mode, tensors=len(weights), payload_bytes=result.nbytes,
-                 tensor_bytes=result.dense_nbytes, num_patch=result.num_patch, encode_ms=round(1e3 * result.encode_s, 2),
-                 apply_ms=round(1e3 * result.apply_s, 2), lora_version=result.lora_version, **labels, **common)
+                 tensor_bytes=result.dense_nbytes, num_patch=result.num_patch,
+                 encode_ms=round(1e3 * result.encode_s, 2), apply_ms=round(1e3 * result.apply_s, 2),
+                 lora_version=result.lora_version, **labels, **common)
 
 
 def bench_base_push(engine, args, common: dict) -> None:
