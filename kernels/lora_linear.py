@@ -42,6 +42,7 @@ its shard's weight and stacks, as for `add_lora`).
 
 from __future__ import annotations
 
+import functools
 from dataclasses import dataclass, field
 
 import torch
@@ -338,7 +339,9 @@ def linear_lora(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None
     return out
 
 
+@functools.cache
 def _sm_count(device: torch.device) -> int:
+    """The device's SM count, asked once per device (each eager decode step launches this kernel per linear)."""
     return torch.cuda.get_device_properties(device).multi_processor_count if device.type == "cuda" else 1
 
 
