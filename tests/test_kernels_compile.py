@@ -13,6 +13,7 @@ import json
 import os
 import subprocess
 import sys
+from dataclasses import replace
 from pathlib import Path
 
 import torch
@@ -183,6 +184,28 @@ def _launch_lora_kernels(g: torch.Generator, h: torch.dtype) -> None:
     idx = torch.arange(70, dtype=torch.int32) % (S + 1) - 1
     y = lora_shrink(torch.randn(70, 16, generator=g).to(h), A[:, :r, :16].contiguous(), idx)
     lora_expand(y, B[:, :16], idx, scaling, torch.zeros(70, 16, dtype=h), False)
+    _launch_linear_lora_kernels(g, h)
+
+
+def _launch_linear_lora_kernels(g: torch.Generator, h: torch.dtype) -> None:
+    """The one-launch linear + LoRA (kernels/lora_linear.py, the engine's CUDA default for LoRA decode linears) at
+    the tile of each layer shape: fused q|k|v slices with a bias and a ragged `in`, the expand by slot over one tile
+    and over chunks of several (rank above one dot's K), and the gathered expand."""
+    from kernels.lora_linear import DEFAULT_LINEAR_CONFIG, LONG_CONFIG, WIDE_CONFIG, linear_lora
+
+    S, r = 3, 8
+    idx = torch.tensor([1, -1, 0, 2, 1, 0], dtype=torch.int32)
+    for width, slices, config, rank in ((200, (16, 8, 8), DEFAULT_LINEAR_CONFIG, r),
+                                        (128, (64,), WIDE_CONFIG, 32),
+                                        (256, (32,), LONG_CONFIG, r),
+                                        (256, (32,), replace(DEFAULT_LINEAR_CONFIG, expand_by_slot=False), r)):
+        x = torch.randn(6, width, generator=g).to(h)
+        n = sum(slices)
+        A = torch.randn(S, len(slices) * rank, width, generator=g).to(h)
+        B, scaling = torch.randn(S, n, rank, generator=g).to(h), torch.rand(S, generator=g)
+        weight = torch.randn(n, width, generator=g).to(h)
+        bias = torch.randn(n, generator=g).to(h) if len(slices) == 3 else None
+        linear_lora(x, weight, bias, A, B, idx, scaling, slices=slices, config=config)
 
 
 def test_every_kernel_compiles_for_sm90_and_sm80(monkeypatch):
