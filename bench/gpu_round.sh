@@ -30,13 +30,11 @@
 #   bash bench/gpu_round.sh lora-linear  the one-launch linear + LoRA kernel (kernels/lora_linear.py, < 10 min):
 #                                     its tests (the engine's fused-linear test included), the kernels alone with
 #                                     0 / 1 / 4 / 16 adapters in the batch against cuBLAS + the default hooks (the
-#                                     tile by layer shape; the shrink's programs first; 16 tiles a dot of the
-#                                     expand), and the engine with `lora_fused_linear` against the base (16
-#                                     adapters loaded, DISTINCT=1,16 of them in the batch); LINEAR_BASELINE=FILE
-#                                     adds another kernels/lora_linear.py (`git show REV:kernels/lora_linear.py >
-#                                     bench/lora_linear_baseline.py` here first)
+#                                     tile by layer shape, its expand by slot and gathered), and the engine with
+#                                     `lora_fused_linear` against the base (16 adapters loaded, DISTINCT=1,16 of
+#                                     them in the batch)
 #   bash bench/gpu_round.sh lora-roles   the two launches (default) against one launch with ticketed roles and with
-#                                     block-id roles, and the fused linear, at 1 / 4 / 16 distinct adapters,
+#                                     block-id roles, the fused linear likewise, at 1 / 4 / 16 distinct adapters,
 #                                     each case in its own process under a hard limit (block ids not at 16: hung)
 #   bash bench/gpu_round.sh lora-linear-sweep  each projection alone, every tile of the sweep, 0 and 1 adapters
 # Logs and JSON lines go under $OUT (default ./gpu_out).
@@ -136,17 +134,15 @@ case "${1:-tests}" in
     timeout 150 python3 -m pytest -q -rfE -p no:cacheprovider tests/test_kernels_lora_linear.py \
       "tests/test_gpu_lora_engine.py::test_deferred_and_fused_linear_modes_through_graphs_and_eagerly_give_peft_tokens" \
       > "$OUT/lora_linear_tests.log" 2>&1; grep -E "^(FAILED|ERROR) |passed|failed" "$OUT/lora_linear_tests.log" | tail -8
-    timeout 150 python3 bench/lora_kernels.py \
-      --systems "default,linear_by_shape,linear_by_shape_lead0,linear_by_shape_tiles16${LINEAR_BASELINE:+,baseline_linear_by_shape}" \
-      ${LINEAR_BASELINE:+--baseline-linear "$LINEAR_BASELINE"} --replays 3 --distinct 0,1,4,16 \
-      > "$OUT/lora_linear.jsonl" 2>> "$OUT/lora.log"
+    timeout 150 python3 bench/lora_kernels.py --systems "default,linear_by_shape_gathered,linear_by_shape" \
+      --replays 5 --distinct 0,1,4,16 > "$OUT/lora_linear.jsonl" 2>> "$OUT/lora.log"
     timeout 270 python3 bench/lora.py --device cuda --fused-linear only --loras 16 --distinct ${DISTINCT:-1,16} \
       > "$OUT/lora_linear_engine.jsonl" 2>> "$OUT/lora.log"
     grep -h -E '"lora_kernels"|"decode"' "$OUT/lora_linear.jsonl" "$OUT/lora_linear_engine.jsonl" | cut -c 1-300
     grep -i -B2 -A3 "error\|traceback" "$OUT/lora.log" | tail -20
     ;;
   lora-roles)
-    for case in "default,one_launch,block_ids,linear_by_shape 1,4 200" \
+    for case in "default,one_launch,block_ids,linear_by_shape,linear_by_shape_block_ids 1,4 200" \
                 "default,one_launch,linear_by_shape 16 120"; do
       set -- $case
       timeout -k 5 ${3:-90} python3 bench/lora_kernels.py --systems "$1" --replays 5 --distinct "$2" \

@@ -95,13 +95,12 @@ class Hook(NamedTuple):
     linear: Callable | None = None
 
 
-def fused_linear(config, module=None) -> Hook:
-    """`kernels.lora_linear.linear_lora` (or `module`'s, another version of that file) in place of each GEMM and its
-    hook (one launch per layer); config a `LinearLoraConfig`, or a function of (in, out) giving one
-    (`linear_config_for`: what the engine runs)."""
+def fused_linear(config) -> Hook:
+    """`kernels.lora_linear.linear_lora` in place of each GEMM and its hook (one launch per layer); config a
+    `LinearLoraConfig`, or a function of (in, out) giving one (`linear_config_for`: what the engine runs)."""
     from kernels.lora import lora_batch
+    from kernels.lora_linear import linear_lora
 
-    linear_lora = (module or importlib.import_module("kernels.lora_linear")).linear_lora
     pick = config if callable(config) else lambda in_features, out_features: config
     return Hook(lora_batch, None, linear=lambda out, x, W, A, B, plan, scaling, slices: linear_lora(
         x, W, None, A, B, plan, scaling, slices=slices, out=out, config=pick(W.shape[1], W.shape[0])))
@@ -110,10 +109,8 @@ def fused_linear(config, module=None) -> Hook:
 def linear_configs(sweep: bool) -> dict:
     """name -> config of `linear_lora`, or a function of the layer's (in, out) giving one ("linear_by_shape": the
     engine's; "linear_by_shape_gathered": the same tiles with each row's B rows gathered in the expand;
-    "linear_by_shape_lead0": the same with the shrink's programs before every GEMM program, `gemm_lead=0`;
-    "linear_by_shape_tilesN": the same with N plan tiles per dot of the expand, `expand_tiles`;
-    "linear_by_shape_groups2": the same with half the shrink's programs, `LoraKernelConfig.groups_per_tile_row=2`;
-    "linear_by_shape_expandN": the same with N software-pipeline stages over the expand's chunks, 1: none)."""
+    "linear_by_shape_block_ids": the same with each program's role its block id, `LoraKernelConfig.ticketed=False`;
+    "linear_by_shape_expandN": the same with N software-pipeline stages over the expand's slots, 1: none)."""
     from dataclasses import replace
 
     from kernels.lora import LoraKernelConfig
@@ -121,13 +118,10 @@ def linear_configs(sweep: bool) -> dict:
 
     named = {"linear": LinearLoraConfig(), "linear_by_shape": linear_config_for,
              "linear_by_shape_gathered": lambda i, o: replace(linear_config_for(i, o), expand_by_slot=False),
-             "linear_by_shape_lead0": lambda i, o: replace(linear_config_for(i, o), gemm_lead=0),
-             **{f"linear_by_shape_tiles{n}": lambda i, o, n=n: replace(linear_config_for(i, o), expand_tiles=n)
-                for n in (1, 4, 16)},
-             "linear_by_shape_groups2": lambda i, o: replace(linear_config_for(i, o),
-                                                             lora=LoraKernelConfig(groups_per_tile_row=2)),
+             "linear_by_shape_block_ids": lambda i, o: replace(linear_config_for(i, o),
+                                                               lora=LoraKernelConfig(ticketed=False)),
              **{f"linear_by_shape_expand{n}": lambda i, o, n=n: replace(linear_config_for(i, o), expand_stages=n)
-                for n in (1, 2)},
+                for n in (1, 2, 4)},
              "linear_bn64": LinearLoraConfig(block_n=64),
              "linear_k256_s3": LinearLoraConfig(block_k=256, stages=3)}
     if sweep:
@@ -215,8 +209,8 @@ def into_residual(step: "Step") -> Hook:
     return Hook(lora_batch, finish, start)
 
 
-def load_baseline(path: str, name: str = "lora_baseline"):
-    spec = importlib.util.spec_from_file_location(name, path)
+def load_baseline(path: str):
+    spec = importlib.util.spec_from_file_location("lora_baseline", path)
     module = importlib.util.module_from_spec(spec)
     sys.modules[spec.name] = module  # its dataclasses look their module up
     spec.loader.exec_module(module)
@@ -324,8 +318,6 @@ def main() -> None:
                     "--profile, graph_replay_ms of the base system)")
     ap.add_argument("--baseline", default=None, help="another kernels/lora.py to time alongside (its add_lora and "
                     "lora_batch)")
-    ap.add_argument("--baseline-linear", default=None, help="another kernels/lora_linear.py to time alongside (its "
-                    "linear_lora with its linear_config_for: system baseline_linear_by_shape)")
     ap.add_argument("--sweep", action="store_true", help="more launch shapes")
     ap.add_argument("--systems", default=None, help="comma-separated systems (or shell patterns of them, "
                     "e.g. 'linear*') to run (default: all)")
@@ -353,9 +345,6 @@ def main() -> None:
     if args.baseline:
         old = load_baseline(args.baseline)
         hooks["baseline"] = after_gemm(old.lora_batch, old.add_lora)
-    if args.baseline_linear:
-        old = load_baseline(args.baseline_linear, "lora_linear_baseline")
-        hooks["baseline_linear_by_shape"] = fused_linear(old.linear_config_for, old)
     if args.systems:
         wanted = args.systems.split(",")
         unknown = sorted(w for w in wanted if not fnmatch.filter(hooks, w))

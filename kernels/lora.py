@@ -97,8 +97,8 @@ class LoraKernelConfig:
     shrink_stages: int = 2
     """Software-pipeline stages of the shrink's loop over its split (1: none)."""
     ticketed: bool = True
-    """`add_lora`'s one launch (`fused`) gives each program its role by a ticket (an atomic count taken when the
-    program starts, `LoraBatch.ticket`): a waiting program then holds a later
+    """The one-launch kernels (`add_lora` fused, `kernels/lora_linear.py`) give each program its role by a ticket
+    (an atomic count taken when the program starts, `LoraBatch.ticket`): a waiting program then holds a later
     ticket than every program it waits on, which has therefore started, whatever order the GPU dispatches blocks
     in. False: the role is the block id, one atomic round trip less per program, safe only where the GPU hands a
     grid's blocks out in id order (on an H100 a 32-layer step graph at 16 distinct adapters hung that way)."""
@@ -129,9 +129,7 @@ class LoraBatch:
     num_tiles: torch.Tensor  # [1] int32: the tiles in use
     arrivals: torch.Tensor  # [max_tiles] int32 (stride _FLAG_STRIDE): per-tile launch counters, zero between launches
     token_slot: torch.Tensor  # [T] int32: each token's slot, -1 for none (values outside the stacks included)
-    done: torch.Tensor  # [1] int32: shrink items finished in a launch (kernels/lora_linear.py), zero between launches
-    claim: torch.Tensor  # [1] int32: shrink items handed out in a launch (kernels/lora_linear.py), zero between them
-    exits: torch.Tensor  # [1] int32: programs finished in a launch (kernels/lora_linear.py), zero between launches
+    done: torch.Tensor  # [1] int32: a launch-wide counter (kernels/lora_linear.py), zero between launches
     ticket: torch.Tensor  # [1] int32: role tickets (LoraKernelConfig.ticketed), zero between launches
     num_slots: int  # S, the number of slots of the stacks it is used with
 
@@ -154,7 +152,7 @@ def _tile_groups(num_tokens: int, num_slots: int, per_tile_row: int) -> int:
 
 @triton.jit
 def _lora_batch_kernel(idx_ptr, order_ptr, tile_start_ptr, tile_len_ptr, tile_slot_ptr, tile_tokens_ptr,
-                       num_tiles_ptr, arrivals_ptr, token_slot_ptr, counters_ptr, num_tokens, num_slots,
+                       num_tiles_ptr, arrivals_ptr, token_slot_ptr, done_ptr, ticket_ptr, num_tokens, num_slots,
                        num_tile_rows, BLOCK_M: tl.constexpr, BLOCK_T: tl.constexpr, BLOCK_S: tl.constexpr,
                        FLAG_STRIDE: tl.constexpr):
     """One program: a counting sort of the tokens by slot (bucket S: no adapter), then the tiles of each slot."""
@@ -183,7 +181,8 @@ def _lora_batch_kernel(idx_ptr, order_ptr, tile_start_ptr, tile_len_ptr, tile_sl
     tiles_end = tl.cumsum(tiles, axis=0)
     tiles_begin = tiles_end - tiles
     tl.store(num_tiles_ptr, tl.sum(tiles, axis=0))
-    tl.store(counters_ptr + tl.arange(0, 4) * FLAG_STRIDE, tl.zeros([4], dtype=tl.int32))  # done, ticket, claim, exits
+    tl.store(done_ptr, 0)
+    tl.store(ticket_ptr, 0)
     m = tl.arange(0, BLOCK_M)
     for j0 in range(0, num_tile_rows, BLOCK_T):
         j = j0 + tl.arange(0, BLOCK_T)  # [BLOCK_T] tiles
@@ -213,20 +212,19 @@ def lora_batch(idx: torch.Tensor, num_slots: int) -> LoraBatch:
         raise ValueError(f"num_slots must be >= 1, got {num_slots}")
     n, dev = idx.shape[0], idx.device
     rows = max_tiles(n, num_slots)
-    ints = torch.empty(2 * n + (3 + BLOCK_M + _FLAG_STRIDE) * rows + 4 * _FLAG_STRIDE + 1, dtype=torch.int32,
+    ints = torch.empty(2 * n + (3 + BLOCK_M + _FLAG_STRIDE) * rows + 2 * _FLAG_STRIDE + 1, dtype=torch.int32,
                        device=dev)  # every field; the counters on 128-byte lines of their own
-    flags, counters, order, token_slot, tile_start, tile_len, tile_slot, tile_tokens, num_tiles = ints.split(
-        [_FLAG_STRIDE * rows, 4 * _FLAG_STRIDE, n, n, rows, rows, rows, BLOCK_M * rows, 1])
-    done, ticket, claim, exits = counters.view(4, _FLAG_STRIDE)[:, :1]
+    flags, done, ticket, order, token_slot, tile_start, tile_len, tile_slot, tile_tokens, num_tiles = ints.split(
+        [_FLAG_STRIDE * rows, _FLAG_STRIDE, _FLAG_STRIDE, n, n, rows, rows, rows, BLOCK_M * rows, 1])
     block_s = triton.next_power_of_2(num_slots + 1)
     block_t = max(16, min(128, 8192 // block_s))
     _lora_batch_kernel[(1,)](idx, order, tile_start, tile_len, tile_slot, tile_tokens, num_tiles, flags, token_slot,
-                             counters, n, num_slots, rows, BLOCK_M=BLOCK_M, BLOCK_T=block_t, BLOCK_S=block_s,
+                             done, ticket, n, num_slots, rows, BLOCK_M=BLOCK_M, BLOCK_T=block_t, BLOCK_S=block_s,
                              FLAG_STRIDE=_FLAG_STRIDE, num_warps=8)
     return LoraBatch(order=order, tile_start=tile_start, tile_len=tile_len, tile_slot=tile_slot,
                      tile_tokens=tile_tokens.view(rows, BLOCK_M), num_tiles=num_tiles,
-                     arrivals=flags.view(rows, _FLAG_STRIDE)[:, 0], token_slot=token_slot, done=done,
-                     claim=claim, exits=exits, ticket=ticket, num_slots=num_slots)
+                     arrivals=flags.view(rows, _FLAG_STRIDE)[:, 0], token_slot=token_slot, done=done[:1],
+                     ticket=ticket[:1], num_slots=num_slots)
 
 
 @triton.jit
@@ -240,46 +238,36 @@ def _load_tile(tile_slot_ptr, tile_tokens_ptr, tile, num_tile_rows, BLOCK_M: tl.
 
 
 @triton.jit
-def _shrink_tile(slot, toks, split, x_ptr, a_ptr, part_ptr, rows, in_features, k_per_split, stride_xt, stride_as,
-                 stride_ar, stride_pp, stride_pt, BLOCK_M: tl.constexpr, BLOCK_R: tl.constexpr,
-                 BLOCK_K: tl.constexpr, STAGES: tl.constexpr):
-    """partial[split, token] = x[token, split's K] @ A[slot, :, same]^T for one tile: slot >= 0, its tokens `toks`
-    [BLOCK_M] (-1 past its length)."""
-    k_lo = split * k_per_split
-    k_hi = tl.minimum(k_lo + k_per_split, in_features)
-    kk0 = tl.arange(0, BLOCK_K)
-    part_split = part_ptr + split.to(tl.int64) * stride_pp
-    mmask = toks >= 0
-    tok = tl.where(mmask, toks, 0).to(tl.int64)
-    a_slot = a_ptr + slot.to(tl.int64) * stride_as
-    for r0 in range(0, rows, BLOCK_R):
-        r = r0 + tl.arange(0, BLOCK_R)
-        rmask = r < rows
-        acc = tl.zeros((BLOCK_M, BLOCK_R), dtype=tl.float32)
-        for k in tl.range(k_lo, k_hi, BLOCK_K, num_stages=STAGES):
-            kk = k + kk0
-            kmask = kk < k_hi
-            xt = tl.load(x_ptr + tok[:, None] * stride_xt + kk[None, :], mask=mmask[:, None] & kmask[None, :],
-                         other=0.0)  # [BLOCK_M, BLOCK_K]
-            at = tl.load(a_slot + r[None, :] * stride_ar + kk[:, None], mask=rmask[None, :] & kmask[:, None],
-                         other=0.0)  # [BLOCK_K, BLOCK_R]
-            acc = tl.dot(xt, at, acc, input_precision="ieee")
-        tl.store(part_split + tok[:, None] * stride_pt + r[None, :], acc, mask=mmask[:, None] & rmask[None, :])
-
-
-@triton.jit
 def _shrink_tiles(pid, x_ptr, a_ptr, part_ptr, tile_tokens_ptr, tile_slot_ptr, arrivals_ptr, num_tile_rows, groups,
                   rows, in_features, k_per_split, stride_xt, stride_as, stride_ar, stride_pp, stride_pt,
                   SPLITS: tl.constexpr, SYNC: tl.constexpr, FLAG_STRIDE: tl.constexpr, BLOCK_M: tl.constexpr,
                   BLOCK_R: tl.constexpr, BLOCK_K: tl.constexpr, STAGES: tl.constexpr):
-    """Shrink program `pid` = (split, group): `_shrink_tile` for each of the group's tiles; with SYNC, counts
-    itself into each tile's arrival counter."""
+    """Shrink program `pid` = (split, group): partial[split, token] = x[token, split's K] @ A[slot, :, same]^T
+    for the tokens of the group's tiles; with SYNC, counts itself into each tile's arrival counter."""
     split = pid % SPLITS
     tile = pid // SPLITS
+    k_lo = split * k_per_split
+    k_hi = tl.minimum(k_lo + k_per_split, in_features)
+    kk0 = tl.arange(0, BLOCK_K)
+    part_split = part_ptr + split.to(tl.int64) * stride_pp
     slot, toks = _load_tile(tile_slot_ptr, tile_tokens_ptr, tile, num_tile_rows, BLOCK_M)  # toks -1 past its length
     while slot >= 0:
-        _shrink_tile(slot, toks, split, x_ptr, a_ptr, part_ptr, rows, in_features, k_per_split, stride_xt, stride_as,
-                     stride_ar, stride_pp, stride_pt, BLOCK_M, BLOCK_R, BLOCK_K, STAGES)
+        mmask = toks >= 0
+        tok = tl.where(mmask, toks, 0).to(tl.int64)
+        a_slot = a_ptr + slot.to(tl.int64) * stride_as
+        for r0 in range(0, rows, BLOCK_R):
+            r = r0 + tl.arange(0, BLOCK_R)
+            rmask = r < rows
+            acc = tl.zeros((BLOCK_M, BLOCK_R), dtype=tl.float32)
+            for k in tl.range(k_lo, k_hi, BLOCK_K, num_stages=STAGES):
+                kk = k + kk0
+                kmask = kk < k_hi
+                xt = tl.load(x_ptr + tok[:, None] * stride_xt + kk[None, :], mask=mmask[:, None] & kmask[None, :],
+                             other=0.0)  # [BLOCK_M, BLOCK_K]
+                at = tl.load(a_slot + r[None, :] * stride_ar + kk[:, None], mask=rmask[None, :] & kmask[:, None],
+                             other=0.0)  # [BLOCK_K, BLOCK_R]
+                acc = tl.dot(xt, at, acc, input_precision="ieee")
+            tl.store(part_split + tok[:, None] * stride_pt + r[None, :], acc, mask=mmask[:, None] & rmask[None, :])
         if SYNC:
             tl.debug_barrier()  # every thread's partial stored before the arrival is published
             tl.atomic_add(arrivals_ptr + tile * FLAG_STRIDE, 1, sem="release")

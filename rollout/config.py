@@ -121,16 +121,16 @@ class EngineConfig:
     differ from it in the last bits. Not with `lora_overlap`, which it replaces."""
     lora_fused_linear: bool | None = None
     """CUDA, slot mode: a forward with adapter tokens and at most 64 tokens (a decode step) runs each adapted linear
-    as one Triton launch, the base GEMM and the adapters' deltas together (`kernels.lora_linear.linear_lora`: GEMM
-    programs that add each row's delta in their epilogue, with the shrink's programs running beside them; each layer
-    with the tile of its shape, `kernels.lora_linear.linear_config_for`), in place of cuBLAS's GEMM and the LoRA
-    kernel after it. The base GEMM then rounds as the Triton kernel does, not as cuBLAS does, so the outputs differ
-    from the default's in the last bits. Not in deterministic mode (its linears stay batch-invariant; True beside
+    as one Triton launch, the base GEMM and the adapters' deltas together (`kernels.lora_linear.linear_lora`: the
+    shrink's programs first, then the GEMM's, which add each row's delta in their epilogue; each layer with the tile
+    of its shape, `kernels.lora_linear.linear_config_for`), in place of cuBLAS's GEMM and the LoRA kernel after it.
+    The base GEMM then rounds as the Triton kernel does, not as cuBLAS does, so the outputs differ from the
+    default's in the last bits. Not in deterministic mode (its linears stay batch-invariant; True beside
     `deterministic=True` is refused) and not with `lora_overlap` or `lora_deferred`. None (the default) turns it on
     for slot mode on CUDA outside deterministic mode, without `lora_overlap` / `lora_deferred`, at
     tensor_parallel_size 1 (measured at the Llama-3.1-8B shape, batch 64, rank 16, one H100: faster than the hooks
-    after cuBLAS's GEMM at 1, 4 and 16 distinct adapters in the batch; README, LoRA); False keeps cuBLAS's GEMM and
-    the LoRA kernels after it."""
+    after cuBLAS's GEMM at 1 and 4 distinct adapters in the batch, about even at 16; README, LoRA); False keeps
+    cuBLAS's GEMM and the LoRA kernels after it."""
     lora_merged: bool = False
     """Merged mode: one adapter at a time, folded into the base weights (W = W_base + scaling * B @ A, computed in
     float32 from a kept copy of the base and rounded once to the weights' dtype, so bfloat16 weights are the
