@@ -67,10 +67,11 @@ class LinearLoraConfig:
     block_r: int = 4
     """Rank entries per step of the gathered expand (`expand_by_slot=False`)."""
     expand_stages: int = 3
-    """Software-pipeline stages of the expand by slot's loop over the slots the step uses (1: none): with 16
-    adapters in a batch, 16 loads of B blocks in a row, each waiting for the last without it; with one, the
-    pipeline's prologue only costs (one H100, 8B shape, batch 64, µs a hook, none / 3 stages: 5.6 / 7.1 at one
-    adapter, 20.5 / 16.6 at 16; 3 is also what Triton gives the loop unasked)."""
+    """Software-pipeline stages of the expand by slot's loop over the slots the step uses, taken when the step uses
+    at least that many slots (1: never): with 16 adapters in a batch, 16 loads of B blocks in a row, each waiting
+    for the last without it; with one, the pipeline's prologue only costs (one H100, 8B shape, batch 64, µs a
+    hook, none / 3 stages: 5.6 / 7.1 at one adapter, 20.5 / 16.6 at 16; 3 is also what Triton gives the loop
+    unasked)."""
     max_rows: int = 64
     """The most tokens a forward may have for the engine to take this kernel (`linear_lora` itself takes any)."""
     lora: LoraKernelConfig = field(default_factory=lambda: DEFAULT_CONFIG)
@@ -116,6 +117,18 @@ def _rows_y(y_rows, rr, ymask, stride_pp, SPLITS: tl.constexpr):
     for p in tl.static_range(1, SPLITS):
         y += tl.load(y_rows + p * stride_pp + rr[None, :], mask=ymask, other=0.0, cache_modifier=".cg")
     return y
+
+
+@triton.jit
+def _expand_slots(delta, y, slot, tile_slots, used, order, num_used, b_cols, bmask, stride_bs, STAGES: tl.constexpr):
+    """delta [BLOCK_M, BLOCK_N] += one tensor-core dot per slot the step uses (`num_used` of them, in slot order):
+    the rows' y [BLOCK_M, DOT_R] of that slot (the others' exact zeros) times its B block (`b_cols` + slot *
+    stride_bs, [DOT_R, BLOCK_N]), the loads software-pipelined in STAGES stages (1: none). The stages move no bit."""
+    for i in tl.range(0, num_used, num_stages=STAGES):
+        s = tl.sum(tl.where(used & (order == i), tile_slots, 0))  # the i-th slot the step uses
+        bt = tl.load(b_cols + s.to(tl.int64) * stride_bs, mask=bmask, other=0.0)
+        delta = tl.dot(tl.where((slot == s)[:, None], y, 0.0), bt, delta, input_precision="ieee")
+    return delta
 
 
 @triton.jit
@@ -180,10 +193,11 @@ def _gemm_lora_block(q, x_ptr, w_ptr, bias_ptr, out_ptr, part_ptr, b_ptr, scalin
             y = _rows_y(y_rows, rr, has[:, None] & (rr < rank)[None, :], stride_pp, SPLITS).to(b_ptr.dtype.element_ty)
             b_cols = b_ptr + cols[None, :].to(tl.int64) * stride_bn + rr[:, None]  # [DOT_R, BLOCK_N] of slot 0
             bmask = (rr < rank)[:, None] & nmask[None, :]
-            for i in tl.range(0, num_used, num_stages=EXPAND_STAGES):
-                s = tl.sum(tl.where(used & (order == i), tile_slots, 0))  # the i-th slot the step uses
-                bt = tl.load(b_cols + s.to(tl.int64) * stride_bs, mask=bmask, other=0.0)
-                delta = tl.dot(tl.where((slot == s)[:, None], y, 0.0), bt, delta, input_precision="ieee")
+            if num_used >= EXPAND_STAGES:  # enough slots for the pipeline's prologue to pay
+                delta = _expand_slots(delta, y, slot, tile_slots, used, order, num_used, b_cols, bmask, stride_bs,
+                                      EXPAND_STAGES)
+            else:
+                delta = _expand_slots(delta, y, slot, tile_slots, used, order, num_used, b_cols, bmask, stride_bs, 1)
     else:
         b_rows = b_ptr + slot64[:, None, None] * stride_bs + cols[None, :, None].to(tl.int64) * stride_bn
         rr0 = tl.arange(0, BLOCK_R)
