@@ -28,11 +28,13 @@
 #                                     LORA_BASELINE=FILE adds another kernels/lora.py to the kernels' systems
 #                                     (`git show REV:kernels/lora.py > bench/lora_baseline.py` here first)
 #   bash bench/gpu_round.sh lora-linear  the one-launch linear + LoRA kernel (kernels/lora_linear.py, < 10 min):
-#                                     its tests (the engine's fused-linear test included), the kernels alone with
-#                                     0 / 1 / 4 / 16 adapters in the batch against cuBLAS + the default hooks (the
-#                                     tile by layer shape, its expand by slot and gathered), and the engine with
-#                                     `lora_fused_linear` against the base (16 adapters loaded, DISTINCT=1,16 of
-#                                     them in the batch)
+#                                     its CUDA tests (the engine's fused-linear test included), the kernels alone
+#                                     with 0 / 1 / 4 / 16 adapters in the batch against cuBLAS + the default hooks
+#                                     (the tile by layer shape, its expand by slot and gathered), and the engine
+#                                     with `lora_fused_linear` against the base (16 adapters loaded, DISTINCT=1,16
+#                                     of them in the batch); LINEAR_BASELINE=FILE adds another
+#                                     kernels/lora_linear.py (`git show REV:kernels/lora_linear.py >
+#                                     bench/lora_linear_baseline.py` here first)
 #   bash bench/gpu_round.sh lora-roles   the two launches (default) against one launch with ticketed roles and with
 #                                     block-id roles, the fused linear likewise, at 1 / 4 / 16 distinct adapters,
 #                                     each case in its own process under a hard limit (block ids not at 16: hung)
@@ -131,11 +133,13 @@ case "${1:-tests}" in
     grep -i -B2 -A3 "error\|traceback" "$OUT/lora.log" | tail -20
     ;;
   lora-linear)
-    timeout 150 python3 -m pytest -q -rfE -p no:cacheprovider tests/test_kernels_lora_linear.py \
+    timeout 150 python3 -m pytest -q -rfE -p no:cacheprovider tests/test_kernels_lora_linear.py -k cuda \
       "tests/test_gpu_lora_engine.py::test_deferred_and_fused_linear_modes_through_graphs_and_eagerly_give_peft_tokens" \
       > "$OUT/lora_linear_tests.log" 2>&1; grep -E "^(FAILED|ERROR) |passed|failed" "$OUT/lora_linear_tests.log" | tail -8
-    timeout 150 python3 bench/lora_kernels.py --systems "default,linear_by_shape_gathered,linear_by_shape" \
-      --replays 5 --distinct 0,1,4,16 > "$OUT/lora_linear.jsonl" 2>> "$OUT/lora.log"
+    timeout 150 python3 bench/lora_kernels.py \
+      --systems "default,linear_by_shape_gathered,linear_by_shape${LINEAR_BASELINE:+,baseline_linear_by_shape}" \
+      ${LINEAR_BASELINE:+--baseline-linear "$LINEAR_BASELINE"} --replays 5 --distinct 0,1,4,16 \
+      > "$OUT/lora_linear.jsonl" 2>> "$OUT/lora.log"
     timeout 270 python3 bench/lora.py --device cuda --fused-linear only --loras 16 --distinct ${DISTINCT:-1,16} \
       > "$OUT/lora_linear_engine.jsonl" 2>> "$OUT/lora.log"
     grep -h -E '"lora_kernels"|"decode"' "$OUT/lora_linear.jsonl" "$OUT/lora_linear_engine.jsonl" | cut -c 1-300

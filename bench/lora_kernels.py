@@ -95,12 +95,13 @@ class Hook(NamedTuple):
     linear: Callable | None = None
 
 
-def fused_linear(config) -> Hook:
-    """`kernels.lora_linear.linear_lora` in place of each GEMM and its hook (one launch per layer); config a
-    `LinearLoraConfig`, or a function of (in, out) giving one (`linear_config_for`: what the engine runs)."""
+def fused_linear(config, module=None) -> Hook:
+    """`kernels.lora_linear.linear_lora` (or `module`'s, another version of that file) in place of each GEMM and its
+    hook (one launch per layer); config a `LinearLoraConfig`, or a function of (in, out) giving one
+    (`linear_config_for`: what the engine runs)."""
     from kernels.lora import lora_batch
-    from kernels.lora_linear import linear_lora
 
+    linear_lora = (module or importlib.import_module("kernels.lora_linear")).linear_lora
     pick = config if callable(config) else lambda in_features, out_features: config
     return Hook(lora_batch, None, linear=lambda out, x, W, A, B, plan, scaling, slices: linear_lora(
         x, W, None, A, B, plan, scaling, slices=slices, out=out, config=pick(W.shape[1], W.shape[0])))
@@ -209,8 +210,8 @@ def into_residual(step: "Step") -> Hook:
     return Hook(lora_batch, finish, start)
 
 
-def load_baseline(path: str):
-    spec = importlib.util.spec_from_file_location("lora_baseline", path)
+def load_baseline(path: str, name: str = "lora_baseline"):
+    spec = importlib.util.spec_from_file_location(name, path)
     module = importlib.util.module_from_spec(spec)
     sys.modules[spec.name] = module  # its dataclasses look their module up
     spec.loader.exec_module(module)
@@ -318,6 +319,8 @@ def main() -> None:
                     "--profile, graph_replay_ms of the base system)")
     ap.add_argument("--baseline", default=None, help="another kernels/lora.py to time alongside (its add_lora and "
                     "lora_batch)")
+    ap.add_argument("--baseline-linear", default=None, help="another kernels/lora_linear.py to time alongside (its "
+                    "linear_lora with its linear_config_for: system baseline_linear_by_shape)")
     ap.add_argument("--sweep", action="store_true", help="more launch shapes")
     ap.add_argument("--systems", default=None, help="comma-separated systems (or shell patterns of them, "
                     "e.g. 'linear*') to run (default: all)")
@@ -345,6 +348,9 @@ def main() -> None:
     if args.baseline:
         old = load_baseline(args.baseline)
         hooks["baseline"] = after_gemm(old.lora_batch, old.add_lora)
+    if args.baseline_linear:
+        old = load_baseline(args.baseline_linear, "lora_linear_baseline")
+        hooks["baseline_linear_by_shape"] = fused_linear(old.linear_config_for, old)
     if args.systems:
         wanted = args.systems.split(",")
         unknown = sorted(w for w in wanted if not fnmatch.filter(hooks, w))

@@ -131,6 +131,8 @@ class LoraBatch:
     token_slot: torch.Tensor  # [T] int32: each token's slot, -1 for none (values outside the stacks included)
     done: torch.Tensor  # [1] int32: a launch-wide counter (kernels/lora_linear.py), zero between launches
     ticket: torch.Tensor  # [1] int32: role tickets (LoraKernelConfig.ticketed), zero between launches
+    used_slots: torch.Tensor  # [S] int32: the slots the step's adapter tokens use, ascending; -1 past num_used
+    num_used: torch.Tensor  # [1] int32: how many slots the step uses
     num_slots: int  # S, the number of slots of the stacks it is used with
 
     @property
@@ -152,10 +154,11 @@ def _tile_groups(num_tokens: int, num_slots: int, per_tile_row: int) -> int:
 
 @triton.jit
 def _lora_batch_kernel(idx_ptr, order_ptr, tile_start_ptr, tile_len_ptr, tile_slot_ptr, tile_tokens_ptr,
-                       num_tiles_ptr, arrivals_ptr, token_slot_ptr, done_ptr, ticket_ptr, num_tokens, num_slots,
-                       num_tile_rows, BLOCK_M: tl.constexpr, BLOCK_T: tl.constexpr, BLOCK_S: tl.constexpr,
-                       FLAG_STRIDE: tl.constexpr):
-    """One program: a counting sort of the tokens by slot (bucket S: no adapter), then the tiles of each slot."""
+                       num_tiles_ptr, arrivals_ptr, token_slot_ptr, done_ptr, ticket_ptr, used_slots_ptr,
+                       num_used_ptr, num_tokens, num_slots, num_tile_rows, BLOCK_M: tl.constexpr,
+                       BLOCK_T: tl.constexpr, BLOCK_S: tl.constexpr, FLAG_STRIDE: tl.constexpr):
+    """One program: a counting sort of the tokens by slot (bucket S: no adapter), then the list of the slots in
+    use and the tiles of each slot."""
     s = tl.arange(0, BLOCK_S)  # [BLOCK_S] buckets: the slots, then S for tokens without one
     counts = tl.zeros([BLOCK_S], dtype=tl.int32)
     for t0 in range(0, num_tokens, BLOCK_T):
@@ -166,6 +169,11 @@ def _lora_batch_kernel(idx_ptr, order_ptr, tile_start_ptr, tile_len_ptr, tile_sl
         counts += tl.sum(hit.to(tl.int32), axis=0)
         tl.store(token_slot_ptr + t, tl.where(key < num_slots, key, -1), mask=t < num_tokens)
     seg_start = tl.cumsum(counts, axis=0) - counts  # [BLOCK_S]: each bucket's first position in `order`
+    used = ((counts > 0) & (s < num_slots)).to(tl.int32)
+    num_used = tl.sum(used, axis=0)
+    tl.store(used_slots_ptr + tl.cumsum(used, axis=0) - 1, s, mask=used > 0)
+    tl.store(used_slots_ptr + s, tl.full([BLOCK_S], -1, tl.int32), mask=(s >= num_used) & (s < num_slots))
+    tl.store(num_used_ptr, num_used)
     seen = tl.zeros([BLOCK_S], dtype=tl.int32)  # tokens of each bucket placed so far
     for t0 in range(0, num_tokens, BLOCK_T):
         t = t0 + tl.arange(0, BLOCK_T)
@@ -212,19 +220,20 @@ def lora_batch(idx: torch.Tensor, num_slots: int) -> LoraBatch:
         raise ValueError(f"num_slots must be >= 1, got {num_slots}")
     n, dev = idx.shape[0], idx.device
     rows = max_tiles(n, num_slots)
-    ints = torch.empty(2 * n + (3 + BLOCK_M + _FLAG_STRIDE) * rows + 2 * _FLAG_STRIDE + 1, dtype=torch.int32,
-                       device=dev)  # every field; the counters on 128-byte lines of their own
-    flags, done, ticket, order, token_slot, tile_start, tile_len, tile_slot, tile_tokens, num_tiles = ints.split(
-        [_FLAG_STRIDE * rows, _FLAG_STRIDE, _FLAG_STRIDE, n, n, rows, rows, rows, BLOCK_M * rows, 1])
+    ints = torch.empty(2 * n + (3 + BLOCK_M + _FLAG_STRIDE) * rows + 2 * _FLAG_STRIDE + num_slots + 2,
+                       dtype=torch.int32, device=dev)  # every field; the counters on 128-byte lines of their own
+    (flags, done, ticket, order, token_slot, tile_start, tile_len, tile_slot, tile_tokens, num_tiles, used_slots,
+     num_used) = ints.split([_FLAG_STRIDE * rows, _FLAG_STRIDE, _FLAG_STRIDE, n, n, rows, rows, rows, BLOCK_M * rows,
+                             1, num_slots, 1])
     block_s = triton.next_power_of_2(num_slots + 1)
     block_t = max(16, min(128, 8192 // block_s))
     _lora_batch_kernel[(1,)](idx, order, tile_start, tile_len, tile_slot, tile_tokens, num_tiles, flags, token_slot,
-                             done, ticket, n, num_slots, rows, BLOCK_M=BLOCK_M, BLOCK_T=block_t, BLOCK_S=block_s,
-                             FLAG_STRIDE=_FLAG_STRIDE, num_warps=8)
+                             done, ticket, used_slots, num_used, n, num_slots, rows, BLOCK_M=BLOCK_M, BLOCK_T=block_t,
+                             BLOCK_S=block_s, FLAG_STRIDE=_FLAG_STRIDE, num_warps=8)
     return LoraBatch(order=order, tile_start=tile_start, tile_len=tile_len, tile_slot=tile_slot,
                      tile_tokens=tile_tokens.view(rows, BLOCK_M), num_tiles=num_tiles,
                      arrivals=flags.view(rows, _FLAG_STRIDE)[:, 0], token_slot=token_slot, done=done[:1],
-                     ticket=ticket[:1], num_slots=num_slots)
+                     ticket=ticket[:1], used_slots=used_slots, num_used=num_used, num_slots=num_slots)
 
 
 @triton.jit

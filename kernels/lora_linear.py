@@ -13,7 +13,7 @@ weight's read) and adds each row's delta: the row's partials summed in split ord
 dtype, times its slot's B rows for the block's columns (float32 sums over the rank), scaled, added to the rounded
 base in float32, rounded once: the numerics of `kernels/lora_ref.py` on the rounded output of the layer, so rows
 without an adapter get the GEMM's result alone. By default that product is one tensor-core dot per slot the step
-uses (the slots read from the plan's tiles, which are sorted by slot): the block's rows of that slot, the others'
+uses (the plan's list of them, `LoraBatch.used_slots`, ascending): the block's rows of that slot, the others'
 masked to zero (exact zeros, so a row's sum is its own slot's dot alone), times the slot's B block, read once per
 block; `expand_by_slot=False` gathers each row's B rows instead. The last GEMM program to count takes
 the counter back to zero. Roles follow the order in which programs start (a ticket, `LoraKernelConfig.ticketed`, as
@@ -120,25 +120,25 @@ def _rows_y(y_rows, rr, ymask, stride_pp, SPLITS: tl.constexpr):
 
 
 @triton.jit
-def _expand_slots(delta, y, slot, tile_slots, used, order, num_used, b_cols, bmask, stride_bs, STAGES: tl.constexpr):
-    """delta [BLOCK_M, BLOCK_N] += one tensor-core dot per slot the step uses (`num_used` of them, in slot order):
+def _expand_slots(delta, y, slot, used_slots_ptr, num_used, b_cols, bmask, stride_bs, STAGES: tl.constexpr):
+    """delta [BLOCK_M, BLOCK_N] += one tensor-core dot per slot the step uses (the plan's `used_slots`, ascending):
     the rows' y [BLOCK_M, DOT_R] of that slot (the others' exact zeros) times its B block (`b_cols` + slot *
     stride_bs, [DOT_R, BLOCK_N]), the loads software-pipelined in STAGES stages (1: none). The stages move no bit."""
     for i in tl.range(0, num_used, num_stages=STAGES):
-        s = tl.sum(tl.where(used & (order == i), tile_slots, 0))  # the i-th slot the step uses
+        s = tl.load(used_slots_ptr + i)  # the i-th slot the step uses
         bt = tl.load(b_cols + s.to(tl.int64) * stride_bs, mask=bmask, other=0.0)
         delta = tl.dot(tl.where((slot == s)[:, None], y, 0.0), bt, delta, input_precision="ieee")
     return delta
 
 
 @triton.jit
-def _gemm_lora_block(q, x_ptr, w_ptr, bias_ptr, out_ptr, part_ptr, b_ptr, scaling_ptr, token_slot_ptr, tile_slot_ptr,
-                     done_ptr, num_tokens, in_features, num_tile_rows, shrink_programs, gemm_programs, m_blocks,
+def _gemm_lora_block(q, x_ptr, w_ptr, bias_ptr, out_ptr, part_ptr, b_ptr, scaling_ptr, token_slot_ptr, used_slots_ptr,
+                     num_used_ptr, done_ptr, num_tokens, in_features, shrink_programs, gemm_programs, m_blocks,
                      blocks0, blocks1, rank, width0, width1, width2, stride_xt, stride_wn, stride_ot, stride_pp,
                      stride_pt, stride_bs, stride_bn, HAS_BIAS: tl.constexpr, SPLITS: tl.constexpr,
                      EVEN_K: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
-                     STAGES: tl.constexpr, BLOCK_R: tl.constexpr, BY_SLOT: tl.constexpr, TILES: tl.constexpr,
-                     DOT_R: tl.constexpr, EXPAND_STAGES: tl.constexpr):
+                     STAGES: tl.constexpr, BLOCK_R: tl.constexpr, BY_SLOT: tl.constexpr, DOT_R: tl.constexpr,
+                     EXPAND_STAGES: tl.constexpr):
     """GEMM program q = (column block of one slice, row block): out[rows, block] = round(round(x W^T + b) + the
     rows' deltas), after the shrink's programs have all counted into `done`."""
     f = q // m_blocks  # the row blocks of one column block are neighbours: they share its weight rows in L2
@@ -171,13 +171,8 @@ def _gemm_lora_block(q, x_ptr, w_ptr, bias_ptr, out_ptr, part_ptr, b_ptr, scalin
     has = slot >= 0
     slot64 = tl.where(has, slot, 0).to(tl.int64)
     scale = tl.load(scaling_ptr + slot64, mask=has, other=0.0)
-    if BY_SLOT:  # the slots the step uses: the first tile of each (tiles are sorted by slot, in-use ones first)
-        j = tl.arange(0, TILES)
-        tile_slots = tl.load(tile_slot_ptr + j, mask=j < num_tile_rows, other=-1)  # [TILES]
-        before = tl.load(tile_slot_ptr + j - 1, mask=(j >= 1) & (j < num_tile_rows), other=-1)
-        used = (tile_slots >= 0) & (tile_slots != before)
-        order = tl.cumsum(used.to(tl.int32), axis=0) - 1  # the rank of each used slot among them
-        num_used = tl.sum(used.to(tl.int32))
+    if BY_SLOT:
+        num_used = tl.load(num_used_ptr)  # the slots the step uses
     arrived = tl.load(done_ptr, volatile=True)
     while arrived < shrink_programs:
         arrived = tl.load(done_ptr, volatile=True)
@@ -194,10 +189,10 @@ def _gemm_lora_block(q, x_ptr, w_ptr, bias_ptr, out_ptr, part_ptr, b_ptr, scalin
             b_cols = b_ptr + cols[None, :].to(tl.int64) * stride_bn + rr[:, None]  # [DOT_R, BLOCK_N] of slot 0
             bmask = (rr < rank)[:, None] & nmask[None, :]
             if num_used >= EXPAND_STAGES:  # enough slots for the pipeline's prologue to pay
-                delta = _expand_slots(delta, y, slot, tile_slots, used, order, num_used, b_cols, bmask, stride_bs,
+                delta = _expand_slots(delta, y, slot, used_slots_ptr, num_used, b_cols, bmask, stride_bs,
                                       EXPAND_STAGES)
             else:
-                delta = _expand_slots(delta, y, slot, tile_slots, used, order, num_used, b_cols, bmask, stride_bs, 1)
+                delta = _expand_slots(delta, y, slot, used_slots_ptr, num_used, b_cols, bmask, stride_bs, 1)
     else:
         b_rows = b_ptr + slot64[:, None, None] * stride_bs + cols[None, :, None].to(tl.int64) * stride_bn
         rr0 = tl.arange(0, BLOCK_R)
@@ -214,14 +209,15 @@ def _gemm_lora_block(q, x_ptr, w_ptr, bias_ptr, out_ptr, part_ptr, b_ptr, scalin
 
 @triton.jit
 def _linear_lora_kernel(x_ptr, w_ptr, bias_ptr, out_ptr, a_ptr, part_ptr, b_ptr, scaling_ptr, tile_tokens_ptr,
-                        tile_slot_ptr, arrivals_ptr, token_slot_ptr, done_ptr, ticket_ptr, num_tokens, in_features,
+                        tile_slot_ptr, arrivals_ptr, token_slot_ptr, used_slots_ptr, num_used_ptr, done_ptr,
+                        ticket_ptr, num_tokens, in_features,
                         num_tile_rows, groups, shrink_programs, gemm_programs, lora_rows, k_per_split, m_blocks,
                         blocks0, blocks1, rank, width0, width1, width2, stride_xt, stride_wn, stride_ot, stride_as,
                         stride_ar, stride_pp, stride_pt, stride_bs, stride_bn, HAS_BIAS: tl.constexpr,
                         SPLITS: tl.constexpr, FLAG_STRIDE: tl.constexpr, TILE_M: tl.constexpr, BLOCK_RA: tl.constexpr,
                         SHRINK_K: tl.constexpr, SHRINK_STAGES: tl.constexpr, EVEN_K: tl.constexpr,
                         BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, STAGES: tl.constexpr,
-                        BLOCK_R: tl.constexpr, BY_SLOT: tl.constexpr, TILES: tl.constexpr, DOT_R: tl.constexpr,
+                        BLOCK_R: tl.constexpr, BY_SLOT: tl.constexpr, DOT_R: tl.constexpr,
                         EXPAND_STAGES: tl.constexpr, TICKETED: tl.constexpr):
     """The shrink programs (ids below `shrink_programs`), each counting into `done` at its end, then the GEMM
     programs, which wait for all of them before their epilogue."""
@@ -234,11 +230,10 @@ def _linear_lora_kernel(x_ptr, w_ptr, bias_ptr, out_ptr, a_ptr, part_ptr, b_ptr,
         tl.atomic_add(done_ptr, 1, sem="release")
     else:
         _gemm_lora_block(pid - shrink_programs, x_ptr, w_ptr, bias_ptr, out_ptr, part_ptr, b_ptr, scaling_ptr,
-                         token_slot_ptr, tile_slot_ptr, done_ptr, num_tokens, in_features, num_tile_rows,
+                         token_slot_ptr, used_slots_ptr, num_used_ptr, done_ptr, num_tokens, in_features,
                          shrink_programs, gemm_programs, m_blocks, blocks0, blocks1, rank, width0, width1, width2,
                          stride_xt, stride_wn, stride_ot, stride_pp, stride_pt, stride_bs, stride_bn, HAS_BIAS, SPLITS,
-                         EVEN_K, BLOCK_M, BLOCK_N, BLOCK_K, STAGES, BLOCK_R, BY_SLOT, TILES, DOT_R,
-                         EXPAND_STAGES)
+                         EVEN_K, BLOCK_M, BLOCK_N, BLOCK_K, STAGES, BLOCK_R, BY_SLOT, DOT_R, EXPAND_STAGES)
 
 
 def _check_weight(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, out: torch.Tensor) -> None:
@@ -287,16 +282,15 @@ def _launch(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, A:
     shrink_programs, gemm_programs = splits * groups, sum(blocks) * m_blocks
     _linear_lora_kernel[(shrink_programs + gemm_programs,)](
         x, weight, x if bias is None else bias, out, A, part, B, scaling, batch.tile_tokens, batch.tile_slot,
-        batch.arrivals, batch.token_slot, batch.done, batch.ticket, num_tokens, in_features, batch.tile_slot.shape[0],
-        groups, shrink_programs, gemm_programs, A.shape[1], per_split, m_blocks, blocks[0], blocks[1], B.shape[2],
+        batch.arrivals, batch.token_slot, batch.used_slots, batch.num_used, batch.done, batch.ticket, num_tokens,
+        in_features, batch.tile_slot.shape[0], groups, shrink_programs, gemm_programs, A.shape[1], per_split,
+        m_blocks, blocks[0], blocks[1], B.shape[2],
         *widths, x.stride(0), weight.stride(0), out.stride(0), A.stride(0), A.stride(1), part.stride(0), part.stride(1),
         B.stride(0), B.stride(1), HAS_BIAS=bias is not None, SPLITS=splits, FLAG_STRIDE=_FLAG_STRIDE, TILE_M=TILE_M,
         BLOCK_RA=_block_r(A.shape[1]), SHRINK_K=shrink_k, SHRINK_STAGES=config.lora.shrink_stages,
         EVEN_K=in_features % config.block_k == 0, BLOCK_M=BLOCK_M, BLOCK_N=config.block_n, BLOCK_K=config.block_k,
         STAGES=config.stages, BLOCK_R=config.block_r, BY_SLOT=config.expand_by_slot,
-        TILES=triton.next_power_of_2(batch.tile_slot.shape[0]), DOT_R=DOT_R, EXPAND_STAGES=config.expand_stages,
-        TICKETED=config.lora.ticketed,
-        num_warps=config.num_warps)
+        DOT_R=DOT_R, EXPAND_STAGES=config.expand_stages, TICKETED=config.lora.ticketed, num_warps=config.num_warps)
 
 
 __all__ = ["BLOCK_M", "DEFAULT_LINEAR_CONFIG", "LONG_CONFIG", "LinearLoraConfig", "WIDE_CONFIG", "linear_config_for",

@@ -384,6 +384,21 @@ def test_tile_tokens_list_each_tiles_tokens():
     assert (batch.tile_slot[:used] >= 0).all() and (batch.tile_slot[used:] == -1).all()
 
 
+@pytest.mark.parametrize("num_slots", [1, 5, 64])
+def test_the_plan_lists_the_slots_in_use_ascending(num_slots):
+    """`used_slots` / `num_used`: each slot with at least one token, ascending, then -1; values outside the stacks
+    (and -1) use none. Over seeds with none, some and all slots in use."""
+    for seed, width in ((0, 0), (1, 3), (2, num_slots + 2)):
+        g = torch.Generator().manual_seed(seed + num_slots)
+        idx = torch.randint(-1, width, (70,), generator=g, dtype=torch.int32)
+        if seed == 2:
+            idx[:num_slots] = torch.arange(num_slots, dtype=torch.int32)  # every slot in use
+        batch = lora_batch(idx.to(DEVICE), num_slots)
+        want = sorted({v for v in idx.tolist() if 0 <= v < num_slots})
+        assert int(batch.num_used[0]) == len(want), seed
+        assert batch.used_slots.tolist() == want + [-1] * (num_slots - len(want)), seed
+
+
 def test_bad_launch_configs_are_refused():
     with pytest.raises(ValueError, match="block_n must be a power of two"):
         LoraKernelConfig(block_n=96)
