@@ -111,7 +111,10 @@ def linear_configs(sweep: bool) -> dict:
     """name -> config of `linear_lora`, or a function of the layer's (in, out) giving one ("linear_by_shape": the
     engine's; "linear_by_shape_gathered": the same tiles with each row's B rows gathered in the expand;
     "linear_by_shape_block_ids": the same with each program's role its block id, `LoraKernelConfig.ticketed=False`;
-    "linear_by_shape_expandN": the same with N software-pipeline stages over the expand's slots, 1: none)."""
+    "linear_by_shape_expandN": the same with N software-pipeline stages over the expand's slots, 1: none;
+    "linear_by_shape_groupsN": the same with N shrink tile groups per 64 tokens (default 4; fewer, longer shrink
+    programs leave SMs to the GEMM's sooner); "linear_by_shape_splitN": the same with shrink splits of N in-features
+    (default 512; fewer partials for each GEMM program's epilogue to sum, the shrink's sums in another order)."""
     from dataclasses import replace
 
     from kernels.lora import LoraKernelConfig
@@ -123,6 +126,10 @@ def linear_configs(sweep: bool) -> dict:
                                                                lora=LoraKernelConfig(ticketed=False)),
              **{f"linear_by_shape_expand{n}": lambda i, o, n=n: replace(linear_config_for(i, o), expand_stages=n)
                 for n in (1, 2, 4)},
+             **{f"linear_by_shape_groups{n}": lambda i, o, n=n: replace(
+                 linear_config_for(i, o), lora=LoraKernelConfig(groups_per_tile_row=n)) for n in (1, 2)},
+             **{f"linear_by_shape_split{n}": lambda i, o, n=n: replace(
+                 linear_config_for(i, o), lora=LoraKernelConfig(split_k_chunk=n)) for n in (1024, 2048)},
              "linear_bn64": LinearLoraConfig(block_n=64),
              "linear_k256_s3": LinearLoraConfig(block_k=256, stages=3)}
     if sweep:
