@@ -1,6 +1,7 @@
 """What the one-launch linear + LoRA kernel (kernels/lora_linear.py) asks of an SM at the Llama-3.1-8B decode
-shapes, read from the compiler without a GPU: registers per thread, bytes spilled to local memory, and shared
-memory per program, for each adapted projection at the tile the engine picks (`linear_config_for`).
+shapes, read from the compiler without a GPU: registers per thread, bytes spilled to local memory, shared memory
+per program, and how many programs of it one Hopper SM holds at once by those two, for each adapted projection
+at the tile the engine picks (`linear_config_for`).
 
 It compiles, never runs: Triton's driver is replaced by one that only names the target (sm_90a by default) and
 every launch of the kernel becomes a compile, so it works on a CPU machine with Triton's NVIDIA backend (its
@@ -75,10 +76,15 @@ def _resources(kernel, arch: int) -> dict:
                                str(Path(tmp, "k.cubin"))], capture_output=True, text=True)
     if done.returncode:
         raise RuntimeError(f"ptxas failed: {done.stderr[-1000:]}")
-    regs = re.search(r"Used (\d+) registers", done.stderr)
+    regs = int(re.search(r"Used (\d+) registers", done.stderr).group(1))
     spills = re.search(r"(\d+) bytes spill stores, (\d+) bytes spill loads", done.stderr)
-    return {"registers": int(regs.group(1)), "spill_store_bytes": int(spills.group(1)),
-            "spill_load_bytes": int(spills.group(2)), "shared_bytes": kernel.metadata.shared}
+    shared, warps = kernel.metadata.shared, kernel.metadata.num_warps
+    # Hopper's SM: 64 Ki registers (allocated per warp in units of 256), 228 KiB of shared memory (1 KiB of it
+    # reserved per program), at most 32 programs
+    by_regs = 65536 // (-(-regs * 32 // 256) * 256 * warps)
+    by_shared = 233472 // (shared + 1024)
+    return {"registers": regs, "spill_store_bytes": int(spills.group(1)), "spill_load_bytes": int(spills.group(2)),
+            "shared_bytes": shared, "num_warps": warps, "programs_per_sm": min(by_regs, by_shared, 32)}
 
 
 def _load(path: str, name: str):

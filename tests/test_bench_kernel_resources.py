@@ -1,6 +1,6 @@
 """bench/kernel_resources.py on the CPU: it compiles the fused linear + LoRA kernel for sm_90a at the 8B decode
-shapes without running it and reads registers, spills and shared memory; the same source given as the baseline
-reports the same figures. Skipped where Triton has no NVIDIA backend."""
+shapes without running it and reads registers, spills, shared memory and programs an SM holds; the same source
+given as the baseline reports the same figures. Skipped where Triton has no NVIDIA backend."""
 
 from __future__ import annotations
 
@@ -33,6 +33,7 @@ def test_resources_of_each_projection_and_of_the_same_source_as_baseline():
         assert r["arch"] == "sm_90a" and r["kernel"] == "_linear_lora_kernel"
         assert 32 <= r["registers"] <= 255 and r["spill_store_bytes"] >= 0, r
         assert 0 < r["shared_bytes"] <= 227 * 1024, r  # within an H100 / H200 SM's shared memory per program
+        assert 1 <= r["programs_per_sm"] <= 32 and r["num_warps"] >= 1, r
         keys = ("registers", "spill_store_bytes", "spill_load_bytes", "shared_bytes")
         assert {k: r[k] for k in keys} == {k: by_system["baseline"][layer][k] for k in keys}, layer
 
