@@ -17,7 +17,6 @@ prints one JSON line per (system, projection); `--baseline-linear` adds another 
 from __future__ import annotations
 
 import argparse
-import importlib.util
 import json
 import os
 import re
@@ -32,8 +31,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 import torch  # noqa: E402
 
-LLAMA_8B = {"qkv_proj": (4096, (4096, 1024, 1024)), "o_proj": (4096, (4096,)),
-            "gate_up_proj": (4096, (14336, 14336)), "down_proj": (14336, (4096,))}
+from bench.lora_kernels import LAYERS, load_baseline  # noqa: E402
 
 
 class _CompileOnlyDriver:
@@ -87,14 +85,6 @@ def _resources(kernel, arch: int) -> dict:
             "shared_bytes": shared, "num_warps": warps, "programs_per_sm": min(by_regs, by_shared, 32)}
 
 
-def _load(path: str, name: str):
-    spec = importlib.util.spec_from_file_location(name, path)
-    module = importlib.util.module_from_spec(spec)
-    sys.modules[spec.name] = module  # its dataclasses look their module up
-    spec.loader.exec_module(module)
-    return module
-
-
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--arch", type=int, default=90, help="compute capability to compile for (90: H100 / H200)")
@@ -123,11 +113,11 @@ def main() -> None:
 
     systems = {"current": current}
     if args.baseline_linear:
-        systems["baseline"] = _load(args.baseline_linear, "lora_linear_baseline")
+        systems["baseline"] = load_baseline(args.baseline_linear, "lora_linear_baseline")
     T, S, R = args.tokens, args.slots, args.rank
     idx = (torch.arange(T) % args.distinct).to(torch.int32)
     for system, module in systems.items():
-        for layer, (in_features, slices) in LLAMA_8B.items():
+        for layer, (in_features, slices) in LAYERS.items():
             n = sum(slices)
             # uninitialised tensors: nothing runs, only their dtypes, shapes and alignment reach the compiler
             x = torch.empty(T, in_features, dtype=torch.bfloat16)
@@ -138,7 +128,7 @@ def main() -> None:
             module.linear_lora(x, weight, None, A, B, idx, torch.ones(S), slices=slices,
                                config=module.linear_config_for(in_features, n))
             name, kernel = compiled[-1]
-            print(json.dumps({"kind": "kernel_resources", "system": system, "layer": layer, "kernel": name,
+            print(json.dumps({"kind": "kernel_resources", "system": system, "layer": f"{layer}_proj", "kernel": name,
                               "arch": _sm(args.arch), "triton": triton.__version__, **_resources(kernel, args.arch),
                               "tokens": T, "slots": S, "rank": R, "distinct": args.distinct}), flush=True)
 

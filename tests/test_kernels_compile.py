@@ -189,8 +189,9 @@ def _launch_lora_kernels(g: torch.Generator, h: torch.dtype) -> None:
 
 def _launch_linear_lora_kernels(g: torch.Generator, h: torch.dtype) -> None:
     """The one-launch linear + LoRA (kernels/lora_linear.py, the engine's CUDA default for LoRA decode linears) at
-    the tile of each layer shape: fused q|k|v slices with a bias and a ragged `in`, the expand by slot over one tile
-    and over chunks of several (rank above one dot's K), and the gathered expand."""
+    the tile of each layer shape: fused q|k|v slices with a bias and a ragged `in`, the expand by slot (three slots
+    in use: the pipelined loop and the unpipelined one are both compiled) at rank 8 and at rank 32 (two steps of
+    the dot's K), and the gathered expand."""
     from kernels.lora_linear import DEFAULT_LINEAR_CONFIG, LONG_CONFIG, WIDE_CONFIG, linear_lora
 
     S, r = 3, 8
