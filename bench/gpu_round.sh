@@ -31,7 +31,7 @@
 #                                     its CUDA tests (the engine's fused-linear test included), the kernels alone
 #                                     with 0 / 1 / 4 / 16 adapters in the batch against cuBLAS + the default hooks
 #                                     (the tile by layer shape; with one shrink group per 64 tokens; with shrink
-#                                     splits of 2048; with 4 GEMM stages), and the engine
+#                                     splits of 2048; with 4 GEMM stages; with the shrink in its own launch), and the engine
 #                                     with `lora_fused_linear` against the base (16 adapters loaded, DISTINCT=1,16
 #                                     of them in the batch); LINEAR_BASELINE=FILE adds another
 #                                     kernels/lora_linear.py (`git show REV:kernels/lora_linear.py >
@@ -138,6 +138,7 @@ case "${1:-tests}" in
       "tests/test_gpu_lora_engine.py::test_deferred_and_fused_linear_modes_through_graphs_and_eagerly_give_peft_tokens" \
       > "$OUT/lora_linear_tests.log" 2>&1; grep -E "^(FAILED|ERROR) |passed|failed" "$OUT/lora_linear_tests.log" | tail -8
     systems="default,linear_by_shape,linear_by_shape_groups1,linear_by_shape_split2048,linear_by_shape_stages4"
+    systems="$systems,linear_by_shape_shrink_launch"
     timeout 200 python3 bench/lora_kernels.py --systems "$systems${LINEAR_BASELINE:+,baseline_linear_by_shape}" \
       ${LINEAR_BASELINE:+--baseline-linear "$LINEAR_BASELINE"} --replays 3 --distinct 0,1,4,16 \
       > "$OUT/lora_linear.jsonl" 2>> "$OUT/lora.log"

@@ -116,7 +116,8 @@ def linear_configs(sweep: bool) -> dict:
     programs leave SMs to the GEMM's sooner); "linear_by_shape_splitN": the same with shrink splits of N in-features
     (default 512; fewer partials for each GEMM program's epilogue to sum, the shrink's sums in another order);
     "linear_by_shape_stages4": the same with 4 pipeline stages in the GEMM's loop (down_proj's tile then takes 96
-    KiB of shared memory instead of 120, two programs an SM instead of one, `bench/kernel_resources.py`)."""
+    KiB of shared memory instead of 120, two programs an SM instead of one, `bench/kernel_resources.py`);
+    "linear_by_shape_shrink_launch": the same with the shrink in a launch of its own (`shrink_launch`)."""
     from dataclasses import replace
 
     from kernels.lora import LoraKernelConfig
@@ -131,6 +132,7 @@ def linear_configs(sweep: bool) -> dict:
              **{f"linear_by_shape_groups{n}": lambda i, o, n=n: replace(
                  linear_config_for(i, o), lora=LoraKernelConfig(groups_per_tile_row=n)) for n in (1, 2)},
              "linear_by_shape_stages4": lambda i, o: replace(linear_config_for(i, o), stages=4),
+             "linear_by_shape_shrink_launch": lambda i, o: replace(linear_config_for(i, o), shrink_launch=True),
              **{f"linear_by_shape_split{n}": lambda i, o, n=n: replace(
                  linear_config_for(i, o), lora=LoraKernelConfig(split_k_chunk=n)) for n in (1024, 2048)},
              "linear_bn64": LinearLoraConfig(block_n=64),

@@ -18,7 +18,8 @@ masked to zero (exact zeros, so a row's sum is its own slot's dot alone), times 
 block; `expand_by_slot=False` gathers each row's B rows instead. The last GEMM program to count takes
 the counter back to zero. Roles follow the order in which programs start (a ticket, `LoraKernelConfig.ticketed`, as
 in `kernels/lora.py`'s one launch): the lower tickets are the shrink's, so every program a GEMM program waits on
-has started, and the waits end.
+has started, and the waits end. With `shrink_launch` the shrink runs in a launch of its own before the GEMM's (the
+same programs and bits; the GEMM programs then find nothing to wait for).
 
 Nothing is read back to the host and the grid is a function of T and the shapes, so it can be captured in a CUDA
 graph and replayed with new slot assignments. The shrink's bits are `add_lora`'s (same splits, same order); the
@@ -39,8 +40,8 @@ import triton
 import triton.language as tl
 
 from kernels.lora import (BLOCK_M as TILE_M, DEFAULT_CONFIG, _FLAG_STRIDE, LoraBatch, LoraKernelConfig, _as_batch,
-                          _block_k, _block_r, _check_layer, _check_x_a, _empty_partials, _program_role, _shrink_split,
-                          _shrink_tiles, _tile_groups)
+                          _block_k, _block_r, _check_layer, _check_x_a, _empty_partials, _program_role, _shrink,
+                          _shrink_split, _shrink_tiles, _tile_groups)
 
 BLOCK_M = 64  # token rows per GEMM program (the smallest M of Hopper's wgmma)
 DOT_R = 16  # rank entries per step of the expand by slot (the K of a 16-bit tensor-core dot)
@@ -72,6 +73,11 @@ class LinearLoraConfig:
     for the last without it; with one, the pipeline's prologue only costs (one H100, 8B shape, batch 64, µs a
     hook, none / 3 stages: 5.6 / 7.1 at one adapter, 20.5 / 16.6 at 16; 3 is also what Triton gives the loop
     unasked)."""
+    shrink_launch: bool = False
+    """The shrink in a launch of its own before the GEMM's (`kernels.lora`'s shrink kernel: the same programs, so
+    the same bits). In the one launch every shrink program takes the GEMM tile's shared memory (120 KiB for
+    down_proj's: one program an SM, its 448 shrink programs at 16 adapters several waves ahead of the GEMM's);
+    alone, several fit an SM, for one launch more between the projections."""
     max_rows: int = 64
     """The most tokens a forward may have for the engine to take this kernel (`linear_lora` itself takes any)."""
     lora: LoraKernelConfig = field(default_factory=lambda: DEFAULT_CONFIG)
@@ -279,6 +285,9 @@ def _launch(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, A:
     widths = tuple(slices) + (0,) * (3 - len(slices))
     m_blocks = triton.cdiv(num_tokens, BLOCK_M)
     shrink_programs, gemm_programs = splits * groups, sum(blocks) * m_blocks
+    if config.shrink_launch:  # the stream orders the GEMM's programs after it: none of them waits
+        _shrink(x, A, batch, part, config.lora)
+        shrink_programs = 0
     _linear_lora_kernel[(shrink_programs + gemm_programs,)](
         x, weight, x if bias is None else bias, out, A, part, B, scaling, batch.tile_tokens, batch.tile_slot,
         batch.arrivals, batch.token_slot, batch.used_slots, batch.num_used, batch.done, batch.ticket, num_tokens,

@@ -176,6 +176,19 @@ def test_ticketed_and_block_id_roles_give_the_same_bits_and_leave_the_counters_a
         assert int(batch.ticket[0]) == 0 and int(batch.done[0]) == 0 and not batch.arrivals.any()
 
 
+def test_the_shrink_in_a_launch_of_its_own_gives_the_same_bits_and_leaves_the_counters_at_zero():
+    g = torch.Generator().manual_seed(14)
+    slices = (16, 8, 8)
+    W, b, A, B, scaling = _layer(g, 300, slices, 8, ranks=(8, 3, 5, 1), bias=True)
+    x, idx = torch.randn(37, 300, generator=g).to(DEVICE), _idx(g, 37)
+    batch = lora_batch(idx, S)
+    one_launch = linear_lora(x, W, b, A, B, batch, scaling, slices=slices, config=SMALL)
+    for _ in range(2):
+        got = linear_lora(x, W, b, A, B, batch, scaling, slices=slices, config=replace(SMALL, shrink_launch=True))
+        assert torch.equal(got, one_launch)
+        assert int(batch.ticket[0]) == 0 and int(batch.done[0]) == 0 and not batch.arrivals.any()
+
+
 def test_token_slot_counts_out_of_range_slots_as_none():
     idx = torch.tensor([3, -1, 7, 0, -5, 2], dtype=torch.int32, device=DEVICE)
     assert lora_batch(idx, 4).token_slot.tolist() == [3, -1, -1, 0, -1, 2]
