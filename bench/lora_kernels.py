@@ -112,29 +112,33 @@ def linear_configs(sweep: bool) -> dict:
     engine's; "linear_by_shape_gathered": the same tiles with each row's B rows gathered in the expand;
     "linear_by_shape_block_ids": the same with each program's role its block id, `LoraKernelConfig.ticketed=False`;
     "linear_by_shape_expandN": the same with N software-pipeline stages over the expand's slots, 1: none;
-    "linear_by_shape_groupsN": the same with N shrink tile groups per 64 tokens (default 4; fewer, longer shrink
+    "linear_by_shape_groupsN": the same with N shrink tile groups per 64 tokens (fewer, longer shrink
     programs leave SMs to the GEMM's sooner); "linear_by_shape_splitN": the same with shrink splits of N in-features
-    (default 512; fewer partials for each GEMM program's epilogue to sum, the shrink's sums in another order);
+    (fewer partials for each GEMM program's epilogue to sum, the shrink's sums in another order);
+    "linear_by_shape_splitN_groupsG": both;
     "linear_by_shape_stages4": the same with 4 pipeline stages in the GEMM's loop (down_proj's tile then takes 96
-    KiB of shared memory instead of 120, two programs an SM instead of one, `bench/kernel_resources.py`);
-    "linear_by_shape_shrink_launch": the same with the shrink in a launch of its own (`shrink_launch`)."""
+    KiB of shared memory instead of 120, two programs an SM instead of one, `bench/kernel_resources.py`)."""
     from dataclasses import replace
 
-    from kernels.lora import LoraKernelConfig
     from kernels.lora_linear import LinearLoraConfig, linear_config_for
 
+    def by_shape(shrink: dict | None = None, **fields):
+        """The engine's tile of each shape with `fields` of the linear's config and `shrink` of its LoRA config
+        changed."""
+        def config(in_features: int, out_features: int) -> LinearLoraConfig:
+            chosen = linear_config_for(in_features, out_features)
+            return replace(chosen, lora=replace(chosen.lora, **(shrink or {})), **fields)
+        return config
+
     named = {"linear": LinearLoraConfig(), "linear_by_shape": linear_config_for,
-             "linear_by_shape_gathered": lambda i, o: replace(linear_config_for(i, o), expand_by_slot=False),
-             "linear_by_shape_block_ids": lambda i, o: replace(linear_config_for(i, o),
-                                                               lora=LoraKernelConfig(ticketed=False)),
-             **{f"linear_by_shape_expand{n}": lambda i, o, n=n: replace(linear_config_for(i, o), expand_stages=n)
-                for n in (1, 2, 4)},
-             **{f"linear_by_shape_groups{n}": lambda i, o, n=n: replace(
-                 linear_config_for(i, o), lora=LoraKernelConfig(groups_per_tile_row=n)) for n in (1, 2)},
-             "linear_by_shape_stages4": lambda i, o: replace(linear_config_for(i, o), stages=4),
-             "linear_by_shape_shrink_launch": lambda i, o: replace(linear_config_for(i, o), shrink_launch=True),
-             **{f"linear_by_shape_split{n}": lambda i, o, n=n: replace(
-                 linear_config_for(i, o), lora=LoraKernelConfig(split_k_chunk=n)) for n in (1024, 2048)},
+             "linear_by_shape_gathered": by_shape(expand_by_slot=False),
+             "linear_by_shape_block_ids": by_shape({"ticketed": False}),
+             **{f"linear_by_shape_expand{n}": by_shape(expand_stages=n) for n in (1, 2, 4)},
+             **{f"linear_by_shape_groups{g}": by_shape({"groups_per_tile_row": g}) for g in (1, 2, 4)},
+             "linear_by_shape_stages4": by_shape(stages=4),
+             **{f"linear_by_shape_split{n}": by_shape({"split_k_chunk": n}) for n in (512, 1024, 2048, 4096)},
+             **{f"linear_by_shape_split{n}_groups{g}": by_shape({"split_k_chunk": n, "groups_per_tile_row": g})
+                for n in (512, 1024, 2048, 4096) for g in (1, 2, 4)},
              "linear_bn64": LinearLoraConfig(block_n=64),
              "linear_k256_s3": LinearLoraConfig(block_k=256, stages=3)}
     if sweep:

@@ -18,17 +18,20 @@ masked to zero (exact zeros, so a row's sum is its own slot's dot alone), times 
 block; `expand_by_slot=False` gathers each row's B rows instead. The last GEMM program to count takes
 the counter back to zero. Roles follow the order in which programs start (a ticket, `LoraKernelConfig.ticketed`, as
 in `kernels/lora.py`'s one launch): the lower tickets are the shrink's, so every program a GEMM program waits on
-has started, and the waits end. With `shrink_launch` the shrink runs in a launch of its own before the GEMM's (the
-same programs and bits; the GEMM programs then find nothing to wait for).
+has started, and the waits end.
 
 Nothing is read back to the host and the grid is a function of T and the shapes, so it can be captured in a CUDA
-graph and replayed with new slot assignments. The shrink's bits are `add_lora`'s (same splits, same order); the
+graph and replayed with new slot assignments. The shrink's bits are `add_lora`'s under the same
+`LoraKernelConfig` (same splits, same order; the fused linear's default splits are coarser, `SHRINK_CONFIG`); the
 base GEMM's are not cuBLAS's (another tile order over `in`), and the expand sums the rank in another order than
 `add_lora`'s dot: not for deterministic mode, whose linears are `kernels/matmul.py`'s.
 
 The reference is `linear_lora_ref` (kernels/lora_ref.py). Not here: more than a few row blocks (a prefill's
 linears belong to a GEMM library and `add_lora`), split-K of the GEMM, tensor-parallel sharding (the caller passes
-its shard's weight and stacks, as for `add_lora`).
+its shard's weight and stacks, as for `add_lora`). Measured and left out (one H100, Llama-3.1-8B shapes, batch 64,
+µs a hook at 0 / 1 / 4 / 16 distinct adapters, 2026-12-07, against 2.80 / 5.32 / 6.85 / 14.2 for the one launch
+then): the shrink in a launch of its own before the GEMM's, 3.58 / 7.95 / 9.79 / 15.41; four GEMM stages (two of
+down_proj's programs an SM), 7.84 / 12.56 / 14.16 / 18.52.
 """
 
 from __future__ import annotations
@@ -39,12 +42,20 @@ import torch
 import triton
 import triton.language as tl
 
-from kernels.lora import (BLOCK_M as TILE_M, DEFAULT_CONFIG, _FLAG_STRIDE, LoraBatch, LoraKernelConfig, _as_batch,
-                          _block_k, _block_r, _check_layer, _check_x_a, _empty_partials, _program_role, _shrink,
-                          _shrink_split, _shrink_tiles, _tile_groups)
+from kernels.lora import (BLOCK_M as TILE_M, _FLAG_STRIDE, LoraBatch, LoraKernelConfig, _as_batch, _block_k,
+                          _block_r, _check_layer, _check_x_a, _empty_partials, _program_role, _shrink_split,
+                          _shrink_tiles, _tile_groups)
 
 BLOCK_M = 64  # token rows per GEMM program (the smallest M of Hopper's wgmma)
 DOT_R = 16  # rank entries per step of the expand by slot (the K of a 16-bit tensor-core dot)
+
+
+SHRINK_CONFIG = LoraKernelConfig(split_k_chunk=2048)
+"""The fused linear's shrink: splits of 2048 in-features (2 for a 4096-wide input, 7 for down_proj's 14336), fewer
+partials for each GEMM program's epilogue to wait on and sum than `add_lora`'s 512 (one H100, Llama-3.1-8B shapes,
+batch 64, µs a hook at 0 / 1 / 4 / 16 distinct adapters, splits of 2048 / 512: 1.98 / 2.80, 4.85 / 5.32, 6.43 /
+6.85, 11.77 / 14.2, `bench/gpu_round.sh lora-linear`, 2026-12-07). Its sums are then not `add_lora`'s: the fused
+linear is not batch-invariant anyway (its GEMM is not cuBLAS's)."""
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)
@@ -73,14 +84,9 @@ class LinearLoraConfig:
     for the last without it; with one, the pipeline's prologue only costs (one H100, 8B shape, batch 64, µs a
     hook, none / 3 stages: 5.6 / 7.1 at one adapter, 20.5 / 16.6 at 16; 3 is also what Triton gives the loop
     unasked)."""
-    shrink_launch: bool = False
-    """The shrink in a launch of its own before the GEMM's (`kernels.lora`'s shrink kernel: the same programs, so
-    the same bits). In the one launch every shrink program takes the GEMM tile's shared memory (120 KiB for
-    down_proj's: one program an SM, its 448 shrink programs at 16 adapters several waves ahead of the GEMM's);
-    alone, several fit an SM, for one launch more between the projections."""
     max_rows: int = 64
     """The most tokens a forward may have for the engine to take this kernel (`linear_lora` itself takes any)."""
-    lora: LoraKernelConfig = field(default_factory=lambda: DEFAULT_CONFIG)
+    lora: LoraKernelConfig = field(default_factory=lambda: SHRINK_CONFIG)
     """The shrink's split of `in`, K step, pipeline stages and tile groups (`num_warps` and the expand's fields of
     it are not used)."""
 
@@ -285,9 +291,6 @@ def _launch(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, A:
     widths = tuple(slices) + (0,) * (3 - len(slices))
     m_blocks = triton.cdiv(num_tokens, BLOCK_M)
     shrink_programs, gemm_programs = splits * groups, sum(blocks) * m_blocks
-    if config.shrink_launch:  # the stream orders the GEMM's programs after it: none of them waits
-        _shrink(x, A, batch, part, config.lora)
-        shrink_programs = 0
     _linear_lora_kernel[(shrink_programs + gemm_programs,)](
         x, weight, x if bias is None else bias, out, A, part, B, scaling, batch.tile_tokens, batch.tile_slot,
         batch.arrivals, batch.token_slot, batch.used_slots, batch.num_used, batch.done, batch.ticket, num_tokens,
@@ -301,5 +304,5 @@ def _launch(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, A:
         DOT_R=DOT_R, EXPAND_STAGES=config.expand_stages, TICKETED=config.lora.ticketed, num_warps=config.num_warps)
 
 
-__all__ = ["BLOCK_M", "DEFAULT_LINEAR_CONFIG", "LONG_CONFIG", "LinearLoraConfig", "WIDE_CONFIG", "linear_config_for",
-           "linear_lora"]
+__all__ = ["BLOCK_M", "DEFAULT_LINEAR_CONFIG", "LONG_CONFIG", "LinearLoraConfig", "SHRINK_CONFIG", "WIDE_CONFIG",
+           "linear_config_for", "linear_lora"]
