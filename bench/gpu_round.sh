@@ -30,11 +30,12 @@
 #   bash bench/gpu_round.sh lora-linear  the one-launch linear + LoRA kernel (kernels/lora_linear.py, < 10 min):
 #                                     its CUDA tests (the engine's fused-linear test included), the kernels alone
 #                                     with 0 / 1 / 4 / 16 adapters in the batch against cuBLAS + the default hooks
-#                                     (the tile by layer shape; with other shrink splits and tile groups; SYSTEMS=
-#                                     names others), and the engine with `lora_fused_linear` against the base (16
-#                                     adapters loaded, DISTINCT=1,4,16 of them in the batch); LINEAR_BASELINE=FILE
-#                                     adds another kernels/lora_linear.py (`git show REV:kernels/lora_linear.py >
-#                                     bench/lora_linear_baseline.py` here first)
+#                                     (the tile by layer shape; the expand in chunks of slots; other shrink splits
+#                                     and tile groups; SYSTEMS= names others), and the engine with
+#                                     `lora_fused_linear` against the base (16 adapters loaded, DISTINCT=1,4,16 of
+#                                     them in the batch); LINEAR_BASELINE=FILE adds another kernels/lora_linear.py
+#                                     (`git show REV:kernels/lora_linear.py > bench/lora_linear_baseline.py` here
+#                                     first)
 #   bash bench/gpu_round.sh lora-roles   the two launches (default) against one launch with ticketed roles and with
 #                                     block-id roles, the fused linear likewise, at 1 / 4 / 16 distinct adapters,
 #                                     each case in its own process under a hard limit (block ids not at 16: hung)
@@ -137,8 +138,9 @@ case "${1:-tests}" in
       "tests/test_gpu_lora_engine.py::test_deferred_and_fused_linear_modes_through_graphs_and_eagerly_give_peft_tokens" \
       > "$OUT/lora_linear_tests.log" 2>&1; grep -E "^(FAILED|ERROR) |passed|failed" "$OUT/lora_linear_tests.log" | tail -8
     split=linear_by_shape_split
-    systems=${SYSTEMS:-default,linear_by_shape,${split}512,${split}1024,${split}4096,${split}1024_groups1}
-    systems=${SYSTEMS:-$systems,${split}2048_groups1,${split}2048_groups2,${split}4096_groups1,${split}4096_groups2}
+    chunk=linear_by_shape_chunk
+    systems=${SYSTEMS:-default,linear_by_shape,${chunk}2,${chunk}4,${chunk}8,${chunk}16,${split}512}
+    systems=${SYSTEMS:-$systems,${split}4096,${split}2048_groups1,${split}2048_groups2,${split}4096_groups2}
     timeout 300 python3 bench/lora_kernels.py --systems "$systems${LINEAR_BASELINE:+,baseline_linear_by_shape}" \
       ${LINEAR_BASELINE:+--baseline-linear "$LINEAR_BASELINE"} --replays 3 --distinct 0,1,4,16 \
       > "$OUT/lora_linear.jsonl" 2>> "$OUT/lora.log"

@@ -84,6 +84,12 @@ class LinearLoraConfig:
     for the last without it; with one, the pipeline's prologue only costs (one H100, 8B shape, batch 64, µs a
     hook, none / 3 stages: 5.6 / 7.1 at one adapter, 20.5 / 16.6 at 16; 3 is also what Triton gives the loop
     unasked)."""
+    expand_chunk: int = 1
+    """Slots a tensor-core dot of the expand by slot takes once the step uses at least that many (1: one dot per
+    slot): the rows' y spread over `expand_chunk` blocks of `DOT_R` entries (a row's in its slot's block, exact
+    zeros in the others) times those slots' B blocks stacked, one dot of K = expand_chunk * DOT_R in place of
+    `expand_chunk` dots of K = DOT_R in a row, each waiting for the last. The same bits: a row's products fall in
+    one K step of 16 either way, in the same slot order, and the other steps add exact zeros."""
     max_rows: int = 64
     """The most tokens a forward may have for the engine to take this kernel (`linear_lora` itself takes any)."""
     lora: LoraKernelConfig = field(default_factory=lambda: SHRINK_CONFIG)
@@ -94,7 +100,7 @@ class LinearLoraConfig:
         for name in ("stages", "num_warps", "max_rows", "expand_stages"):
             if getattr(self, name) < 1:
                 raise ValueError(f"LinearLoraConfig.{name} must be >= 1, got {getattr(self, name)}")
-        for name, low in (("block_n", 16), ("block_k", 16), ("block_r", 1)):
+        for name, low in (("block_n", 16), ("block_k", 16), ("block_r", 1), ("expand_chunk", 1)):
             value = getattr(self, name)
             if value < low or value & (value - 1):
                 raise ValueError(f"LinearLoraConfig.{name} must be a power of two >= {low}, got {value}")
@@ -144,13 +150,31 @@ def _expand_slots(delta, y, slot, used_slots_ptr, num_used, b_cols, bmask, strid
 
 
 @triton.jit
+def _expand_chunks(delta, y, slot, used_slots_ptr, num_used, b_cols, bmask, stride_bs, BLOCK_M: tl.constexpr,
+                   BLOCK_N: tl.constexpr, DOT_R: tl.constexpr, CHUNK: tl.constexpr):
+    """delta [BLOCK_M, BLOCK_N] += one tensor-core dot per CHUNK slots the step uses (ascending; past the last,
+    nothing): the rows' y spread to [BLOCK_M, CHUNK * DOT_R] (a row's entries in its slot's block, exact zeros in
+    the others) times the CHUNK slots' B blocks stacked [CHUNK * DOT_R, BLOCK_N]."""
+    c = tl.arange(0, CHUNK)
+    for i in range(0, num_used, CHUNK):
+        s = tl.load(used_slots_ptr + i + c, mask=i + c < num_used, other=-1)  # [CHUNK] the next slots in use
+        bt = tl.load(b_cols[None, :, :] + s.to(tl.int64)[:, None, None] * stride_bs,
+                     mask=bmask[None, :, :] & (s >= 0)[:, None, None], other=0.0)  # [CHUNK, DOT_R, BLOCK_N]
+        mine = (slot[:, None] == s[None, :]) & (s >= 0)[None, :]  # [BLOCK_M, CHUNK]
+        ys = tl.where(mine[:, :, None], y[:, None, :], 0.0)  # [BLOCK_M, CHUNK, DOT_R]
+        delta = tl.dot(tl.reshape(ys, (BLOCK_M, CHUNK * DOT_R)), tl.reshape(bt, (CHUNK * DOT_R, BLOCK_N)), delta,
+                       input_precision="ieee")
+    return delta
+
+
+@triton.jit
 def _gemm_lora_block(q, x_ptr, w_ptr, bias_ptr, out_ptr, part_ptr, b_ptr, scaling_ptr, token_slot_ptr, used_slots_ptr,
                      num_used_ptr, done_ptr, num_tokens, in_features, shrink_programs, gemm_programs, m_blocks,
                      blocks0, blocks1, rank, width0, width1, width2, stride_xt, stride_wn, stride_ot, stride_pp,
                      stride_pt, stride_bs, stride_bn, HAS_BIAS: tl.constexpr, SPLITS: tl.constexpr,
                      EVEN_K: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
                      STAGES: tl.constexpr, BLOCK_R: tl.constexpr, BY_SLOT: tl.constexpr, DOT_R: tl.constexpr,
-                     EXPAND_STAGES: tl.constexpr):
+                     EXPAND_STAGES: tl.constexpr, EXPAND_CHUNK: tl.constexpr):
     """GEMM program q = (column block of one slice, row block): out[rows, block] = round(round(x W^T + b) + the
     rows' deltas), after the shrink's programs have all counted into `done`."""
     f = q // m_blocks  # the row blocks of one column block are neighbours: they share its weight rows in L2
@@ -200,7 +224,13 @@ def _gemm_lora_block(q, x_ptr, w_ptr, bias_ptr, out_ptr, part_ptr, b_ptr, scalin
             y = _rows_y(y_rows, rr, has[:, None] & (rr < rank)[None, :], stride_pp, SPLITS).to(b_ptr.dtype.element_ty)
             b_cols = b_ptr + cols[None, :].to(tl.int64) * stride_bn + rr[:, None]  # [DOT_R, BLOCK_N] of slot 0
             bmask = (rr < rank)[:, None] & nmask[None, :]
-            if num_used >= EXPAND_STAGES:  # enough slots for the pipeline's prologue to pay
+            chunked = False
+            if EXPAND_CHUNK > 1:
+                chunked = num_used >= EXPAND_CHUNK
+            if chunked:
+                delta = _expand_chunks(delta, y, slot, used_slots_ptr, num_used, b_cols, bmask, stride_bs, BLOCK_M,
+                                       BLOCK_N, DOT_R, EXPAND_CHUNK)
+            elif num_used >= EXPAND_STAGES:  # enough slots for the pipeline's prologue to pay
                 delta = _expand_slots(delta, y, slot, used_slots_ptr, num_used, b_cols, bmask, stride_bs,
                                       EXPAND_STAGES)
             else:
@@ -229,7 +259,7 @@ def _linear_lora_kernel(x_ptr, w_ptr, bias_ptr, out_ptr, a_ptr, part_ptr, b_ptr,
                         BLOCK_RA: tl.constexpr, SHRINK_K: tl.constexpr, SHRINK_STAGES: tl.constexpr,
                         EVEN_K: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
                         STAGES: tl.constexpr, BLOCK_R: tl.constexpr, BY_SLOT: tl.constexpr, DOT_R: tl.constexpr,
-                        EXPAND_STAGES: tl.constexpr, TICKETED: tl.constexpr):
+                        EXPAND_STAGES: tl.constexpr, EXPAND_CHUNK: tl.constexpr, TICKETED: tl.constexpr):
     """The shrink programs (ids below `shrink_programs`), each counting into `done` at its end, then the GEMM
     programs, which wait for all of them before their epilogue."""
     pid = _program_role(ticket_ptr, shrink_programs + gemm_programs, TICKETED)
@@ -244,7 +274,8 @@ def _linear_lora_kernel(x_ptr, w_ptr, bias_ptr, out_ptr, a_ptr, part_ptr, b_ptr,
                          token_slot_ptr, used_slots_ptr, num_used_ptr, done_ptr, num_tokens, in_features,
                          shrink_programs, gemm_programs, m_blocks, blocks0, blocks1, rank, width0, width1, width2,
                          stride_xt, stride_wn, stride_ot, stride_pp, stride_pt, stride_bs, stride_bn, HAS_BIAS, SPLITS,
-                         EVEN_K, BLOCK_M, BLOCK_N, BLOCK_K, STAGES, BLOCK_R, BY_SLOT, DOT_R, EXPAND_STAGES)
+                         EVEN_K, BLOCK_M, BLOCK_N, BLOCK_K, STAGES, BLOCK_R, BY_SLOT, DOT_R, EXPAND_STAGES,
+                         EXPAND_CHUNK)
 
 
 def _check_weight(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, out: torch.Tensor) -> None:
@@ -301,7 +332,8 @@ def _launch(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, A:
         BLOCK_RA=_block_r(A.shape[1]), SHRINK_K=shrink_k, SHRINK_STAGES=config.lora.shrink_stages,
         EVEN_K=in_features % config.block_k == 0, BLOCK_M=BLOCK_M, BLOCK_N=config.block_n, BLOCK_K=config.block_k,
         STAGES=config.stages, BLOCK_R=config.block_r, BY_SLOT=config.expand_by_slot,
-        DOT_R=DOT_R, EXPAND_STAGES=config.expand_stages, TICKETED=config.lora.ticketed, num_warps=config.num_warps)
+        DOT_R=DOT_R, EXPAND_STAGES=config.expand_stages, EXPAND_CHUNK=config.expand_chunk,
+        TICKETED=config.lora.ticketed, num_warps=config.num_warps)
 
 
 __all__ = ["BLOCK_M", "DEFAULT_LINEAR_CONFIG", "LONG_CONFIG", "LinearLoraConfig", "SHRINK_CONFIG", "WIDE_CONFIG",

@@ -153,6 +153,25 @@ def test_the_expand_by_slot_and_the_gathered_expand_both_give_the_reference(rank
         torch.testing.assert_close(got.double(), want, rtol=1e-5, atol=1e-5, msg=f"expand_by_slot={by_slot}")
 
 
+@pytest.mark.parametrize("used", [1, 2, 3, 4])
+def test_the_expand_in_chunks_of_slots_gives_the_bits_of_one_dot_per_slot(used):
+    """`expand_chunk`: once the step uses that many slots, one dot per chunk of slots (the last chunk part empty
+    when the chunk does not divide the slots in use); a row's products fall in one K step either way."""
+    g = torch.Generator().manual_seed(20 + used)
+    slices = (16, 8)
+    W, b, A, B, scaling = _layer(g, 48, slices, 20, ranks=(20, 17, 1, 9))  # 20: two rank steps
+    x = torch.randn(70, 48, generator=g).to(DEVICE)
+    idx = torch.randint(-1, used, (70,), generator=g, dtype=torch.int32)
+    idx[:used] = torch.arange(used)  # every slot below `used` in the step
+    idx = idx.to(DEVICE)
+    one_per_slot = linear_lora(x, W, b, A, B, idx, scaling, slices=slices, config=SMALL)
+    torch.testing.assert_close(one_per_slot.double(), _per_token(x, W, b, A, B, idx, scaling, slices), rtol=1e-5,
+                               atol=1e-5)
+    for chunk in (2, 4):
+        got = linear_lora(x, W, b, A, B, idx, scaling, slices=slices, config=replace(SMALL, expand_chunk=chunk))
+        assert torch.equal(got, one_per_slot), chunk
+
+
 def test_ticketed_and_block_id_roles_give_the_same_bits_and_leave_the_counters_at_zero():
     """LoraKernelConfig.ticketed (the default): each program's role from a ticket instead of its block id; the same
     programs, so the same bits, launch after launch on one plan, add_lora's one launch and the linear's alike."""
@@ -198,6 +217,8 @@ def test_bad_arguments_and_configs_are_refused():
         LinearLoraConfig(block_n=24)
     with pytest.raises(ValueError, match="block_r must be a power of two >= 1"):
         LinearLoraConfig(block_r=3)
+    with pytest.raises(ValueError, match="expand_chunk must be a power of two >= 1"):
+        LinearLoraConfig(expand_chunk=3)
     with pytest.raises(ValueError, match="stages must be >= 1"):
         LinearLoraConfig(stages=0)
     with pytest.raises(ValueError, match="expand_stages must be >= 1"):
@@ -219,7 +240,8 @@ def _bf16_layer(g, num_slots, in_features, slices, rank):
 @pytest.mark.parametrize("layer", sorted(LLAMA_8B))
 def test_cuda_8b_decode_matches_cublas_then_the_reference(layer, distinct):
     """T = 64 over 64 rank-16 slots, 1 or 16 of them in the batch, against cuBLAS's F.linear then the reference's
-    delta, and the expand's loop over slots pipelined or not (`expand_stages`) giving the same bits. Tolerance
+    delta, and the expand's loop over slots pipelined or not (`expand_stages`) or in chunks of slots
+    (`expand_chunk`) giving the same bits. Tolerance
     (bfloat16): the two GEMMs sum `in` in different orders, so the rounded base may differ by an
     ulp of the float32 sum's magnitude, and y's rounding by one ulp in any entry:
     |ours - ref| <= 2**-7 * (|ref| + |x| @ |W|^T * 2**-8 + scaling * |y| @ |B|^T) elementwise."""
@@ -234,10 +256,9 @@ def test_cuda_8b_decode_matches_cublas_then_the_reference(layer, distinct):
     config = linear_config_for(in_features, sum(slices))
     ours = linear_lora(x, W, None, A, B, batch, scaling, slices=slices, config=config)
     assert int(batch.done[0]) == 0
-    for stages in (1, 2):
-        again = linear_lora(x, W, None, A, B, batch, scaling, slices=slices,
-                            config=replace(config, expand_stages=stages))
-        assert torch.equal(ours, again), stages
+    for changed in ({"expand_stages": 1}, {"expand_stages": 2}, {"expand_chunk": 4}, {"expand_chunk": 8}):
+        again = linear_lora(x, W, None, A, B, batch, scaling, slices=slices, config=replace(config, **changed))
+        assert torch.equal(ours, again), changed
     base = F.linear(x, W)
     y = lora_shrink_ref(x, A, idx)
     ref = lora_expand_ref(y, B, idx, scaling, base.clone(), slices=slices).float()
