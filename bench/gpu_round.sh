@@ -139,7 +139,7 @@ case "${1:-tests}" in
       > "$OUT/lora_linear_tests.log" 2>&1; grep -E "^(FAILED|ERROR) |passed|failed" "$OUT/lora_linear_tests.log" | tail -8
     split=linear_by_shape_split
     chunk=linear_by_shape_chunk
-    systems=${SYSTEMS:-default,linear_by_shape,${chunk}2,${chunk}4,${chunk}8,${chunk}16,${split}512}
+    systems=${SYSTEMS:-default,linear_by_shape,${chunk}1,${chunk}2,${chunk}8,${split}512}
     systems=${SYSTEMS:-$systems,${split}4096,${split}2048_groups1,${split}2048_groups2,${split}4096_groups2}
     timeout 300 python3 bench/lora_kernels.py --systems "$systems${LINEAR_BASELINE:+,baseline_linear_by_shape}" \
       ${LINEAR_BASELINE:+--baseline-linear "$LINEAR_BASELINE"} --replays 3 --distinct 0,1,4,16 \

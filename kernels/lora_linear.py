@@ -15,7 +15,8 @@ base in float32, rounded once: the numerics of `kernels/lora_ref.py` on the roun
 without an adapter get the GEMM's result alone. By default that product is one tensor-core dot per slot the step
 uses (the plan's list of them, `LoraBatch.used_slots`, ascending): the block's rows of that slot, the others'
 masked to zero (exact zeros, so a row's sum is its own slot's dot alone), times the slot's B block, read once per
-block; `expand_by_slot=False` gathers each row's B rows instead. The last GEMM program to count takes
+block; from 4 slots on, one dot per 4 of them (`expand_chunk`); `expand_by_slot=False` gathers each row's B rows
+instead. The last GEMM program to count takes
 the counter back to zero. Roles follow the order in which programs start (a ticket, `LoraKernelConfig.ticketed`, as
 in `kernels/lora.py`'s one launch): the lower tickets are the shrink's, so every program a GEMM program waits on
 has started, and the waits end.
@@ -84,12 +85,16 @@ class LinearLoraConfig:
     for the last without it; with one, the pipeline's prologue only costs (one H100, 8B shape, batch 64, µs a
     hook, none / 3 stages: 5.6 / 7.1 at one adapter, 20.5 / 16.6 at 16; 3 is also what Triton gives the loop
     unasked)."""
-    expand_chunk: int = 1
+    expand_chunk: int = 4
     """Slots a tensor-core dot of the expand by slot takes once the step uses at least that many (1: one dot per
     slot): the rows' y spread over `expand_chunk` blocks of `DOT_R` entries (a row's in its slot's block, exact
     zeros in the others) times those slots' B blocks stacked, one dot of K = expand_chunk * DOT_R in place of
     `expand_chunk` dots of K = DOT_R in a row, each waiting for the last. The same bits: a row's products fall in
-    one K step of 16 either way, in the same slot order, and the other steps add exact zeros."""
+    one K step of 16 either way, in the same slot order, and the other steps add exact zeros. One H100, 8B shapes,
+    batch 64, µs a hook at 0 / 1 / 16 distinct adapters (`python bench/lora_kernels.py --systems
+    default,linear_by_shape,linear_by_shape_chunk4,linear_by_shape_chunk16 --replays 2 --distinct 0,1,16`,
+    2026-12-07, one dot per slot then the default): one per slot 1.88 / 4.82 / 11.69, chunks of 4 1.99 / 4.93 /
+    10.64, of 16 4.77 / 7.94 / 13.35 (the larger chunk's registers cost even where its loop is not taken)."""
     max_rows: int = 64
     """The most tokens a forward may have for the engine to take this kernel (`linear_lora` itself takes any)."""
     lora: LoraKernelConfig = field(default_factory=lambda: SHRINK_CONFIG)
