@@ -137,10 +137,9 @@ case "${1:-tests}" in
     timeout 120 python3 -m pytest -q -rfE -p no:cacheprovider tests/test_kernels_lora_linear.py -k "cuda or fused_linear_modes" \
       "tests/test_gpu_lora_engine.py::test_deferred_and_fused_linear_modes_through_graphs_and_eagerly_give_peft_tokens" \
       > "$OUT/lora_linear_tests.log" 2>&1; grep -E "^(FAILED|ERROR) |passed|failed" "$OUT/lora_linear_tests.log" | tail -8
-    split=linear_by_shape_split
-    chunk=linear_by_shape_chunk
-    systems=${SYSTEMS:-default,linear_by_shape,${chunk}1,${chunk}2,${chunk}8,${split}512}
-    systems=${SYSTEMS:-$systems,${split}4096,${split}2048_groups1,${split}2048_groups2,${split}4096_groups2}
+    split=linear_by_shape_split chunk=linear_by_shape_chunk
+    systems="default,linear_by_shape,${chunk}1,${chunk}2,${chunk}8,${split}512,${split}4096"
+    systems=${SYSTEMS:-$systems,${split}2048_groups1,${split}2048_groups2,${split}4096_groups2}
     timeout 300 python3 bench/lora_kernels.py --systems "$systems${LINEAR_BASELINE:+,baseline_linear_by_shape}" \
       ${LINEAR_BASELINE:+--baseline-linear "$LINEAR_BASELINE"} --replays 3 --distinct 0,1,4,16 \
       > "$OUT/lora_linear.jsonl" 2>> "$OUT/lora.log"

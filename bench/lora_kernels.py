@@ -136,11 +136,11 @@ def linear_configs(sweep: bool) -> dict:
              "linear_by_shape_block_ids": by_shape({"ticketed": False}),
              **{f"linear_by_shape_expand{n}": by_shape(expand_stages=n) for n in (1, 2, 4)},
              **{f"linear_by_shape_chunk{n}": by_shape(expand_chunk=n) for n in (1, 2, 4, 8, 16)},
-             **{f"linear_by_shape_groups{g}": by_shape({"groups_per_tile_row": g}) for g in (1, 2, 4)},
+             **{f"linear_by_shape_groups{g}": by_shape({"groups_per_tile_row": g}) for g in (1, 2)},
              "linear_by_shape_stages4": by_shape(stages=4),
              **{f"linear_by_shape_split{n}": by_shape({"split_k_chunk": n}) for n in (512, 1024, 2048, 4096)},
              **{f"linear_by_shape_split{n}_groups{g}": by_shape({"split_k_chunk": n, "groups_per_tile_row": g})
-                for n in (512, 1024, 2048, 4096) for g in (1, 2, 4)},
+                for n in (512, 1024, 2048, 4096) for g in (1, 2)},
              "linear_bn64": LinearLoraConfig(block_n=64),
              "linear_k256_s3": LinearLoraConfig(block_k=256, stages=3)}
     if sweep:
