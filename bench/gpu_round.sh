@@ -32,10 +32,14 @@
 #                                     with 0 / 1 / 4 / 16 adapters in the batch against cuBLAS + the default hooks
 #                                     (the tile by layer shape; the expand in chunks of slots; other shrink splits
 #                                     and tile groups; SYSTEMS= names others), and the engine with
-#                                     `lora_fused_linear` against the base (16 adapters loaded, DISTINCT=1,4,16 of
+#                                     `lora_fused_linear` against the base (LORAS=64 adapters loaded, DISTINCT=1,4,16 of
 #                                     them in the batch); LINEAR_BASELINE=FILE adds another kernels/lora_linear.py
 #                                     (`git show REV:kernels/lora_linear.py > bench/lora_linear_baseline.py` here
 #                                     first)
+#   bash bench/gpu_round.sh lora-linear-parts  where the fused linear's time goes at DISTINCT=1,16 adapters: copies of
+#                                     kernels/lora_linear.py without the epilogue's wait (nowait), without it and
+#                                     its count (nocount), with shrink programs that do no work (noshrink), with
+#                                     none (noshrinkprograms), without the expand (noexpand), against the kernel
 #   bash bench/gpu_round.sh lora-roles   the two launches (default) against one launch with ticketed roles and with
 #                                     block-id roles, the fused linear likewise, at 1 / 4 / 16 distinct adapters,
 #                                     each case in its own process under a hard limit (block ids not at 16: hung)
@@ -143,9 +147,31 @@ case "${1:-tests}" in
     timeout 300 python3 bench/lora_kernels.py --systems "$systems${LINEAR_BASELINE:+,baseline_linear_by_shape}" \
       ${LINEAR_BASELINE:+--baseline-linear "$LINEAR_BASELINE"} --replays 3 --distinct 0,1,4,16 \
       > "$OUT/lora_linear.jsonl" 2>> "$OUT/lora.log"
-    timeout 230 python3 bench/lora.py --device cuda --fused-linear only --loras 16 --distinct ${DISTINCT:-1,4,16} \
+    timeout 230 python3 bench/lora.py --device cuda --fused-linear only --loras ${LORAS:-64} --distinct ${DISTINCT:-1,4,16} \
       > "$OUT/lora_linear_engine.jsonl" 2>> "$OUT/lora.log"
     grep -h -E '"lora_kernels"|"decode"' "$OUT/lora_linear.jsonl" "$OUT/lora_linear_engine.jsonl" | cut -c 1-300
+    grep -i -B2 -A3 "error\|traceback" "$OUT/lora.log" | tail -20
+    ;;
+  lora-linear-parts)
+    # copies of kernels/lora_linear.py with one part of its work taken out (their outputs are wrong: timing only)
+    k=kernels/lora_linear.py parts="$OUT/parts"
+    mkdir -p "$parts"
+    sed 's/    while arrived < shrink_programs:/    while arrived < 0:/' $k > "$parts/nowait.py"
+    sed -e 's/    while arrived < shrink_programs:/    while arrived < 0:/' \
+        -e 's/seen = tl.atomic_add(done_ptr, 1, sem="acquire")/seen = arrived * 0/' $k > "$parts/nocount.py"
+    sed 's/batch.tile_slot.shape\[0\], groups, shrink_programs/0, groups, shrink_programs/' $k > "$parts/noshrink.py"
+    sed 's/shrink_programs, gemm_programs = splits \* groups/shrink_programs, gemm_programs = 0 * splits * groups/' \
+      $k > "$parts/noshrinkprograms.py"
+    sed 's/num_used = tl.load(num_used_ptr)  # the slots the step uses/num_used = tl.load(num_used_ptr) * 0/' \
+      $k > "$parts/noexpand.py"
+    args=()
+    for part in nowait nocount noshrink noshrinkprograms noexpand; do
+      if cmp -s $k "$parts/$part.py"; then echo "lora-linear-parts: $part did not change $k" >&2; exit 1; fi
+      args+=(--baseline-linear "$part=$parts/$part.py")
+    done
+    timeout 300 python3 bench/lora_kernels.py --systems "linear_by_shape,baseline_*" "${args[@]}" --replays 3 \
+      --distinct ${DISTINCT:-1,16} > "$OUT/lora_linear_parts.jsonl" 2>> "$OUT/lora.log"
+    grep -h '"lora_kernels"' "$OUT/lora_linear_parts.jsonl" | cut -c 1-200
     grep -i -B2 -A3 "error\|traceback" "$OUT/lora.log" | tail -20
     ;;
   lora-roles)

@@ -116,7 +116,8 @@ def linear_configs(sweep: bool) -> dict:
     "linear_by_shape_groupsN": the same with N shrink tile groups per 64 tokens (fewer, longer shrink
     programs leave SMs to the GEMM's sooner); "linear_by_shape_splitN": the same with shrink splits of N in-features
     (fewer partials for each GEMM program's epilogue to sum, the shrink's sums in another order);
-    "linear_by_shape_splitN_groupsG": both;
+    "linear_by_shape_splitN_groupsG": both; "linear_by_shape_shrink_stagesN": the same with N software-pipeline
+    stages in the shrink's loop; "linear_by_shape_shrink_kN": with K steps of N in it (its sums in another order);
     "linear_by_shape_stages4": the same with 4 pipeline stages in the GEMM's loop (down_proj's tile then takes 96
     KiB of shared memory instead of 120, two programs an SM instead of one, `bench/kernel_resources.py`)."""
     from dataclasses import replace
@@ -138,6 +139,8 @@ def linear_configs(sweep: bool) -> dict:
              **{f"linear_by_shape_chunk{n}": by_shape(expand_chunk=n) for n in (1, 2, 4, 8, 16)},
              **{f"linear_by_shape_groups{g}": by_shape({"groups_per_tile_row": g}) for g in (1, 2)},
              "linear_by_shape_stages4": by_shape(stages=4),
+             **{f"linear_by_shape_shrink_stages{n}": by_shape({"shrink_stages": n}) for n in (1, 3, 4)},
+             **{f"linear_by_shape_shrink_k{k}": by_shape({"block_k": k}) for k in (128, 512)},
              **{f"linear_by_shape_split{n}": by_shape({"split_k_chunk": n}) for n in (512, 1024, 2048, 4096)},
              **{f"linear_by_shape_split{n}_groups{g}": by_shape({"split_k_chunk": n, "groups_per_tile_row": g})
                 for n in (512, 1024, 2048, 4096) for g in (1, 2)},
@@ -337,8 +340,9 @@ def main() -> None:
                     "--profile, graph_replay_ms of the base system)")
     ap.add_argument("--baseline", default=None, help="another kernels/lora.py to time alongside (its add_lora and "
                     "lora_batch)")
-    ap.add_argument("--baseline-linear", default=None, help="another kernels/lora_linear.py to time alongside (its "
-                    "linear_lora with its linear_config_for: system baseline_linear_by_shape)")
+    ap.add_argument("--baseline-linear", action="append", default=[], metavar="[NAME=]FILE", help="another "
+                    "kernels/lora_linear.py to time alongside, its linear_lora with its linear_config_for: system "
+                    "baseline_NAME (baseline_linear_by_shape without a name); may be repeated")
     ap.add_argument("--sweep", action="store_true", help="more launch shapes")
     ap.add_argument("--systems", default=None, help="comma-separated systems (or shell patterns of them, "
                     "e.g. 'linear*') to run (default: all)")
@@ -366,9 +370,10 @@ def main() -> None:
     if args.baseline:
         old = load_baseline(args.baseline)
         hooks["baseline"] = after_gemm(old.lora_batch, old.add_lora)
-    if args.baseline_linear:
-        old = load_baseline(args.baseline_linear, "lora_linear_baseline")
-        hooks["baseline_linear_by_shape"] = fused_linear(old.linear_config_for, old)
+    for entry in args.baseline_linear:
+        name, _, path = entry.rpartition("=")
+        old = load_baseline(path, f"lora_linear_baseline_{name or 'linear_by_shape'}")
+        hooks[f"baseline_{name or 'linear_by_shape'}"] = fused_linear(old.linear_config_for, old)
     if args.systems:
         wanted = args.systems.split(",")
         unknown = sorted(w for w in wanted if not fnmatch.filter(hooks, w))
