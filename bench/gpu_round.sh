@@ -30,8 +30,9 @@
 #   bash bench/gpu_round.sh lora-linear  the one-launch linear + LoRA kernel (kernels/lora_linear.py, < 10 min):
 #                                     its CUDA tests (the engine's fused-linear test included), the kernels alone
 #                                     with 0 / 1 / 4 / 16 adapters in the batch against cuBLAS + the default hooks
-#                                     (the tile by layer shape; the expand in chunks of slots; other shrink splits
-#                                     and tile groups; SYSTEMS= names others), and the engine with
+#                                     (the tile by layer shape; the expand in chunks of slots, their B blocks
+#                                     loaded row by row or not; other shrink splits and tile groups; SYSTEMS=
+#                                     names others), and the engine with
 #                                     `lora_fused_linear` against the base (LORAS=64 adapters loaded, DISTINCT=1,4,16 of
 #                                     them in the batch); LINEAR_BASELINE=FILE adds another kernels/lora_linear.py
 #                                     (`git show REV:kernels/lora_linear.py > bench/lora_linear_baseline.py` here
@@ -142,7 +143,7 @@ case "${1:-tests}" in
       "tests/test_gpu_lora_engine.py::test_deferred_and_fused_linear_modes_through_graphs_and_eagerly_give_peft_tokens" \
       > "$OUT/lora_linear_tests.log" 2>&1; grep -E "^(FAILED|ERROR) |passed|failed" "$OUT/lora_linear_tests.log" | tail -8
     split=linear_by_shape_split chunk=linear_by_shape_chunk
-    systems="default,linear_by_shape,${chunk}1,${chunk}2,${chunk}8,${split}512,${split}4096"
+    systems="default,linear_by_shape,linear_by_shape_b_rows,${chunk}1,${chunk}8,${split}4096"
     systems=${SYSTEMS:-$systems,${split}2048_groups1,${split}2048_groups2,${split}4096_groups2}
     timeout 300 python3 bench/lora_kernels.py --systems "$systems${LINEAR_BASELINE:+,baseline_linear_by_shape}" \
       ${LINEAR_BASELINE:+--baseline-linear "$LINEAR_BASELINE"} --replays 3 --distinct 0,1,4,16 \

@@ -95,6 +95,11 @@ class LinearLoraConfig:
     default,linear_by_shape,linear_by_shape_chunk4,linear_by_shape_chunk16 --replays 2 --distinct 0,1,16`,
     2026-12-07, one dot per slot then the default): one per slot 1.88 / 4.82 / 11.69, chunks of 4 1.99 / 4.93 /
     10.64, of 16 4.77 / 7.94 / 13.35 (the larger chunk's registers cost even where its loop is not taken)."""
+    expand_b_rows: bool = False
+    """The chunks' B blocks (`expand_chunk` > 1) as one [expand_chunk * DOT_R, block_n] tile, each row's address
+    from its slot (the plan's list read row by row), which feeds the tensor-core dot as it is loaded. False: a
+    [expand_chunk, DOT_R, block_n] block reshaped to that tile, which Triton takes from shared memory to registers
+    and back (docs/LORA_DECODE.md). The same bits either way."""
     max_rows: int = 64
     """The most tokens a forward may have for the engine to take this kernel (`linear_lora` itself takes any)."""
     lora: LoraKernelConfig = field(default_factory=lambda: SHRINK_CONFIG)
@@ -156,19 +161,29 @@ def _expand_slots(delta, y, slot, used_slots_ptr, num_used, b_cols, bmask, strid
 
 @triton.jit
 def _expand_chunks(delta, y, slot, used_slots_ptr, num_used, b_cols, bmask, stride_bs, BLOCK_M: tl.constexpr,
-                   BLOCK_N: tl.constexpr, DOT_R: tl.constexpr, CHUNK: tl.constexpr):
+                   BLOCK_N: tl.constexpr, DOT_R: tl.constexpr, CHUNK: tl.constexpr, B_ROWS: tl.constexpr):
     """delta [BLOCK_M, BLOCK_N] += one tensor-core dot per CHUNK slots the step uses (ascending; past the last,
     nothing): the rows' y spread to [BLOCK_M, CHUNK * DOT_R] (a row's entries in its slot's block, exact zeros in
-    the others) times the CHUNK slots' B blocks stacked [CHUNK * DOT_R, BLOCK_N]."""
+    the others) times the CHUNK slots' B blocks stacked [CHUNK * DOT_R, BLOCK_N]. `b_cols` / `bmask`: slot 0's B
+    block [DOT_R, BLOCK_N], or with B_ROWS the stacked tile's [CHUNK * DOT_R, BLOCK_N] (row j: rank entry
+    j % DOT_R), loaded as that tile with row j from slot j // DOT_R."""
     c = tl.arange(0, CHUNK)
+    j = tl.arange(0, CHUNK * DOT_R)
     for i in range(0, num_used, CHUNK):
         s = tl.load(used_slots_ptr + i + c, mask=i + c < num_used, other=-1)  # [CHUNK] the next slots in use
-        bt = tl.load(b_cols[None, :, :] + s.to(tl.int64)[:, None, None] * stride_bs,
-                     mask=bmask[None, :, :] & (s >= 0)[:, None, None], other=0.0)  # [CHUNK, DOT_R, BLOCK_N]
+        if B_ROWS:
+            sj = tl.load(used_slots_ptr + i + j // DOT_R, mask=i + j // DOT_R < num_used, other=-1)  # each row's slot
+            bt = tl.load(b_cols + sj.to(tl.int64)[:, None] * stride_bs, mask=bmask & (sj >= 0)[:, None], other=0.0)
+        else:
+            bt = tl.load(b_cols[None, :, :] + s.to(tl.int64)[:, None, None] * stride_bs,
+                         mask=bmask[None, :, :] & (s >= 0)[:, None, None], other=0.0)  # [CHUNK, DOT_R, BLOCK_N]
         mine = (slot[:, None] == s[None, :]) & (s >= 0)[None, :]  # [BLOCK_M, CHUNK]
         ys = tl.where(mine[:, :, None], y[:, None, :], 0.0)  # [BLOCK_M, CHUNK, DOT_R]
-        delta = tl.dot(tl.reshape(ys, (BLOCK_M, CHUNK * DOT_R)), tl.reshape(bt, (CHUNK * DOT_R, BLOCK_N)), delta,
-                       input_precision="ieee")
+        if B_ROWS:
+            delta = tl.dot(tl.reshape(ys, (BLOCK_M, CHUNK * DOT_R)), bt, delta, input_precision="ieee")
+        else:
+            delta = tl.dot(tl.reshape(ys, (BLOCK_M, CHUNK * DOT_R)), tl.reshape(bt, (CHUNK * DOT_R, BLOCK_N)), delta,
+                           input_precision="ieee")
     return delta
 
 
@@ -179,7 +194,7 @@ def _gemm_lora_block(q, x_ptr, w_ptr, bias_ptr, out_ptr, part_ptr, b_ptr, scalin
                      stride_pt, stride_bs, stride_bn, HAS_BIAS: tl.constexpr, SPLITS: tl.constexpr,
                      EVEN_K: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
                      STAGES: tl.constexpr, BLOCK_R: tl.constexpr, BY_SLOT: tl.constexpr, DOT_R: tl.constexpr,
-                     EXPAND_STAGES: tl.constexpr, EXPAND_CHUNK: tl.constexpr):
+                     EXPAND_STAGES: tl.constexpr, EXPAND_CHUNK: tl.constexpr, EXPAND_B_ROWS: tl.constexpr):
     """GEMM program q = (column block of one slice, row block): out[rows, block] = round(round(x W^T + b) + the
     rows' deltas), after the shrink's programs have all counted into `done`."""
     f = q // m_blocks  # the row blocks of one column block are neighbours: they share its weight rows in L2
@@ -233,8 +248,15 @@ def _gemm_lora_block(q, x_ptr, w_ptr, bias_ptr, out_ptr, part_ptr, b_ptr, scalin
             if EXPAND_CHUNK > 1:
                 chunked = num_used >= EXPAND_CHUNK
             if chunked:
-                delta = _expand_chunks(delta, y, slot, used_slots_ptr, num_used, b_cols, bmask, stride_bs, BLOCK_M,
-                                       BLOCK_N, DOT_R, EXPAND_CHUNK)
+                if EXPAND_B_ROWS:
+                    jr = r0 + tl.arange(0, EXPAND_CHUNK * DOT_R) % DOT_R  # the stacked tile's rank entries
+                    delta = _expand_chunks(delta, y, slot, used_slots_ptr, num_used,
+                                           b_ptr + cols[None, :].to(tl.int64) * stride_bn + jr[:, None],
+                                           (jr < rank)[:, None] & nmask[None, :], stride_bs, BLOCK_M, BLOCK_N, DOT_R,
+                                           EXPAND_CHUNK, True)
+                else:
+                    delta = _expand_chunks(delta, y, slot, used_slots_ptr, num_used, b_cols, bmask, stride_bs,
+                                           BLOCK_M, BLOCK_N, DOT_R, EXPAND_CHUNK, False)
             elif num_used >= EXPAND_STAGES:  # enough slots for the pipeline's prologue to pay
                 delta = _expand_slots(delta, y, slot, used_slots_ptr, num_used, b_cols, bmask, stride_bs,
                                       EXPAND_STAGES)
@@ -264,7 +286,8 @@ def _linear_lora_kernel(x_ptr, w_ptr, bias_ptr, out_ptr, a_ptr, part_ptr, b_ptr,
                         BLOCK_RA: tl.constexpr, SHRINK_K: tl.constexpr, SHRINK_STAGES: tl.constexpr,
                         EVEN_K: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
                         STAGES: tl.constexpr, BLOCK_R: tl.constexpr, BY_SLOT: tl.constexpr, DOT_R: tl.constexpr,
-                        EXPAND_STAGES: tl.constexpr, EXPAND_CHUNK: tl.constexpr, TICKETED: tl.constexpr):
+                        EXPAND_STAGES: tl.constexpr, EXPAND_CHUNK: tl.constexpr, EXPAND_B_ROWS: tl.constexpr,
+                        TICKETED: tl.constexpr):
     """The shrink programs (ids below `shrink_programs`), each counting into `done` at its end, then the GEMM
     programs, which wait for all of them before their epilogue."""
     pid = _program_role(ticket_ptr, shrink_programs + gemm_programs, TICKETED)
@@ -280,7 +303,7 @@ def _linear_lora_kernel(x_ptr, w_ptr, bias_ptr, out_ptr, a_ptr, part_ptr, b_ptr,
                          shrink_programs, gemm_programs, m_blocks, blocks0, blocks1, rank, width0, width1, width2,
                          stride_xt, stride_wn, stride_ot, stride_pp, stride_pt, stride_bs, stride_bn, HAS_BIAS, SPLITS,
                          EVEN_K, BLOCK_M, BLOCK_N, BLOCK_K, STAGES, BLOCK_R, BY_SLOT, DOT_R, EXPAND_STAGES,
-                         EXPAND_CHUNK)
+                         EXPAND_CHUNK, EXPAND_B_ROWS)
 
 
 def _check_weight(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, out: torch.Tensor) -> None:
@@ -338,7 +361,7 @@ def _launch(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, A:
         EVEN_K=in_features % config.block_k == 0, BLOCK_M=BLOCK_M, BLOCK_N=config.block_n, BLOCK_K=config.block_k,
         STAGES=config.stages, BLOCK_R=config.block_r, BY_SLOT=config.expand_by_slot,
         DOT_R=DOT_R, EXPAND_STAGES=config.expand_stages, EXPAND_CHUNK=config.expand_chunk,
-        TICKETED=config.lora.ticketed, num_warps=config.num_warps)
+        EXPAND_B_ROWS=config.expand_b_rows, TICKETED=config.lora.ticketed, num_warps=config.num_warps)
 
 
 __all__ = ["BLOCK_M", "DEFAULT_LINEAR_CONFIG", "LONG_CONFIG", "LinearLoraConfig", "SHRINK_CONFIG", "WIDE_CONFIG",

@@ -156,7 +156,8 @@ def test_the_expand_by_slot_and_the_gathered_expand_both_give_the_reference(rank
 @pytest.mark.parametrize("used", [1, 2, 3, 4])
 def test_the_expand_in_chunks_of_slots_gives_the_bits_of_one_dot_per_slot(used):
     """`expand_chunk`: once the step uses that many slots, one dot per chunk of slots (the last chunk part empty
-    when the chunk does not divide the slots in use); a row's products fall in one K step either way."""
+    when the chunk does not divide the slots in use), its B blocks loaded as one block or row by row
+    (`expand_b_rows`); a row's products fall in one K step either way."""
     g = torch.Generator().manual_seed(20 + used)
     slices = (16, 8)
     W, b, A, B, scaling = _layer(g, 48, slices, 20, ranks=(20, 17, 1, 9))  # 20: two rank steps
@@ -168,8 +169,10 @@ def test_the_expand_in_chunks_of_slots_gives_the_bits_of_one_dot_per_slot(used):
     torch.testing.assert_close(one_per_slot.double(), _per_token(x, W, b, A, B, idx, scaling, slices), rtol=1e-5,
                                atol=1e-5)
     for chunk in (2, 4):
-        got = linear_lora(x, W, b, A, B, idx, scaling, slices=slices, config=replace(SMALL, expand_chunk=chunk))
-        assert torch.equal(got, one_per_slot), chunk
+        for b_rows in (False, True):
+            got = linear_lora(x, W, b, A, B, idx, scaling, slices=slices,
+                              config=replace(SMALL, expand_chunk=chunk, expand_b_rows=b_rows))
+            assert torch.equal(got, one_per_slot), (chunk, b_rows)
 
 
 def test_ticketed_and_block_id_roles_give_the_same_bits_and_leave_the_counters_at_zero():
@@ -241,7 +244,7 @@ def _bf16_layer(g, num_slots, in_features, slices, rank):
 def test_cuda_8b_decode_matches_cublas_then_the_reference(layer, distinct):
     """T = 64 over 64 rank-16 slots, 1 or 16 of them in the batch, against cuBLAS's F.linear then the reference's
     delta, and the expand's loop over slots pipelined or not (`expand_stages`) or in chunks of slots
-    (`expand_chunk`) giving the same bits. Tolerance
+    (`expand_chunk`, their B blocks loaded row by row or not: `expand_b_rows`) giving the same bits. Tolerance
     (bfloat16): the two GEMMs sum `in` in different orders, so the rounded base may differ by an
     ulp of the float32 sum's magnitude, and y's rounding by one ulp in any entry:
     |ours - ref| <= 2**-7 * (|ref| + |x| @ |W|^T * 2**-8 + scaling * |y| @ |B|^T) elementwise."""
@@ -257,7 +260,7 @@ def test_cuda_8b_decode_matches_cublas_then_the_reference(layer, distinct):
     ours = linear_lora(x, W, None, A, B, batch, scaling, slices=slices, config=config)
     assert int(batch.done[0]) == 0
     for changed in ({"expand_stages": 1, "expand_chunk": 1}, {"expand_stages": 2, "expand_chunk": 1},
-                    {"expand_chunk": 1}, {"expand_chunk": 8}):
+                    {"expand_chunk": 1}, {"expand_chunk": 8}, {"expand_b_rows": True}):
         again = linear_lora(x, W, None, A, B, batch, scaling, slices=slices, config=replace(config, **changed))
         assert torch.equal(ours, again), changed
     base = F.linear(x, W)
