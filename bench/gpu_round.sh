@@ -143,7 +143,8 @@ case "${1:-tests}" in
       "tests/test_gpu_lora_engine.py::test_deferred_and_fused_linear_modes_through_graphs_and_eagerly_give_peft_tokens" \
       > "$OUT/lora_linear_tests.log" 2>&1; grep -E "^(FAILED|ERROR) |passed|failed" "$OUT/lora_linear_tests.log" | tail -8
     split=linear_by_shape_split chunk=linear_by_shape_chunk
-    systems="default,linear_by_shape,linear_by_shape_b_rows,${chunk}1,${chunk}8,${split}4096"
+    systems="default,linear_by_shape,linear_by_shape_b_rows,linear_by_shape_shrink_stages3"
+    systems="$systems,linear_by_shape_b_rows_shrink_stages3,${chunk}1,${chunk}8,${split}4096"
     systems=${SYSTEMS:-$systems,${split}2048_groups1,${split}2048_groups2,${split}4096_groups2}
     timeout 300 python3 bench/lora_kernels.py --systems "$systems${LINEAR_BASELINE:+,baseline_linear_by_shape}" \
       ${LINEAR_BASELINE:+--baseline-linear "$LINEAR_BASELINE"} --replays 3 --distinct 0,1,4,16 \
