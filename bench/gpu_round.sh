@@ -31,7 +31,7 @@
 #                                     its CUDA tests (the engine's fused-linear test included), the kernels alone
 #                                     with 0 / 1 / 4 / 16 adapters in the batch against cuBLAS + the default hooks
 #                                     (the tile by layer shape; the expand in chunks of slots, their B blocks
-#                                     loaded row by row or not; other shrink splits and tile groups; SYSTEMS=
+#                                     loaded row by row or not; three shrink stages; splits of 4096; SYSTEMS=
 #                                     names others), and the engine with
 #                                     `lora_fused_linear` against the base (LORAS=64 adapters loaded, DISTINCT=1,4,16 of
 #                                     them in the batch); LINEAR_BASELINE=FILE adds another kernels/lora_linear.py
@@ -139,17 +139,16 @@ case "${1:-tests}" in
     grep -i -B2 -A3 "error\|traceback" "$OUT/lora.log" | tail -20
     ;;
   lora-linear)
-    timeout 120 python3 -m pytest -q -rfE -p no:cacheprovider tests/test_kernels_lora_linear.py -k "cuda or fused_linear_modes" \
+    timeout 130 python3 -m pytest -q -rfE -p no:cacheprovider tests/test_kernels_lora_linear.py -k "cuda or fused_linear_modes" \
       "tests/test_gpu_lora_engine.py::test_deferred_and_fused_linear_modes_through_graphs_and_eagerly_give_peft_tokens" \
       > "$OUT/lora_linear_tests.log" 2>&1; grep -E "^(FAILED|ERROR) |passed|failed" "$OUT/lora_linear_tests.log" | tail -8
-    split=linear_by_shape_split chunk=linear_by_shape_chunk
+    split=linear_by_shape_split chunk=linear_by_shape_chunk  # the other splits and tile groups: SYSTEMS=
     systems="default,linear_by_shape,linear_by_shape_b_rows,linear_by_shape_shrink_stages3"
-    systems="$systems,linear_by_shape_b_rows_shrink_stages3,${chunk}1,${chunk}8,${split}4096"
-    systems=${SYSTEMS:-$systems,${split}2048_groups1,${split}2048_groups2,${split}4096_groups2}
-    timeout 300 python3 bench/lora_kernels.py --systems "$systems${LINEAR_BASELINE:+,baseline_linear_by_shape}" \
+    systems=${SYSTEMS:-$systems,linear_by_shape_b_rows_shrink_stages3,${chunk}1,${split}4096}
+    timeout 220 python3 bench/lora_kernels.py --systems "$systems${LINEAR_BASELINE:+,baseline_linear_by_shape}" \
       ${LINEAR_BASELINE:+--baseline-linear "$LINEAR_BASELINE"} --replays 3 --distinct 0,1,4,16 \
       > "$OUT/lora_linear.jsonl" 2>> "$OUT/lora.log"
-    timeout 230 python3 bench/lora.py --device cuda --fused-linear only --loras ${LORAS:-64} --distinct ${DISTINCT:-1,4,16} \
+    timeout 240 python3 bench/lora.py --device cuda --fused-linear only --loras ${LORAS:-64} --distinct ${DISTINCT:-1,4,16} \
       > "$OUT/lora_linear_engine.jsonl" 2>> "$OUT/lora.log"
     grep -h -E '"lora_kernels"|"decode"' "$OUT/lora_linear.jsonl" "$OUT/lora_linear_engine.jsonl" | cut -c 1-300
     grep -i -B2 -A3 "error\|traceback" "$OUT/lora.log" | tail -20
