@@ -113,8 +113,8 @@ def linear_configs(sweep: bool) -> dict:
     "linear_by_shape_block_ids": the same with each program's role its block id, `LoraKernelConfig.ticketed=False`;
     "linear_by_shape_expandN": the same with N software-pipeline stages over the expand's slots, 1: none;
     "linear_by_shape_chunkN": the same with one expand dot per N slots once the step uses N;
-    "linear_by_shape_b_rows": the same with each chunk's B blocks loaded as one tile row by row (`expand_b_rows`),
-    "linear_by_shape_b_rows_shrink_stages3" that and 3 stages in the shrink's loop;
+    "linear_by_shape_b_rows": the same with each chunk's B blocks loaded as one tile row by row (`expand_b_rows`);
+    "linear_by_shape_b_rows_shrink_stages3": that and 3 stages in the shrink's loop;
     "linear_by_shape_groupsN": the same with N shrink tile groups per 64 tokens (fewer, longer shrink
     programs leave SMs to the GEMM's sooner); "linear_by_shape_splitN": the same with shrink splits of N in-features
     (fewer partials for each GEMM program's epilogue to sum, the shrink's sums in another order);
