@@ -181,7 +181,7 @@ def _expand_chunks(delta, y, slot, used_slots_ptr, num_used, b_cols, bmask, stri
         ys = tl.where(mine[:, :, None], y[:, None, :], 0.0)  # [BLOCK_M, CHUNK, DOT_R]
         if B_ROWS:
             delta = tl.dot(tl.reshape(ys, (BLOCK_M, CHUNK * DOT_R)), bt, delta, input_precision="ieee")
-        else:
+        else:  # B reshaped here, after y's spread: the order of the measured kernel, which compiles as before
             delta = tl.dot(tl.reshape(ys, (BLOCK_M, CHUNK * DOT_R)), tl.reshape(bt, (CHUNK * DOT_R, BLOCK_N)), delta,
                            input_precision="ieee")
     return delta
