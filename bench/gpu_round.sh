@@ -34,7 +34,8 @@
 #                                     loaded row by row or not; three shrink stages; splits of 4096; SYSTEMS=
 #                                     names others), and the engine with
 #                                     `lora_fused_linear` against the base (LORAS=64 adapters loaded, DISTINCT=1,4,16 of
-#                                     them in the batch); LINEAR_BASELINE=FILE adds another kernels/lora_linear.py
+#                                     them in the batch; ENGINE_SYSTEM= names a bench/lora_kernels.py system for its
+#                                     configs); LINEAR_BASELINE=FILE adds another kernels/lora_linear.py
 #                                     (`git show REV:kernels/lora_linear.py > bench/lora_linear_baseline.py` here
 #                                     first)
 #   bash bench/gpu_round.sh lora-linear-parts  where the fused linear's time goes at DISTINCT=1,16 adapters: copies of
@@ -149,7 +150,7 @@ case "${1:-tests}" in
       ${LINEAR_BASELINE:+--baseline-linear "$LINEAR_BASELINE"} --replays 3 --distinct 0,1,4,16 \
       > "$OUT/lora_linear.jsonl" 2>> "$OUT/lora.log"
     timeout 240 python3 bench/lora.py --device cuda --fused-linear only --loras ${LORAS:-64} --distinct ${DISTINCT:-1,4,16} \
-      > "$OUT/lora_linear_engine.jsonl" 2>> "$OUT/lora.log"
+      ${ENGINE_SYSTEM:+--linear-system "$ENGINE_SYSTEM"} > "$OUT/lora_linear_engine.jsonl" 2>> "$OUT/lora.log"
     grep -h -E '"lora_kernels"|"decode"' "$OUT/lora_linear.jsonl" "$OUT/lora_linear_engine.jsonl" | cut -c 1-300
     grep -i -B2 -A3 "error\|traceback" "$OUT/lora.log" | tail -20
     ;;

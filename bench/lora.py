@@ -8,6 +8,7 @@ milliseconds against a dense push of the base model. Prints one JSON line per me
     python bench/lora.py --device cuda --merged  # and one adapter folded into the base (`lora_merged`)
     python bench/lora.py --device cuda --deferred  # and the deltas left to the next kernels (`lora_deferred`)
     python bench/lora.py --device cuda --fused-linear  # and each decode linear + LoRA in one launch
+    python bench/lora.py --device cuda --fused-linear only --linear-system linear_by_shape_b_rows  # other tiles
     python bench/lora.py --quick                # CPU, a tiny Llama: a smoke test of the script
 
 The base weights are random (`EngineConfig(load_format="dummy")`; the model directory holds only config.json). One
@@ -22,7 +23,9 @@ measures a LoRA engine of each kind in the same run, against the same base; `--d
 added by the residual add, the SiLU-and-mul, or after qkv_proj's matmul); `--fused-linear` one more, with
 `EngineConfig.lora_fused_linear` (`lora_fused_linear: true`: each adapted linear of a decode step and its LoRA as one
 Triton launch, kernels/lora_linear.py; the engine's default for slot mode on CUDA, which every other LoRA engine
-here turns off to measure the hooks after cuBLAS's matmul).
+here turns off to measure the hooks after cuBLAS's matmul). `--linear-system NAME`: that engine's fused linears
+take the configs of `bench/lora_kernels.py`'s system NAME instead of `linear_config_for`'s (its lines say
+`linear_system`).
 
 `--merged`: after the slot engines, an engine with `EngineConfig(max_loras=1, lora_merged=True)` serves a batch
 whose every request takes its one adapter (`system: merged`, its overhead against the same base), and takes the
@@ -190,6 +193,19 @@ def bench_base_push(engine, args, common: dict) -> None:
          apply_ms=round(1e3 * (time.perf_counter() - t), 2), **common)
 
 
+def use_linear_system(name: str) -> None:
+    """Makes the engine's fused linears take the configs of `bench/lora_kernels.py`'s system `name` (one of its
+    `linear_configs`): the runtime looks `linear_config_for` up in `kernels.lora_linear` at each call."""
+    import kernels.lora_linear as module
+    from bench.lora_kernels import linear_configs
+
+    configs = linear_configs(sweep=False)
+    if name not in configs:
+        raise SystemExit(f"--linear-system must be one of {', '.join(sorted(configs))}; got {name!r}")
+    config = configs[name]
+    module.linear_config_for = config if callable(config) else lambda in_features, out_features: config
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
@@ -209,12 +225,18 @@ def main() -> None:
                     help="also (or only) a LoRA engine with EngineConfig.lora_deferred")
     ap.add_argument("--fused-linear", nargs="?", const="also", choices=("also", "only"), default=None,
                     help="also (or only) a LoRA engine with EngineConfig.lora_fused_linear")
+    ap.add_argument("--linear-system", default=None, help="the fused-linear engine's configs: a system of "
+                    "bench/lora_kernels.py's (e.g. linear_by_shape_b_rows; default: the engine's own)")
     ap.add_argument("--lora-overlap", choices=("on", "off", "both"), default="off",
                     help="EngineConfig.lora_overlap of the LoRA engine (both: one engine of each, one after the other)")
     ap.add_argument("--carveout", type=int, default=0, help="SMs the LoRA engines' cuBLASLt GEMMs leave to the side "
                     "stream (torch._C._set_sm_carveout_experimental; the base engine runs without)")
     args = ap.parse_args()
     cuda = args.device.startswith("cuda")
+    if args.linear_system:
+        if not args.fused_linear:
+            raise SystemExit("--linear-system needs --fused-linear (it picks that engine's configs)")
+        use_linear_system(args.linear_system)
     if args.profile and not cuda:
         raise SystemExit("--profile needs --device cuda (it replays a captured decode graph)")
     args.dtype = args.dtype or ("bfloat16" if cuda and not args.quick else "float32")
@@ -267,6 +289,7 @@ def main() -> None:
                 tps = timed_decode(engine, args, names[:k] if k else [None])
                 emit(kind="decode", system="lora", lora_overlap=overlap, lora_deferred=deferred,
                      lora_fused_linear=fused, carveout=args.carveout,
+                     **({"linear_system": args.linear_system or "linear_by_shape"} if fused else {}),
                      loras_loaded=num_loras,
                      distinct=k,
                      tokens_per_s=round(tps, 1), overhead=round(base_tps / tps - 1, 4), **common)

@@ -1,12 +1,14 @@
 """bench/lora.py --quick on the CPU: the script runs end to end and reports every case it promises (base, slot
 engine per distinct-adapter count with the default hooks, with `lora_deferred` and with `lora_fused_linear`, merged
 engine, adapter pushes dense then patch, the base push); and the stream accounting its `--profile` rows carry (`stream_use`), on a
-hand-made trace."""
+hand-made trace; `--linear-system` handing the engine a bench system's fused-linear configs."""
 
 import json
 import os
 import subprocess
 import sys
+
+import pytest
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
@@ -60,3 +62,22 @@ def test_stream_use_counts_busy_time_and_time_beside_another_stream_per_replay()
                               9: {"launches": 2, "busy_us": 15.0, "beside_others_us": 10.0}}
     assert use["top_kernels"] == {"k7": {"launches": 2, "us": 20.0, "us_each": 10.0},
                                   "k9": {"launches": 2, "us": 15.0, "us_each": 7.5}}
+
+
+def test_linear_system_gives_the_engine_a_bench_systems_configs_and_refuses_an_unknown_name(monkeypatch):
+    sys.path.insert(0, ROOT)
+    import kernels.lora_linear as module
+    from bench.lora import use_linear_system
+
+    monkeypatch.setattr(module, "linear_config_for", module.linear_config_for)  # restored after the test
+    engine_own = module.linear_config_for(4096, 6144)
+    assert not engine_own.expand_b_rows and engine_own.lora.shrink_stages != 3
+    use_linear_system("linear_by_shape_b_rows_shrink_stages3")
+    chosen = module.linear_config_for(4096, 6144)
+    assert chosen.expand_b_rows and chosen.lora.shrink_stages == 3
+    assert chosen.block_n == engine_own.block_n  # the tile of the layer's shape is kept
+    assert module.linear_config_for(4096, 28672).block_n == module.WIDE_CONFIG.block_n
+    use_linear_system("linear_bn64")  # a fixed config: every shape
+    assert module.linear_config_for(14336, 4096).block_n == 64
+    with pytest.raises(SystemExit, match="--linear-system must be one of"):
+        use_linear_system("no_such_system")
