@@ -35,7 +35,8 @@
 #                                     names others), and the engine with
 #                                     `lora_fused_linear` against the base (LORAS=64 adapters loaded, DISTINCT=1,4,16 of
 #                                     them in the batch; ENGINE_SYSTEM= names a bench/lora_kernels.py system for its
-#                                     configs); LINEAR_BASELINE=FILE adds another kernels/lora_linear.py
+#                                     configs, `best` the linear_by_shape* one fastest at the most adapters);
+#                                     LINEAR_BASELINE=FILE adds another kernels/lora_linear.py
 #                                     (`git show REV:kernels/lora_linear.py > bench/lora_linear_baseline.py` here
 #                                     first)
 #   bash bench/gpu_round.sh lora-linear-parts  where the fused linear's time goes at DISTINCT=1,16 adapters: copies of
@@ -149,6 +150,15 @@ case "${1:-tests}" in
     timeout 220 python3 bench/lora_kernels.py --systems "$systems${LINEAR_BASELINE:+,baseline_linear_by_shape}" \
       ${LINEAR_BASELINE:+--baseline-linear "$LINEAR_BASELINE"} --replays 3 --distinct 0,1,4,16 \
       > "$OUT/lora_linear.jsonl" 2>> "$OUT/lora.log"
+    if [ "${ENGINE_SYSTEM:-}" = best ]; then  # the engine's tiles, or the system of theirs fastest at the most adapters
+      ENGINE_SYSTEM=$(python3 -c 'import json, sys
+rows = [json.loads(l) for l in open(sys.argv[1]) if l.startswith("{")]
+rows = [r for r in rows if r.get("system", "").startswith("linear_by_shape") and "lora_us_per_hook" in r]
+most = max(r["distinct"] for r in rows)
+print(min((r for r in rows if r["distinct"] == most), key=lambda r: r["lora_us_per_hook"])["system"])' \
+        "$OUT/lora_linear.jsonl" 2>/dev/null || echo linear_by_shape)
+      echo "lora-linear: the engine with $ENGINE_SYSTEM"
+    fi
     timeout 240 python3 bench/lora.py --device cuda --fused-linear only --loras ${LORAS:-64} --distinct ${DISTINCT:-1,4,16} \
       ${ENGINE_SYSTEM:+--linear-system "$ENGINE_SYSTEM"} > "$OUT/lora_linear_engine.jsonl" 2>> "$OUT/lora.log"
     grep -h -E '"lora_kernels"|"decode"' "$OUT/lora_linear.jsonl" "$OUT/lora_linear_engine.jsonl" | cut -c 1-300
