@@ -8,10 +8,11 @@ every launch of the kernel becomes a compile, so it works on a CPU machine with 
 bundled ptxas reports the registers and spills). Its figures say whether a change moved register pressure or
 spills, not how fast anything is; time kernels with `bench/lora_kernels.py` on a GPU.
 
-    python bench/kernel_resources.py [--arch 90] [--baseline-linear FILE]
+    python bench/kernel_resources.py [--arch 90] [--baseline-linear FILE] [--systems NAME,...]
 
 prints one JSON line per (system, projection); `--baseline-linear` adds another kernels/lora_linear.py (e.g.
-`git show REV:kernels/lora_linear.py > bench/lora_linear_baseline.py`) as system "baseline".
+`git show REV:kernels/lora_linear.py > bench/lora_linear_baseline.py`) as system "baseline"; `--systems` adds the
+configs of `bench/lora_kernels.py`'s systems of that name (e.g. linear_by_shape_b_rows) on the current file.
 """
 
 from __future__ import annotations
@@ -31,7 +32,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 import torch  # noqa: E402
 
-from bench.lora_kernels import LAYERS, load_baseline  # noqa: E402
+from bench.lora_kernels import LAYERS, linear_configs, load_baseline  # noqa: E402
 
 
 class _CompileOnlyDriver:
@@ -89,6 +90,7 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--arch", type=int, default=90, help="compute capability to compile for (90: H100 / H200)")
     ap.add_argument("--baseline-linear", default=None, help="another kernels/lora_linear.py, as system baseline")
+    ap.add_argument("--systems", default="", help="bench/lora_kernels.py systems whose configs to compile too")
     ap.add_argument("--tokens", type=int, default=64)
     ap.add_argument("--slots", type=int, default=64)
     ap.add_argument("--rank", type=int, default=16)
@@ -111,12 +113,19 @@ def main() -> None:
     driver.set_active(_CompileOnlyDriver(args.arch))
     import kernels.lora_linear as current
 
-    systems = {"current": current}
+    systems = {"current": (current, current.linear_config_for)}
     if args.baseline_linear:
-        systems["baseline"] = load_baseline(args.baseline_linear, "lora_linear_baseline")
+        baseline = load_baseline(args.baseline_linear, "lora_linear_baseline")
+        systems["baseline"] = (baseline, baseline.linear_config_for)
+    configs = linear_configs(sweep=False)
+    for name in filter(None, args.systems.split(",")):
+        if name not in configs:
+            raise SystemExit(f"--systems: {name!r} is not one of {', '.join(sorted(configs))}")
+        config = configs[name]
+        systems[name] = (current, config if callable(config) else lambda in_features, out_features, c=config: c)
     T, S, R = args.tokens, args.slots, args.rank
     idx = (torch.arange(T) % args.distinct).to(torch.int32)
-    for system, module in systems.items():
+    for system, (module, config_for) in systems.items():
         for layer, (in_features, slices) in LAYERS.items():
             n = sum(slices)
             # uninitialised tensors: nothing runs, only their dtypes, shapes and alignment reach the compiler
@@ -126,7 +135,7 @@ def main() -> None:
             B = torch.empty(S, n, R, dtype=torch.bfloat16)
             compiled.clear()
             module.linear_lora(x, weight, None, A, B, idx, torch.ones(S), slices=slices,
-                               config=module.linear_config_for(in_features, n))
+                               config=config_for(in_features, n))
             name, kernel = compiled[-1]
             print(json.dumps({"kind": "kernel_resources", "system": system, "layer": f"{layer}_proj", "kernel": name,
                               "arch": _sm(args.arch), "triton": triton.__version__, **_resources(kernel, args.arch),

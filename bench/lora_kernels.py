@@ -114,6 +114,7 @@ def linear_configs(sweep: bool) -> dict:
     "linear_by_shape_expandN": the same with N software-pipeline stages over the expand's slots, 1: none;
     "linear_by_shape_chunkN": the same with one expand dot per N slots once the step uses N;
     "linear_by_shape_b_rows": the same with each chunk's B blocks loaded as one tile row by row (`expand_b_rows`);
+    "linear_by_shape_b_rows_chunkN": that in chunks of N slots;
     "linear_by_shape_b_rows_shrink_stages3": that and 3 stages in the shrink's loop;
     "linear_by_shape_groupsN": the same with N shrink tile groups per 64 tokens (fewer, longer shrink
     programs leave SMs to the GEMM's sooner); "linear_by_shape_splitN": the same with shrink splits of N in-features
@@ -140,6 +141,7 @@ def linear_configs(sweep: bool) -> dict:
              **{f"linear_by_shape_expand{n}": by_shape(expand_stages=n) for n in (1, 2, 4)},
              **{f"linear_by_shape_chunk{n}": by_shape(expand_chunk=n) for n in (1, 2, 4, 8, 16)},
              "linear_by_shape_b_rows": by_shape(expand_b_rows=True),
+             **{f"linear_by_shape_b_rows_chunk{n}": by_shape(expand_b_rows=True, expand_chunk=n) for n in (2, 8)},
              "linear_by_shape_b_rows_shrink_stages3": by_shape({"shrink_stages": 3}, expand_b_rows=True),
              **{f"linear_by_shape_groups{g}": by_shape({"groups_per_tile_row": g}) for g in (1, 2)},
              "linear_by_shape_stages4": by_shape(stages=4),

@@ -1,6 +1,6 @@
 """bench/kernel_resources.py on the CPU: it compiles the fused linear + LoRA kernel for sm_90a at the 8B decode
 shapes without running it and reads registers, spills, shared memory and programs an SM holds; the same source
-given as the baseline reports the same figures. Skipped where Triton has no NVIDIA backend."""
+given as the baseline, and the engine's configs named as a bench system, report the same figures. Skipped where Triton has no NVIDIA backend."""
 
 from __future__ import annotations
 
@@ -23,11 +23,11 @@ def test_resources_of_each_projection_and_of_the_same_source_as_baseline():
         pytest.skip(f"triton {triton.__version__} has no NVIDIA backend here")
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
     done = subprocess.run([sys.executable, str(ROOT / "bench" / "kernel_resources.py"), "--baseline-linear",
-                           str(ROOT / "kernels" / "lora_linear.py"), "--distinct", "4"],
+                           str(ROOT / "kernels" / "lora_linear.py"), "--distinct", "4", "--systems", "linear_by_shape"],
                           capture_output=True, text=True, env=env, timeout=600)
     assert done.returncode == 0, done.stderr[-3000:]
     records = [json.loads(line) for line in done.stdout.splitlines()]
-    by_system = {s: {r["layer"]: r for r in records if r["system"] == s} for s in ("current", "baseline")}
+    by_system = {s: {r["layer"]: r for r in records if r["system"] == s} for s in ("current", "baseline", "linear_by_shape")}
     assert sorted(by_system["current"]) == ["down_proj", "gate_up_proj", "o_proj", "qkv_proj"]
     for layer, r in by_system["current"].items():
         assert r["arch"] == "sm_90a" and r["kernel"] == "_linear_lora_kernel"
@@ -35,7 +35,8 @@ def test_resources_of_each_projection_and_of_the_same_source_as_baseline():
         assert 0 < r["shared_bytes"] <= 227 * 1024, r  # within an H100 / H200 SM's shared memory per program
         assert 1 <= r["programs_per_sm"] <= 32 and r["num_warps"] >= 1, r
         keys = ("registers", "spill_store_bytes", "spill_load_bytes", "shared_bytes")
-        assert {k: r[k] for k in keys} == {k: by_system["baseline"][layer][k] for k in keys}, layer
+        for same in ("baseline", "linear_by_shape"):
+            assert {k: r[k] for k in keys} == {k: by_system[same][layer][k] for k in keys}, (same, layer)
 
 
 def test_it_refuses_to_run_under_the_interpreter():
