@@ -12,7 +12,7 @@ spills, not how fast anything is; time kernels with `bench/lora_kernels.py` on a
 
 prints one JSON line per (system, projection); `--baseline-linear` adds another kernels/lora_linear.py (e.g.
 `git show REV:kernels/lora_linear.py > bench/lora_linear_baseline.py`) as system "baseline"; `--systems` adds the
-configs of `bench/lora_kernels.py`'s systems of that name (e.g. linear_by_shape_b_rows) on the current file.
+configs of `bench/lora_kernels.py`'s systems of that name (e.g. linear_by_shape_b_reshaped) on the current file.
 """
 
 from __future__ import annotations

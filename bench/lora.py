@@ -8,7 +8,7 @@ milliseconds against a dense push of the base model. Prints one JSON line per me
     python bench/lora.py --device cuda --merged  # and one adapter folded into the base (`lora_merged`)
     python bench/lora.py --device cuda --deferred  # and the deltas left to the next kernels (`lora_deferred`)
     python bench/lora.py --device cuda --fused-linear  # and each decode linear + LoRA in one launch
-    python bench/lora.py --device cuda --fused-linear only --linear-system linear_by_shape_b_rows  # other tiles
+    python bench/lora.py --device cuda --fused-linear only --linear-system linear_by_shape_b_reshaped  # other tiles
     python bench/lora.py --quick                # CPU, a tiny Llama: a smoke test of the script
 
 The base weights are random (`EngineConfig(load_format="dummy")`; the model directory holds only config.json). One
@@ -226,7 +226,7 @@ def main() -> None:
     ap.add_argument("--fused-linear", nargs="?", const="also", choices=("also", "only"), default=None,
                     help="also (or only) a LoRA engine with EngineConfig.lora_fused_linear")
     ap.add_argument("--linear-system", default=None, help="the fused-linear engine's configs: a system of "
-                    "bench/lora_kernels.py's (e.g. linear_by_shape_b_rows; default: the engine's own)")
+                    "bench/lora_kernels.py's (e.g. linear_by_shape_b_reshaped; default: the engine's own)")
     ap.add_argument("--lora-overlap", choices=("on", "off", "both"), default="off",
                     help="EngineConfig.lora_overlap of the LoRA engine (both: one engine of each, one after the other)")
     ap.add_argument("--carveout", type=int, default=0, help="SMs the LoRA engines' cuBLASLt GEMMs leave to the side "

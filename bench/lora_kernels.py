@@ -113,9 +113,9 @@ def linear_configs(sweep: bool) -> dict:
     "linear_by_shape_block_ids": the same with each program's role its block id, `LoraKernelConfig.ticketed=False`;
     "linear_by_shape_expandN": the same with N software-pipeline stages over the expand's slots, 1: none;
     "linear_by_shape_chunkN": the same with one expand dot per N slots once the step uses N;
-    "linear_by_shape_b_rows": the same with each chunk's B blocks loaded as one tile row by row (`expand_b_rows`);
-    "linear_by_shape_b_rows_chunkN": that in chunks of N slots;
-    "linear_by_shape_b_rows_shrink_stages3": that and 3 stages in the shrink's loop;
+    "linear_by_shape_b_reshaped": the same with each chunk's B blocks loaded as a [chunk, 16, block_n] block and
+    reshaped (`expand_b_rows=False`); "linear_by_shape_b_reshaped_shrink_stages2": that and 2 stages in the shrink's
+    loop (the defaults before 2026-12-07's evening);
     "linear_by_shape_groupsN": the same with N shrink tile groups per 64 tokens (fewer, longer shrink
     programs leave SMs to the GEMM's sooner); "linear_by_shape_splitN": the same with shrink splits of N in-features
     (fewer partials for each GEMM program's epilogue to sum, the shrink's sums in another order);
@@ -140,12 +140,11 @@ def linear_configs(sweep: bool) -> dict:
              "linear_by_shape_block_ids": by_shape({"ticketed": False}),
              **{f"linear_by_shape_expand{n}": by_shape(expand_stages=n) for n in (1, 2, 4)},
              **{f"linear_by_shape_chunk{n}": by_shape(expand_chunk=n) for n in (1, 2, 4, 8, 16)},
-             "linear_by_shape_b_rows": by_shape(expand_b_rows=True),
-             **{f"linear_by_shape_b_rows_chunk{n}": by_shape(expand_b_rows=True, expand_chunk=n) for n in (2, 8)},
-             "linear_by_shape_b_rows_shrink_stages3": by_shape({"shrink_stages": 3}, expand_b_rows=True),
+             "linear_by_shape_b_reshaped": by_shape(expand_b_rows=False),
+             "linear_by_shape_b_reshaped_shrink_stages2": by_shape({"shrink_stages": 2}, expand_b_rows=False),
              **{f"linear_by_shape_groups{g}": by_shape({"groups_per_tile_row": g}) for g in (1, 2)},
              "linear_by_shape_stages4": by_shape(stages=4),
-             **{f"linear_by_shape_shrink_stages{n}": by_shape({"shrink_stages": n}) for n in (1, 3, 4)},
+             **{f"linear_by_shape_shrink_stages{n}": by_shape({"shrink_stages": n}) for n in (1, 2, 4)},
              **{f"linear_by_shape_shrink_k{k}": by_shape({"block_k": k}) for k in (128, 512)},
              **{f"linear_by_shape_split{n}": by_shape({"split_k_chunk": n}) for n in (512, 1024, 2048, 4096)},
              **{f"linear_by_shape_split{n}_groups{g}": by_shape({"split_k_chunk": n, "groups_per_tile_row": g})

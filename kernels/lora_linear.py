@@ -51,12 +51,16 @@ BLOCK_M = 64  # token rows per GEMM program (the smallest M of Hopper's wgmma)
 DOT_R = 16  # rank entries per step of the expand by slot (the K of a 16-bit tensor-core dot)
 
 
-SHRINK_CONFIG = LoraKernelConfig(split_k_chunk=2048)
+SHRINK_CONFIG = LoraKernelConfig(split_k_chunk=2048, shrink_stages=3)
 """The fused linear's shrink: splits of 2048 in-features (2 for a 4096-wide input, 7 for down_proj's 14336), fewer
 partials for each GEMM program's epilogue to wait on and sum than `add_lora`'s 512 (one H100, Llama-3.1-8B shapes,
 batch 64, µs a hook at 0 / 1 / 4 / 16 distinct adapters, splits of 2048 / 512: 1.98 / 2.80, 4.85 / 5.32, 6.43 /
 6.85, 11.77 / 14.2, `bench/gpu_round.sh lora-linear`, 2026-12-07). Its sums are then not `add_lora`'s: the fused
-linear is not batch-invariant anyway (its GEMM is not cuBLAS's)."""
+linear is not batch-invariant anyway (its GEMM is not cuBLAS's). Three stages in its loop: at two, Triton's loop
+waits for every copy in flight at each K step; at three it keeps two in flight (qkv_proj then takes 184 registers,
+no spill; µs a hook at 1 / 4 / 16 adapters, one H100, same bench and batch, with the B tiles of
+`LinearLoraConfig.expand_b_rows`: two stages 4.60 / 5.67 / 9.89, three 4.02 / 5.05 / 9.28, 2026-12-07). The stages
+move no bit."""
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)
@@ -95,11 +99,16 @@ class LinearLoraConfig:
     default,linear_by_shape,linear_by_shape_chunk4,linear_by_shape_chunk16 --replays 2 --distinct 0,1,16`,
     2026-12-07, one dot per slot then the default): one per slot 1.88 / 4.82 / 11.69, chunks of 4 1.99 / 4.93 /
     10.64, of 16 4.77 / 7.94 / 13.35 (the larger chunk's registers cost even where its loop is not taken)."""
-    expand_b_rows: bool = False
+    expand_b_rows: bool = True
     """The chunks' B blocks (`expand_chunk` > 1) as one [expand_chunk * DOT_R, block_n] tile, each row's address
-    from its slot (the plan's list read row by row), which feeds the tensor-core dot as it is loaded. False: a
-    [expand_chunk, DOT_R, block_n] block reshaped to that tile, which Triton takes from shared memory to registers
-    and back (docs/LORA_DECODE.md). The same bits either way."""
+    from its slot (the plan's list read row by row), which feeds the tensor-core dot as it is loaded, the next
+    chunk's copy in flight meanwhile. False: a [expand_chunk, DOT_R, block_n] block reshaped to that tile, which
+    Triton takes from shared memory to registers and back, waiting for every copy at each chunk
+    (docs/LORA_DECODE.md). The same bits either way. One H100, 8B shapes, batch 64, µs a hook at 0 / 1 / 4 / 16
+    distinct adapters with two shrink stages (`python bench/lora_kernels.py --systems
+    linear_by_shape_b_reshaped_shrink_stages2,linear_by_shape_shrink_stages2 --replays 3 --distinct 0,1,4,16`,
+    2026-12-07, reshaped then row by row): 1.79 / 4.54 / 5.70 / 10.16 and 1.67 / 4.60 / 5.67 / 9.89; with three,
+    the default, 1.72 / 4.04 / 5.16 / 9.82 and 1.73 / 4.02 / 5.05 / 9.28."""
     max_rows: int = 64
     """The most tokens a forward may have for the engine to take this kernel (`linear_lora` itself takes any)."""
     lora: LoraKernelConfig = field(default_factory=lambda: SHRINK_CONFIG)
@@ -161,7 +170,8 @@ def _expand_slots(delta, y, slot, used_slots_ptr, num_used, b_cols, bmask, strid
 
 @triton.jit
 def _expand_chunks(delta, y, slot, used_slots_ptr, num_used, b_cols, bmask, stride_bs, BLOCK_M: tl.constexpr,
-                   BLOCK_N: tl.constexpr, DOT_R: tl.constexpr, CHUNK: tl.constexpr, B_ROWS: tl.constexpr):
+                   BLOCK_N: tl.constexpr, DOT_R: tl.constexpr, CHUNK: tl.constexpr, B_ROWS: tl.constexpr,
+                   STAGES: tl.constexpr):
     """delta [BLOCK_M, BLOCK_N] += one tensor-core dot per CHUNK slots the step uses (ascending; past the last,
     nothing): the rows' y spread to [BLOCK_M, CHUNK * DOT_R] (a row's entries in its slot's block, exact zeros in
     the others) times the CHUNK slots' B blocks stacked [CHUNK * DOT_R, BLOCK_N]. `b_cols` / `bmask`: slot 0's B
@@ -169,7 +179,7 @@ def _expand_chunks(delta, y, slot, used_slots_ptr, num_used, b_cols, bmask, stri
     j % DOT_R), loaded as that tile with row j from slot j // DOT_R."""
     c = tl.arange(0, CHUNK)
     j = tl.arange(0, CHUNK * DOT_R)
-    for i in range(0, num_used, CHUNK):
+    for i in tl.range(0, num_used, CHUNK, num_stages=STAGES):
         s = tl.load(used_slots_ptr + i + c, mask=i + c < num_used, other=-1)  # [CHUNK] the next slots in use
         if B_ROWS:
             sj = tl.load(used_slots_ptr + i + j // DOT_R, mask=i + j // DOT_R < num_used, other=-1)  # each row's slot
@@ -253,10 +263,10 @@ def _gemm_lora_block(q, x_ptr, w_ptr, bias_ptr, out_ptr, part_ptr, b_ptr, scalin
                     delta = _expand_chunks(delta, y, slot, used_slots_ptr, num_used,
                                            b_ptr + cols[None, :].to(tl.int64) * stride_bn + jr[:, None],
                                            (jr < rank)[:, None] & nmask[None, :], stride_bs, BLOCK_M, BLOCK_N, DOT_R,
-                                           EXPAND_CHUNK, True)
+                                           EXPAND_CHUNK, True, EXPAND_STAGES)
                 else:
                     delta = _expand_chunks(delta, y, slot, used_slots_ptr, num_used, b_cols, bmask, stride_bs,
-                                           BLOCK_M, BLOCK_N, DOT_R, EXPAND_CHUNK, False)
+                                           BLOCK_M, BLOCK_N, DOT_R, EXPAND_CHUNK, False, EXPAND_STAGES)
             elif num_used >= EXPAND_STAGES:  # enough slots for the pipeline's prologue to pay
                 delta = _expand_slots(delta, y, slot, used_slots_ptr, num_used, b_cols, bmask, stride_bs,
                                       EXPAND_STAGES)

@@ -71,10 +71,10 @@ def test_linear_system_gives_the_engine_a_bench_systems_configs_and_refuses_an_u
 
     monkeypatch.setattr(module, "linear_config_for", module.linear_config_for)  # restored after the test
     engine_own = module.linear_config_for(4096, 6144)
-    assert not engine_own.expand_b_rows and engine_own.lora.shrink_stages != 3
-    use_linear_system("linear_by_shape_b_rows_shrink_stages3")
+    assert engine_own.expand_b_rows and engine_own.lora.shrink_stages != 2
+    use_linear_system("linear_by_shape_b_reshaped_shrink_stages2")
     chosen = module.linear_config_for(4096, 6144)
-    assert chosen.expand_b_rows and chosen.lora.shrink_stages == 3
+    assert not chosen.expand_b_rows and chosen.lora.shrink_stages == 2
     assert chosen.block_n == engine_own.block_n  # the tile of the layer's shape is kept
     assert module.linear_config_for(4096, 28672).block_n == module.WIDE_CONFIG.block_n
     use_linear_system("linear_bn64")  # a fixed config: every shape

@@ -244,7 +244,8 @@ def _bf16_layer(g, num_slots, in_features, slices, rank):
 def test_cuda_8b_decode_matches_cublas_then_the_reference(layer, distinct):
     """T = 64 over 64 rank-16 slots, 1 or 16 of them in the batch, against cuBLAS's F.linear then the reference's
     delta, and the expand's loop over slots pipelined or not (`expand_stages`) or in chunks of slots
-    (`expand_chunk`, their B blocks loaded row by row or not: `expand_b_rows`) giving the same bits. Tolerance
+    (`expand_chunk`, their B blocks loaded row by row or not: `expand_b_rows`), and the shrink's loop in 2 stages
+    or 3, giving the same bits. Tolerance
     (bfloat16): the two GEMMs sum `in` in different orders, so the rounded base may differ by an
     ulp of the float32 sum's magnitude, and y's rounding by one ulp in any entry:
     |ours - ref| <= 2**-7 * (|ref| + |x| @ |W|^T * 2**-8 + scaling * |y| @ |B|^T) elementwise."""
@@ -260,7 +261,8 @@ def test_cuda_8b_decode_matches_cublas_then_the_reference(layer, distinct):
     ours = linear_lora(x, W, None, A, B, batch, scaling, slices=slices, config=config)
     assert int(batch.done[0]) == 0
     for changed in ({"expand_stages": 1, "expand_chunk": 1}, {"expand_stages": 2, "expand_chunk": 1},
-                    {"expand_chunk": 1}, {"expand_chunk": 8}, {"expand_b_rows": True}):
+                    {"expand_chunk": 1}, {"expand_chunk": 8}, {"expand_b_rows": False},
+                    {"lora": replace(config.lora, shrink_stages=2)}):
         again = linear_lora(x, W, None, A, B, batch, scaling, slices=slices, config=replace(config, **changed))
         assert torch.equal(ours, again), changed
     base = F.linear(x, W)
