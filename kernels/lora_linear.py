@@ -88,7 +88,8 @@ class LinearLoraConfig:
     at least that many slots (1: never): with 16 adapters in a batch, 16 loads of B blocks in a row, each waiting
     for the last without it; with one, the pipeline's prologue only costs (one H100, 8B shape, batch 64, µs a
     hook, none / 3 stages: 5.6 / 7.1 at one adapter, 20.5 / 16.6 at 16; 3 is also what Triton gives the loop
-    unasked)."""
+    unasked). The loop over chunks of slots (`expand_chunk`), taken only from `expand_chunk` slots on, always runs
+    in this many stages."""
     expand_chunk: int = 4
     """Slots a tensor-core dot of the expand by slot takes once the step uses at least that many (1: one dot per
     slot): the rows' y spread over `expand_chunk` blocks of `DOT_R` entries (a row's in its slot's block, exact
