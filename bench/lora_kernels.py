@@ -113,6 +113,7 @@ def linear_configs(sweep: bool) -> dict:
     "linear_by_shape_block_ids": the same with each program's role its block id, `LoraKernelConfig.ticketed=False`;
     "linear_by_shape_expandN": the same with N software-pipeline stages over the expand's slots, 1: none;
     "linear_by_shape_chunkN": the same with one expand dot per N slots once the step uses N;
+    "linear_by_shape_wideN": the same with one expand dot per N slots once the step uses N, per 4 from 4 on;
     "linear_by_shape_b_reshaped": the same with each chunk's B blocks loaded as a [chunk, 16, block_n] block and
     reshaped (`expand_b_rows=False`); "linear_by_shape_b_reshaped_shrink_stages2": that and 2 stages in the shrink's
     loop (the defaults before 2026-12-07's evening);
@@ -140,6 +141,7 @@ def linear_configs(sweep: bool) -> dict:
              "linear_by_shape_block_ids": by_shape({"ticketed": False}),
              **{f"linear_by_shape_expand{n}": by_shape(expand_stages=n) for n in (1, 2, 4)},
              **{f"linear_by_shape_chunk{n}": by_shape(expand_chunk=n) for n in (1, 2, 4, 8, 16)},
+             **{f"linear_by_shape_wide{n}": by_shape(expand_wide_chunk=n) for n in (8, 16)},
              "linear_by_shape_b_reshaped": by_shape(expand_b_rows=False),
              "linear_by_shape_b_reshaped_shrink_stages2": by_shape({"shrink_stages": 2}, expand_b_rows=False),
              **{f"linear_by_shape_groups{g}": by_shape({"groups_per_tile_row": g}) for g in (1, 2)},

@@ -100,6 +100,9 @@ class LinearLoraConfig:
     default,linear_by_shape,linear_by_shape_chunk4,linear_by_shape_chunk16 --replays 2 --distinct 0,1,16`,
     2026-12-07, one dot per slot then the default): one per slot 1.88 / 4.82 / 11.69, chunks of 4 1.99 / 4.93 /
     10.64, of 16 4.77 / 7.94 / 13.35 (the larger chunk's registers cost even where its loop is not taken)."""
+    expand_wide_chunk: int = 1
+    """Slots a dot of the expand by slot takes, in place of `expand_chunk`, once the step uses at least that many
+    (1: never)."""
     expand_b_rows: bool = True
     """The chunks' B blocks (`expand_chunk` > 1) as one [expand_chunk * DOT_R, block_n] tile, each row's address
     from its slot (the plan's list read row by row), which feeds the tensor-core dot as it is loaded, the next
@@ -120,7 +123,8 @@ class LinearLoraConfig:
         for name in ("stages", "num_warps", "max_rows", "expand_stages"):
             if getattr(self, name) < 1:
                 raise ValueError(f"LinearLoraConfig.{name} must be >= 1, got {getattr(self, name)}")
-        for name, low in (("block_n", 16), ("block_k", 16), ("block_r", 1), ("expand_chunk", 1)):
+        for name, low in (("block_n", 16), ("block_k", 16), ("block_r", 1), ("expand_chunk", 1),
+                          ("expand_wide_chunk", 1)):
             value = getattr(self, name)
             if value < low or value & (value - 1):
                 raise ValueError(f"LinearLoraConfig.{name} must be a power of two >= {low}, got {value}")
@@ -170,16 +174,25 @@ def _expand_slots(delta, y, slot, used_slots_ptr, num_used, b_cols, bmask, strid
 
 
 @triton.jit
-def _expand_chunks(delta, y, slot, used_slots_ptr, num_used, b_cols, bmask, stride_bs, BLOCK_M: tl.constexpr,
-                   BLOCK_N: tl.constexpr, DOT_R: tl.constexpr, CHUNK: tl.constexpr, B_ROWS: tl.constexpr,
-                   STAGES: tl.constexpr):
+def _expand_chunks(delta, y, slot, used_slots_ptr, num_used, b_slot0, r0, rank, nmask, stride_bs,
+                   BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, DOT_R: tl.constexpr, CHUNK: tl.constexpr,
+                   B_ROWS: tl.constexpr, STAGES: tl.constexpr):
     """delta [BLOCK_M, BLOCK_N] += one tensor-core dot per CHUNK slots the step uses (ascending; past the last,
-    nothing): the rows' y spread to [BLOCK_M, CHUNK * DOT_R] (a row's entries in its slot's block, exact zeros in
-    the others) times the CHUNK slots' B blocks stacked [CHUNK * DOT_R, BLOCK_N]. `b_cols` / `bmask`: slot 0's B
-    block [DOT_R, BLOCK_N], or with B_ROWS the stacked tile's [CHUNK * DOT_R, BLOCK_N] (row j: rank entry
-    j % DOT_R), loaded as that tile with row j from slot j // DOT_R."""
+    nothing): the rows' y [BLOCK_M, DOT_R] (rank entries r0...) spread to [BLOCK_M, CHUNK * DOT_R] (a row's entries
+    in its slot's block, exact zeros in the others) times the CHUNK slots' B blocks stacked [CHUNK * DOT_R,
+    BLOCK_N], read from `b_slot0` ([1, BLOCK_N]: slot 0's B at rank entry 0 of the block's columns, `nmask`). With
+    B_ROWS the stack is loaded as that tile, row j from slot j // DOT_R at rank entry r0 + j % DOT_R; without, as
+    [CHUNK, DOT_R, BLOCK_N] blocks reshaped to it."""
     c = tl.arange(0, CHUNK)
     j = tl.arange(0, CHUNK * DOT_R)
+    if B_ROWS:
+        jr = r0 + j % DOT_R  # the stacked tile's rank entries
+        b_cols = b_slot0 + jr[:, None]  # [CHUNK * DOT_R, BLOCK_N]
+        bmask = (jr < rank)[:, None] & nmask[None, :]
+    else:
+        rr = r0 + tl.arange(0, DOT_R)
+        b_cols = b_slot0 + rr[:, None]  # [DOT_R, BLOCK_N]
+        bmask = (rr < rank)[:, None] & nmask[None, :]
     for i in tl.range(0, num_used, CHUNK, num_stages=STAGES):
         s = tl.load(used_slots_ptr + i + c, mask=i + c < num_used, other=-1)  # [CHUNK] the next slots in use
         if B_ROWS:
@@ -205,7 +218,8 @@ def _gemm_lora_block(q, x_ptr, w_ptr, bias_ptr, out_ptr, part_ptr, b_ptr, scalin
                      stride_pt, stride_bs, stride_bn, HAS_BIAS: tl.constexpr, SPLITS: tl.constexpr,
                      EVEN_K: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
                      STAGES: tl.constexpr, BLOCK_R: tl.constexpr, BY_SLOT: tl.constexpr, DOT_R: tl.constexpr,
-                     EXPAND_STAGES: tl.constexpr, EXPAND_CHUNK: tl.constexpr, EXPAND_B_ROWS: tl.constexpr):
+                     EXPAND_STAGES: tl.constexpr, EXPAND_CHUNK: tl.constexpr, WIDE_CHUNK: tl.constexpr,
+                     EXPAND_B_ROWS: tl.constexpr):
     """GEMM program q = (column block of one slice, row block): out[rows, block] = round(round(x W^T + b) + the
     rows' deltas), after the shrink's programs have all counted into `done`."""
     f = q // m_blocks  # the row blocks of one column block are neighbours: they share its weight rows in L2
@@ -250,24 +264,24 @@ def _gemm_lora_block(q, x_ptr, w_ptr, bias_ptr, out_ptr, part_ptr, b_ptr, scalin
     delta = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
     if BY_SLOT:
         rr0 = tl.arange(0, DOT_R)
+        b_slot0 = b_ptr + cols[None, :].to(tl.int64) * stride_bn  # [1, BLOCK_N]: slot 0's B, rank entry 0
         for r0 in range(0, rank, DOT_R):
             rr = r0 + rr0
             y = _rows_y(y_rows, rr, has[:, None] & (rr < rank)[None, :], stride_pp, SPLITS).to(b_ptr.dtype.element_ty)
-            b_cols = b_ptr + cols[None, :].to(tl.int64) * stride_bn + rr[:, None]  # [DOT_R, BLOCK_N] of slot 0
+            b_cols = b_slot0 + rr[:, None]  # [DOT_R, BLOCK_N] of slot 0
             bmask = (rr < rank)[:, None] & nmask[None, :]
+            wide = False
+            if WIDE_CHUNK > 1:
+                wide = num_used >= WIDE_CHUNK
             chunked = False
             if EXPAND_CHUNK > 1:
                 chunked = num_used >= EXPAND_CHUNK
-            if chunked:
-                if EXPAND_B_ROWS:
-                    jr = r0 + tl.arange(0, EXPAND_CHUNK * DOT_R) % DOT_R  # the stacked tile's rank entries
-                    delta = _expand_chunks(delta, y, slot, used_slots_ptr, num_used,
-                                           b_ptr + cols[None, :].to(tl.int64) * stride_bn + jr[:, None],
-                                           (jr < rank)[:, None] & nmask[None, :], stride_bs, BLOCK_M, BLOCK_N, DOT_R,
-                                           EXPAND_CHUNK, True, EXPAND_STAGES)
-                else:
-                    delta = _expand_chunks(delta, y, slot, used_slots_ptr, num_used, b_cols, bmask, stride_bs,
-                                           BLOCK_M, BLOCK_N, DOT_R, EXPAND_CHUNK, False, EXPAND_STAGES)
+            if wide:
+                delta = _expand_chunks(delta, y, slot, used_slots_ptr, num_used, b_slot0, r0, rank, nmask, stride_bs,
+                                       BLOCK_M, BLOCK_N, DOT_R, WIDE_CHUNK, EXPAND_B_ROWS, EXPAND_STAGES)
+            elif chunked:
+                delta = _expand_chunks(delta, y, slot, used_slots_ptr, num_used, b_slot0, r0, rank, nmask, stride_bs,
+                                       BLOCK_M, BLOCK_N, DOT_R, EXPAND_CHUNK, EXPAND_B_ROWS, EXPAND_STAGES)
             elif num_used >= EXPAND_STAGES:  # enough slots for the pipeline's prologue to pay
                 delta = _expand_slots(delta, y, slot, used_slots_ptr, num_used, b_cols, bmask, stride_bs,
                                       EXPAND_STAGES)
@@ -297,8 +311,8 @@ def _linear_lora_kernel(x_ptr, w_ptr, bias_ptr, out_ptr, a_ptr, part_ptr, b_ptr,
                         BLOCK_RA: tl.constexpr, SHRINK_K: tl.constexpr, SHRINK_STAGES: tl.constexpr,
                         EVEN_K: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
                         STAGES: tl.constexpr, BLOCK_R: tl.constexpr, BY_SLOT: tl.constexpr, DOT_R: tl.constexpr,
-                        EXPAND_STAGES: tl.constexpr, EXPAND_CHUNK: tl.constexpr, EXPAND_B_ROWS: tl.constexpr,
-                        TICKETED: tl.constexpr):
+                        EXPAND_STAGES: tl.constexpr, EXPAND_CHUNK: tl.constexpr, WIDE_CHUNK: tl.constexpr,
+                        EXPAND_B_ROWS: tl.constexpr, TICKETED: tl.constexpr):
     """The shrink programs (ids below `shrink_programs`), each counting into `done` at its end, then the GEMM
     programs, which wait for all of them before their epilogue."""
     pid = _program_role(ticket_ptr, shrink_programs + gemm_programs, TICKETED)
@@ -314,7 +328,7 @@ def _linear_lora_kernel(x_ptr, w_ptr, bias_ptr, out_ptr, a_ptr, part_ptr, b_ptr,
                          shrink_programs, gemm_programs, m_blocks, blocks0, blocks1, rank, width0, width1, width2,
                          stride_xt, stride_wn, stride_ot, stride_pp, stride_pt, stride_bs, stride_bn, HAS_BIAS, SPLITS,
                          EVEN_K, BLOCK_M, BLOCK_N, BLOCK_K, STAGES, BLOCK_R, BY_SLOT, DOT_R, EXPAND_STAGES,
-                         EXPAND_CHUNK, EXPAND_B_ROWS)
+                         EXPAND_CHUNK, WIDE_CHUNK, EXPAND_B_ROWS)
 
 
 def _check_weight(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, out: torch.Tensor) -> None:
@@ -372,7 +386,8 @@ def _launch(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, A:
         EVEN_K=in_features % config.block_k == 0, BLOCK_M=BLOCK_M, BLOCK_N=config.block_n, BLOCK_K=config.block_k,
         STAGES=config.stages, BLOCK_R=config.block_r, BY_SLOT=config.expand_by_slot,
         DOT_R=DOT_R, EXPAND_STAGES=config.expand_stages, EXPAND_CHUNK=config.expand_chunk,
-        EXPAND_B_ROWS=config.expand_b_rows, TICKETED=config.lora.ticketed, num_warps=config.num_warps)
+        WIDE_CHUNK=config.expand_wide_chunk, EXPAND_B_ROWS=config.expand_b_rows, TICKETED=config.lora.ticketed,
+        num_warps=config.num_warps)
 
 
 __all__ = ["BLOCK_M", "DEFAULT_LINEAR_CONFIG", "LONG_CONFIG", "LinearLoraConfig", "SHRINK_CONFIG", "WIDE_CONFIG",
