@@ -114,6 +114,7 @@ def linear_configs(sweep: bool) -> dict:
     "linear_by_shape_expandN": the same with N software-pipeline stages over the expand's slots, 1: none;
     "linear_by_shape_chunkN": the same with one expand dot per N slots once the step uses N;
     "linear_by_shape_wideN": the same with one expand dot per N slots once the step uses N, per 4 from 4 on;
+    "linear_by_shape_chunk8_narrow": chunks of 8 slots but in gate_up_proj (out >= 4x in), which keeps 4;
     "linear_by_shape_b_reshaped": the same with each chunk's B blocks loaded as a [chunk, 16, block_n] block and
     reshaped (`expand_b_rows=False`); "linear_by_shape_b_reshaped_shrink_stages2": that and 2 stages in the shrink's
     loop (the defaults before 2026-12-07's evening);
@@ -142,6 +143,8 @@ def linear_configs(sweep: bool) -> dict:
              **{f"linear_by_shape_expand{n}": by_shape(expand_stages=n) for n in (1, 2, 4)},
              **{f"linear_by_shape_chunk{n}": by_shape(expand_chunk=n) for n in (1, 2, 4, 8, 16)},
              **{f"linear_by_shape_wide{n}": by_shape(expand_wide_chunk=n) for n in (8, 16)},
+             "linear_by_shape_chunk8_narrow": lambda i, o: (linear_config_for(i, o) if o >= 4 * i
+                                                            else by_shape(expand_chunk=8)(i, o)),
              "linear_by_shape_b_reshaped": by_shape(expand_b_rows=False),
              "linear_by_shape_b_reshaped_shrink_stages2": by_shape({"shrink_stages": 2}, expand_b_rows=False),
              **{f"linear_by_shape_groups{g}": by_shape({"groups_per_tile_row": g}) for g in (1, 2)},
