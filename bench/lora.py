@@ -8,7 +8,7 @@ milliseconds against a dense push of the base model. Prints one JSON line per me
     python bench/lora.py --device cuda --merged  # and one adapter folded into the base (`lora_merged`)
     python bench/lora.py --device cuda --deferred  # and the deltas left to the next kernels (`lora_deferred`)
     python bench/lora.py --device cuda --fused-linear  # and each decode linear + LoRA in one launch
-    python bench/lora.py --device cuda --fused-linear only --linear-system linear_by_shape_b_reshaped  # other tiles
+    python bench/lora.py --device cuda --fused-linear only --linear-system linear_by_shape,linear_by_shape_chunk8
     python bench/lora.py --quick                # CPU, a tiny Llama: a smoke test of the script
 
 The base weights are random (`EngineConfig(load_format="dummy")`; the model directory holds only config.json). One
@@ -23,9 +23,9 @@ measures a LoRA engine of each kind in the same run, against the same base; `--d
 added by the residual add, the SiLU-and-mul, or after qkv_proj's matmul); `--fused-linear` one more, with
 `EngineConfig.lora_fused_linear` (`lora_fused_linear: true`: each adapted linear of a decode step and its LoRA as one
 Triton launch, kernels/lora_linear.py; the engine's default for slot mode on CUDA, which every other LoRA engine
-here turns off to measure the hooks after cuBLAS's matmul). `--linear-system NAME`: that engine's fused linears
-take the configs of `bench/lora_kernels.py`'s system NAME instead of `linear_config_for`'s (its lines say
-`linear_system`).
+here turns off to measure the hooks after cuBLAS's matmul). `--linear-system NAME[,NAME...]`: one such engine per
+name, one after the other against the same base, its fused linears taking the configs of `bench/lora_kernels.py`'s
+system NAME ("linear_by_shape": the engine's own, `linear_config_for`; its lines say `linear_system`).
 
 `--merged`: after the slot engines, an engine with `EngineConfig(max_loras=1, lora_merged=True)` serves a batch
 whose every request takes its one adapter (`system: merged`, its overhead against the same base), and takes the
@@ -193,12 +193,14 @@ def bench_base_push(engine, args, common: dict) -> None:
          apply_ms=round(1e3 * (time.perf_counter() - t), 2), **common)
 
 
-def use_linear_system(name: str) -> None:
+def use_linear_system(name: str, engine_own) -> None:
     """Makes the engine's fused linears take the configs of `bench/lora_kernels.py`'s system `name` (one of its
-    `linear_configs`): the runtime looks `linear_config_for` up in `kernels.lora_linear` at each call."""
+    `linear_configs`; "linear_by_shape" is `engine_own`, the engine's own `linear_config_for`): the runtime looks
+    `linear_config_for` up in `kernels.lora_linear` at each call."""
     import kernels.lora_linear as module
     from bench.lora_kernels import linear_configs
 
+    module.linear_config_for = engine_own  # the systems are built around it
     configs = linear_configs(sweep=False)
     if name not in configs:
         raise SystemExit(f"--linear-system must be one of {', '.join(sorted(configs))}; got {name!r}")
@@ -225,18 +227,24 @@ def main() -> None:
                     help="also (or only) a LoRA engine with EngineConfig.lora_deferred")
     ap.add_argument("--fused-linear", nargs="?", const="also", choices=("also", "only"), default=None,
                     help="also (or only) a LoRA engine with EngineConfig.lora_fused_linear")
-    ap.add_argument("--linear-system", default=None, help="the fused-linear engine's configs: a system of "
-                    "bench/lora_kernels.py's (e.g. linear_by_shape_b_reshaped; default: the engine's own)")
+    ap.add_argument("--linear-system", default=None, help="the fused-linear engines' configs: comma-separated systems "
+                    "of bench/lora_kernels.py's, one engine each (e.g. linear_by_shape,linear_by_shape_chunk8; "
+                    "default: the engine's own)")
     ap.add_argument("--lora-overlap", choices=("on", "off", "both"), default="off",
                     help="EngineConfig.lora_overlap of the LoRA engine (both: one engine of each, one after the other)")
     ap.add_argument("--carveout", type=int, default=0, help="SMs the LoRA engines' cuBLASLt GEMMs leave to the side "
                     "stream (torch._C._set_sm_carveout_experimental; the base engine runs without)")
     args = ap.parse_args()
     cuda = args.device.startswith("cuda")
+    if args.linear_system and not args.fused_linear:
+        raise SystemExit("--linear-system needs --fused-linear (it picks that engine's configs)")
+    linear_systems = (args.linear_system or "linear_by_shape").split(",")
     if args.linear_system:
-        if not args.fused_linear:
-            raise SystemExit("--linear-system needs --fused-linear (it picks that engine's configs)")
-        use_linear_system(args.linear_system)
+        from bench.lora_kernels import linear_configs
+
+        unknown = sorted(set(linear_systems) - set(linear_configs(sweep=False)))
+        if unknown:
+            raise SystemExit(f"--linear-system: {', '.join(unknown)} not among bench/lora_kernels.py's systems")
     if args.profile and not cuda:
         raise SystemExit("--profile needs --device cuda (it replays a captured decode graph)")
     args.dtype = args.dtype or ("bfloat16" if cuda and not args.quick else "float32")
@@ -267,13 +275,19 @@ def main() -> None:
 
         overlaps = {"on": [True], "off": [False], "both": [True, False]}[args.lora_overlap]
         alone = "only" in (args.deferred, args.fused_linear)  # no engine of the --lora-overlap hooks
-        modes = [] if alone else [(overlap, False, False) for overlap in overlaps]
-        modes += [(False, True, False)] if args.deferred else []
-        modes += [(False, False, True)] if args.fused_linear else []
+        modes = [] if alone else [(overlap, False, False, None) for overlap in overlaps]
+        modes += [(False, True, False, None)] if args.deferred else []
+        modes += [(False, False, True, system) for system in linear_systems] if args.fused_linear else []
+        if args.fused_linear:
+            import kernels.lora_linear
+
+            engine_own = kernels.lora_linear.linear_config_for
         if args.carveout:
             torch.backends.cuda.preferred_blas_library("cublaslt")
             torch._C._set_sm_carveout_experimental(args.carveout)
-        for run, (overlap, deferred, fused) in enumerate(modes):
+        for run, (overlap, deferred, fused, system) in enumerate(modes):
+            if fused:
+                use_linear_system(system, engine_own)
             if run:
                 release_memory()
             engine = make_engine(model_dir, args, max_loras=num_loras, lora_overlap=overlap, lora_deferred=deferred,
@@ -289,7 +303,7 @@ def main() -> None:
                 tps = timed_decode(engine, args, names[:k] if k else [None])
                 emit(kind="decode", system="lora", lora_overlap=overlap, lora_deferred=deferred,
                      lora_fused_linear=fused, carveout=args.carveout,
-                     **({"linear_system": args.linear_system or "linear_by_shape"} if fused else {}),
+                     **({"linear_system": system} if fused else {}),
                      loras_loaded=num_loras,
                      distinct=k,
                      tokens_per_s=round(tps, 1), overhead=round(base_tps / tps - 1, 4), **common)

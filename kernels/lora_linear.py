@@ -102,7 +102,9 @@ class LinearLoraConfig:
     10.64, of 16 4.77 / 7.94 / 13.35 (the larger chunk's registers cost even where its loop is not taken)."""
     expand_wide_chunk: int = 1
     """Slots a dot of the expand by slot takes, in place of `expand_chunk`, once the step uses at least that many
-    (1: never)."""
+    (1: never). Off: at 8 its registers spill in gate_up_proj's kernel (one H100, 8B shapes, batch 64, µs a hook at
+    1 / 4 / 16 distinct adapters, `python bench/lora_kernels.py --systems linear_by_shape,linear_by_shape_wide8
+    --replays 3 --distinct 1,4,16`, 2026-12-07: 4.14 / 5.14 / 9.39 without, 4.63 / 5.69 / 8.94 with)."""
     expand_b_rows: bool = True
     """The chunks' B blocks (`expand_chunk` > 1) as one [expand_chunk * DOT_R, block_n] tile, each row's address
     from its slot (the plan's list read row by row), which feeds the tensor-core dot as it is loaded, the next

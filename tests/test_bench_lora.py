@@ -72,12 +72,27 @@ def test_linear_system_gives_the_engine_a_bench_systems_configs_and_refuses_an_u
     monkeypatch.setattr(module, "linear_config_for", module.linear_config_for)  # restored after the test
     engine_own = module.linear_config_for(4096, 6144)
     assert engine_own.expand_b_rows and engine_own.lora.shrink_stages != 2
-    use_linear_system("linear_by_shape_b_reshaped_shrink_stages2")
+    own = module.linear_config_for
+    use_linear_system("linear_by_shape_b_reshaped_shrink_stages2", own)
     chosen = module.linear_config_for(4096, 6144)
     assert not chosen.expand_b_rows and chosen.lora.shrink_stages == 2
     assert chosen.block_n == engine_own.block_n  # the tile of the layer's shape is kept
     assert module.linear_config_for(4096, 28672).block_n == module.WIDE_CONFIG.block_n
-    use_linear_system("linear_bn64")  # a fixed config: every shape
+    use_linear_system("linear_bn64", own)  # a fixed config: every shape
     assert module.linear_config_for(14336, 4096).block_n == 64
+    use_linear_system("linear_by_shape", own)  # back to the engine's own, whatever was set before
+    assert module.linear_config_for is own
     with pytest.raises(SystemExit, match="--linear-system must be one of"):
-        use_linear_system("no_such_system")
+        use_linear_system("no_such_system", own)
+
+
+def test_quick_run_with_two_linear_systems_runs_one_fused_engine_each_against_one_base():
+    run = subprocess.run([sys.executable, os.path.join(ROOT, "bench", "lora.py"), "--quick", "--fused-linear", "only",
+                          "--linear-system", "linear_by_shape,linear_by_shape_chunk8", "--distinct", "1"],
+                         capture_output=True, text=True, timeout=600, cwd=ROOT)
+    assert run.returncode == 0, run.stderr[-2000:]
+    decode = [json.loads(line) for line in run.stdout.splitlines() if line.startswith("{")]
+    decode = [d for d in decode if d["kind"] == "decode"]
+    assert [(d["system"], d.get("linear_system"), d["distinct"]) for d in decode] == [
+        ("base", None, 0), ("lora", "linear_by_shape", 0), ("lora", "linear_by_shape", 1),
+        ("lora", "linear_by_shape_chunk8", 0), ("lora", "linear_by_shape_chunk8", 1)]
