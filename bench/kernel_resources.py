@@ -32,7 +32,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 import torch  # noqa: E402
 
-from bench.lora_kernels import LAYERS, linear_configs, load_baseline  # noqa: E402
+from bench.lora_kernels import LAYERS, linear_pickers, load_baseline  # noqa: E402
 
 
 class _CompileOnlyDriver:
@@ -117,12 +117,8 @@ def main() -> None:
     if args.baseline_linear:
         baseline = load_baseline(args.baseline_linear, "lora_linear_baseline")
         systems["baseline"] = (baseline, baseline.linear_config_for)
-    configs = linear_configs(sweep=False)
-    for name in filter(None, args.systems.split(",")):
-        if name not in configs:
-            raise SystemExit(f"--systems: {name!r} is not one of {', '.join(sorted(configs))}")
-        config = configs[name]
-        systems[name] = (current, config if callable(config) else lambda in_features, out_features, c=config: c)
+    pickers = linear_pickers(list(filter(None, args.systems.split(","))), "--systems")
+    systems |= {name: (current, pick) for name, pick in pickers.items()}
     T, S, R = args.tokens, args.slots, args.rank
     idx = (torch.arange(T) % args.distinct).to(torch.int32)
     for system, (module, config_for) in systems.items():

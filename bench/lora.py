@@ -193,21 +193,6 @@ def bench_base_push(engine, args, common: dict) -> None:
          apply_ms=round(1e3 * (time.perf_counter() - t), 2), **common)
 
 
-def use_linear_system(name: str, engine_own) -> None:
-    """Makes the engine's fused linears take the configs of `bench/lora_kernels.py`'s system `name` (one of its
-    `linear_configs`; "linear_by_shape" is `engine_own`, the engine's own `linear_config_for`): the runtime looks
-    `linear_config_for` up in `kernels.lora_linear` at each call."""
-    import kernels.lora_linear as module
-    from bench.lora_kernels import linear_configs
-
-    module.linear_config_for = engine_own  # the systems are built around it
-    configs = linear_configs(sweep=False)
-    if name not in configs:
-        raise SystemExit(f"--linear-system must be one of {', '.join(sorted(configs))}; got {name!r}")
-    config = configs[name]
-    module.linear_config_for = config if callable(config) else lambda in_features, out_features: config
-
-
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
@@ -238,13 +223,13 @@ def main() -> None:
     cuda = args.device.startswith("cuda")
     if args.linear_system and not args.fused_linear:
         raise SystemExit("--linear-system needs --fused-linear (it picks that engine's configs)")
-    linear_systems = (args.linear_system or "linear_by_shape").split(",")
-    if args.linear_system:
-        from bench.lora_kernels import linear_configs
+    if args.fused_linear:
+        import kernels.lora_linear
+        from bench.lora_kernels import linear_pickers
 
-        unknown = sorted(set(linear_systems) - set(linear_configs(sweep=False)))
-        if unknown:
-            raise SystemExit(f"--linear-system: {', '.join(unknown)} not among bench/lora_kernels.py's systems")
+        # name -> the tile picker an engine's fused linears take (the runtime looks up
+        # `kernels.lora_linear.linear_config_for` at each call); built before any is set, around the engine's own
+        linear_systems = linear_pickers((args.linear_system or "linear_by_shape").split(","), "--linear-system")
     if args.profile and not cuda:
         raise SystemExit("--profile needs --device cuda (it replays a captured decode graph)")
     args.dtype = args.dtype or ("bfloat16" if cuda and not args.quick else "float32")
@@ -278,16 +263,12 @@ def main() -> None:
         modes = [] if alone else [(overlap, False, False, None) for overlap in overlaps]
         modes += [(False, True, False, None)] if args.deferred else []
         modes += [(False, False, True, system) for system in linear_systems] if args.fused_linear else []
-        if args.fused_linear:
-            import kernels.lora_linear
-
-            engine_own = kernels.lora_linear.linear_config_for
         if args.carveout:
             torch.backends.cuda.preferred_blas_library("cublaslt")
             torch._C._set_sm_carveout_experimental(args.carveout)
         for run, (overlap, deferred, fused, system) in enumerate(modes):
             if fused:
-                use_linear_system(system, engine_own)
+                kernels.lora_linear.linear_config_for = linear_systems[system]
             if run:
                 release_memory()
             engine = make_engine(model_dir, args, max_loras=num_loras, lora_overlap=overlap, lora_deferred=deferred,

@@ -102,9 +102,26 @@ def fused_linear(config, module=None) -> Hook:
     from kernels.lora import lora_batch
 
     linear_lora = (module or importlib.import_module("kernels.lora_linear")).linear_lora
-    pick = config if callable(config) else lambda in_features, out_features: config
+    pick = _picker(config)
     return Hook(lora_batch, None, linear=lambda out, x, W, A, B, plan, scaling, slices: linear_lora(
         x, W, None, A, B, plan, scaling, slices=slices, out=out, config=pick(W.shape[1], W.shape[0])))
+
+
+def _picker(config) -> Callable:
+    """A function of a layer's (in, out) giving its `LinearLoraConfig`: `config` itself if it is one, else a
+    function giving `config` for every shape."""
+    return config if callable(config) else lambda in_features, out_features: config
+
+
+def linear_pickers(names: list[str], option: str) -> dict:
+    """name -> function of a layer's (in, out) giving the `LinearLoraConfig` of `linear_configs`' system `name`,
+    built around `kernels.lora_linear.linear_config_for` as it is now; SystemExit naming the command-line `option`
+    for an unknown name."""
+    configs = linear_configs(sweep=False)
+    unknown = [name for name in names if name not in configs]
+    if unknown:
+        raise SystemExit(f"{option} must be one of {', '.join(sorted(configs))}; got {', '.join(unknown)}")
+    return {name: _picker(configs[name]) for name in names}
 
 
 def linear_configs(sweep: bool) -> dict:
@@ -137,14 +154,16 @@ def linear_configs(sweep: bool) -> dict:
             return replace(chosen, lora=replace(chosen.lora, **(shrink or {})), **fields)
         return config
 
+    chunk8 = by_shape(expand_chunk=8)
     named = {"linear": LinearLoraConfig(), "linear_by_shape": linear_config_for,
              "linear_by_shape_gathered": by_shape(expand_by_slot=False),
              "linear_by_shape_block_ids": by_shape({"ticketed": False}),
              **{f"linear_by_shape_expand{n}": by_shape(expand_stages=n) for n in (1, 2, 4)},
-             **{f"linear_by_shape_chunk{n}": by_shape(expand_chunk=n) for n in (1, 2, 4, 8, 16)},
+             **{f"linear_by_shape_chunk{n}": by_shape(expand_chunk=n) for n in (1, 2, 4, 16)},
+             "linear_by_shape_chunk8": chunk8,
              **{f"linear_by_shape_wide{n}": by_shape(expand_wide_chunk=n) for n in (8, 16)},
              "linear_by_shape_chunk8_narrow": lambda i, o: (linear_config_for(i, o) if o >= 4 * i
-                                                            else by_shape(expand_chunk=8)(i, o)),
+                                                            else chunk8(i, o)),
              "linear_by_shape_b_reshaped": by_shape(expand_b_rows=False),
              "linear_by_shape_b_reshaped_shrink_stages2": by_shape({"shrink_stages": 2}, expand_b_rows=False),
              **{f"linear_by_shape_groups{g}": by_shape({"groups_per_tile_row": g}) for g in (1, 2)},

@@ -1,6 +1,7 @@
 """bench/kernel_resources.py on the CPU: it compiles the fused linear + LoRA kernel for sm_90a at the 8B decode
 shapes without running it and reads registers, spills, shared memory and programs an SM holds; the same source
-given as the baseline, and the engine's configs named as a bench system, report the same figures. Skipped where Triton has no NVIDIA backend."""
+given as the baseline, and the engine's configs named as a bench system, report the same figures. Skipped where
+Triton has no NVIDIA backend."""
 
 from __future__ import annotations
 
@@ -27,7 +28,8 @@ def test_resources_of_each_projection_and_of_the_same_source_as_baseline():
                           capture_output=True, text=True, env=env, timeout=600)
     assert done.returncode == 0, done.stderr[-3000:]
     records = [json.loads(line) for line in done.stdout.splitlines()]
-    by_system = {s: {r["layer"]: r for r in records if r["system"] == s} for s in ("current", "baseline", "linear_by_shape")}
+    by_system = {s: {r["layer"]: r for r in records if r["system"] == s}
+                 for s in ("current", "baseline", "linear_by_shape")}
     assert sorted(by_system["current"]) == ["down_proj", "gate_up_proj", "o_proj", "qkv_proj"]
     for layer, r in by_system["current"].items():
         assert r["arch"] == "sm_90a" and r["kernel"] == "_linear_lora_kernel"

@@ -1,7 +1,7 @@
 """bench/lora.py --quick on the CPU: the script runs end to end and reports every case it promises (base, slot
 engine per distinct-adapter count with the default hooks, with `lora_deferred` and with `lora_fused_linear`, merged
-engine, adapter pushes dense then patch, the base push); and the stream accounting its `--profile` rows carry (`stream_use`), on a
-hand-made trace; `--linear-system` handing the engine a bench system's fused-linear configs."""
+engine, adapter pushes dense then patch, the base push); the stream accounting its `--profile` rows carry
+(`stream_use`), on a hand-made trace; `--linear-system` handing the engine a bench system's fused-linear configs."""
 
 import json
 import os
@@ -67,23 +67,25 @@ def test_stream_use_counts_busy_time_and_time_beside_another_stream_per_replay()
 def test_linear_system_gives_the_engine_a_bench_systems_configs_and_refuses_an_unknown_name(monkeypatch):
     sys.path.insert(0, ROOT)
     import kernels.lora_linear as module
-    from bench.lora import use_linear_system
+    from bench.lora_kernels import linear_pickers
 
-    monkeypatch.setattr(module, "linear_config_for", module.linear_config_for)  # restored after the test
     engine_own = module.linear_config_for(4096, 6144)
     assert engine_own.expand_b_rows and engine_own.lora.shrink_stages != 2
     own = module.linear_config_for
-    use_linear_system("linear_by_shape_b_reshaped_shrink_stages2", own)
+    pickers = linear_pickers(["linear_by_shape_b_reshaped_shrink_stages2", "linear_bn64", "linear_by_shape"],
+                             "--linear-system")
+    # what bench/lora.py does before each fused-linear engine (restored after the test)
+    monkeypatch.setattr(module, "linear_config_for", pickers["linear_by_shape_b_reshaped_shrink_stages2"])
     chosen = module.linear_config_for(4096, 6144)
     assert not chosen.expand_b_rows and chosen.lora.shrink_stages == 2
     assert chosen.block_n == engine_own.block_n  # the tile of the layer's shape is kept
     assert module.linear_config_for(4096, 28672).block_n == module.WIDE_CONFIG.block_n
-    use_linear_system("linear_bn64", own)  # a fixed config: every shape
+    monkeypatch.setattr(module, "linear_config_for", pickers["linear_bn64"])  # a fixed config: every shape
     assert module.linear_config_for(14336, 4096).block_n == 64
-    use_linear_system("linear_by_shape", own)  # back to the engine's own, whatever was set before
+    monkeypatch.setattr(module, "linear_config_for", pickers["linear_by_shape"])  # the engine's own
     assert module.linear_config_for is own
     with pytest.raises(SystemExit, match="--linear-system must be one of"):
-        use_linear_system("no_such_system", own)
+        linear_pickers(["linear_by_shape", "no_such_system"], "--linear-system")
 
 
 def test_quick_run_with_two_linear_systems_runs_one_fused_engine_each_against_one_base():
