@@ -35,7 +35,7 @@
 #                                     engine with `lora_fused_linear` against the base (LORAS=64 adapters loaded,
 #                                     DISTINCT=1,4,16 of them in the batch; ENGINE_SYSTEM= names bench/lora_kernels.py
 #                                     systems for its configs, one engine each, e.g. linear_by_shape,linear_by_shape_chunk8;
-#                                     `best` the linear_by_shape* one fastest at the most adapters);
+#                                     `best` the linear_by_shape* one fastest at the most adapters; ENGINE_TIMEOUT= seconds, 240);
 #                                     LINEAR_BASELINE=FILE adds another kernels/lora_linear.py
 #                                     (`git show REV:kernels/lora_linear.py > bench/lora_linear_baseline.py` here
 #                                     first)
@@ -159,7 +159,7 @@ print(min((r for r in rows if r["distinct"] == most), key=lambda r: r["lora_us_p
         "$OUT/lora_linear.jsonl" 2>/dev/null || echo linear_by_shape)
       echo "lora-linear: the engine with $ENGINE_SYSTEM"
     fi
-    timeout 240 python3 bench/lora.py --device cuda --fused-linear only --loras ${LORAS:-64} --distinct ${DISTINCT:-1,4,16} \
+    timeout ${ENGINE_TIMEOUT:-240} python3 bench/lora.py --device cuda --fused-linear only --loras ${LORAS:-64} --distinct ${DISTINCT:-1,4,16} \
       ${ENGINE_SYSTEM:+--linear-system "$ENGINE_SYSTEM"} > "$OUT/lora_linear_engine.jsonl" 2>> "$OUT/lora.log"
     grep -h -E '"lora_kernels"|"decode"' "$OUT/lora_linear.jsonl" "$OUT/lora_linear_engine.jsonl" | cut -c 1-300
     grep -i -B2 -A3 "error\|traceback" "$OUT/lora.log" | tail -20

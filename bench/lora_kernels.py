@@ -130,6 +130,7 @@ def linear_configs(sweep: bool) -> dict:
     "linear_by_shape_block_ids": the same with each program's role its block id, `LoraKernelConfig.ticketed=False`;
     "linear_by_shape_expandN": the same with N software-pipeline stages over the expand's slots, 1: none;
     "linear_by_shape_chunkN": the same with one expand dot per N slots once the step uses N;
+    "linear_by_shape_chunkN_fromF": the same once the step uses F (the only chunk part empty below N);
     "linear_by_shape_wideN": the same with one expand dot per N slots once the step uses N, per 4 from 4 on;
     "linear_by_shape_chunk8_narrow": chunks of 8 slots but in gate_up_proj (out >= 4x in), which keeps 4;
     "linear_by_shape_b_reshaped": the same with each chunk's B blocks loaded as a [chunk, 16, block_n] block and
@@ -161,6 +162,8 @@ def linear_configs(sweep: bool) -> dict:
              **{f"linear_by_shape_expand{n}": by_shape(expand_stages=n) for n in (1, 2, 4)},
              **{f"linear_by_shape_chunk{n}": by_shape(expand_chunk=n) for n in (1, 2, 4, 16)},
              "linear_by_shape_chunk8": chunk8,
+             **{f"linear_by_shape_chunk{n}_from{f}": by_shape(expand_chunk=n, expand_chunk_from=f)
+                for n, f in ((4, 2), (8, 2), (8, 4))},
              **{f"linear_by_shape_wide{n}": by_shape(expand_wide_chunk=n) for n in (8, 16)},
              "linear_by_shape_chunk8_narrow": lambda i, o: (linear_config_for(i, o) if o >= 4 * i
                                                             else chunk8(i, o)),

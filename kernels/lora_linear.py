@@ -100,6 +100,10 @@ class LinearLoraConfig:
     default,linear_by_shape,linear_by_shape_chunk4,linear_by_shape_chunk16 --replays 2 --distinct 0,1,16`,
     2026-12-07, one dot per slot then the default): one per slot 1.88 / 4.82 / 11.69, chunks of 4 1.99 / 4.93 /
     10.64, of 16 4.77 / 7.94 / 13.35 (the larger chunk's registers cost even where its loop is not taken)."""
+    expand_chunk_from: int | None = None
+    """The fewest slots the step must use for the expand by slot to take chunks of `expand_chunk` (None:
+    `expand_chunk`): below `expand_chunk` the last chunk is part empty (exact zeros), one dot of K = expand_chunk *
+    DOT_R in place of that many dots of K = DOT_R in a row. The same bits."""
     expand_wide_chunk: int = 1
     """Slots a dot of the expand by slot takes, in place of `expand_chunk`, once the step uses at least that many
     (1: never). Off: at 8 its registers spill in gate_up_proj's kernel (one H100, 8B shapes, batch 64, µs a hook at
@@ -130,6 +134,9 @@ class LinearLoraConfig:
             value = getattr(self, name)
             if value < low or value & (value - 1):
                 raise ValueError(f"LinearLoraConfig.{name} must be a power of two >= {low}, got {value}")
+        if self.expand_chunk_from is not None and not 1 <= self.expand_chunk_from <= self.expand_chunk:
+            raise ValueError(f"LinearLoraConfig.expand_chunk_from must be None or in [1, expand_chunk = "
+                             f"{self.expand_chunk}], got {self.expand_chunk_from}")
 
 
 DEFAULT_LINEAR_CONFIG = LinearLoraConfig()
@@ -220,8 +227,8 @@ def _gemm_lora_block(q, x_ptr, w_ptr, bias_ptr, out_ptr, part_ptr, b_ptr, scalin
                      stride_pt, stride_bs, stride_bn, HAS_BIAS: tl.constexpr, SPLITS: tl.constexpr,
                      EVEN_K: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
                      STAGES: tl.constexpr, BLOCK_R: tl.constexpr, BY_SLOT: tl.constexpr, DOT_R: tl.constexpr,
-                     EXPAND_STAGES: tl.constexpr, EXPAND_CHUNK: tl.constexpr, WIDE_CHUNK: tl.constexpr,
-                     EXPAND_B_ROWS: tl.constexpr):
+                     EXPAND_STAGES: tl.constexpr, EXPAND_CHUNK: tl.constexpr, CHUNK_FROM: tl.constexpr,
+                     WIDE_CHUNK: tl.constexpr, EXPAND_B_ROWS: tl.constexpr):
     """GEMM program q = (column block of one slice, row block): out[rows, block] = round(round(x W^T + b) + the
     rows' deltas), after the shrink's programs have all counted into `done`."""
     f = q // m_blocks  # the row blocks of one column block are neighbours: they share its weight rows in L2
@@ -277,7 +284,7 @@ def _gemm_lora_block(q, x_ptr, w_ptr, bias_ptr, out_ptr, part_ptr, b_ptr, scalin
                 wide = num_used >= WIDE_CHUNK
             chunked = False
             if EXPAND_CHUNK > 1:
-                chunked = num_used >= EXPAND_CHUNK
+                chunked = num_used >= CHUNK_FROM
             if wide:
                 delta = _expand_chunks(delta, y, slot, used_slots_ptr, num_used, b_slot0, r0, rank, nmask, stride_bs,
                                        BLOCK_M, BLOCK_N, DOT_R, WIDE_CHUNK, EXPAND_B_ROWS, EXPAND_STAGES)
@@ -313,8 +320,8 @@ def _linear_lora_kernel(x_ptr, w_ptr, bias_ptr, out_ptr, a_ptr, part_ptr, b_ptr,
                         BLOCK_RA: tl.constexpr, SHRINK_K: tl.constexpr, SHRINK_STAGES: tl.constexpr,
                         EVEN_K: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
                         STAGES: tl.constexpr, BLOCK_R: tl.constexpr, BY_SLOT: tl.constexpr, DOT_R: tl.constexpr,
-                        EXPAND_STAGES: tl.constexpr, EXPAND_CHUNK: tl.constexpr, WIDE_CHUNK: tl.constexpr,
-                        EXPAND_B_ROWS: tl.constexpr, TICKETED: tl.constexpr):
+                        EXPAND_STAGES: tl.constexpr, EXPAND_CHUNK: tl.constexpr, CHUNK_FROM: tl.constexpr,
+                        WIDE_CHUNK: tl.constexpr, EXPAND_B_ROWS: tl.constexpr, TICKETED: tl.constexpr):
     """The shrink programs (ids below `shrink_programs`), each counting into `done` at its end, then the GEMM
     programs, which wait for all of them before their epilogue."""
     pid = _program_role(ticket_ptr, shrink_programs + gemm_programs, TICKETED)
@@ -330,7 +337,7 @@ def _linear_lora_kernel(x_ptr, w_ptr, bias_ptr, out_ptr, a_ptr, part_ptr, b_ptr,
                          shrink_programs, gemm_programs, m_blocks, blocks0, blocks1, rank, width0, width1, width2,
                          stride_xt, stride_wn, stride_ot, stride_pp, stride_pt, stride_bs, stride_bn, HAS_BIAS, SPLITS,
                          EVEN_K, BLOCK_M, BLOCK_N, BLOCK_K, STAGES, BLOCK_R, BY_SLOT, DOT_R, EXPAND_STAGES,
-                         EXPAND_CHUNK, WIDE_CHUNK, EXPAND_B_ROWS)
+                         EXPAND_CHUNK, CHUNK_FROM, WIDE_CHUNK, EXPAND_B_ROWS)
 
 
 def _check_weight(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, out: torch.Tensor) -> None:
@@ -388,6 +395,7 @@ def _launch(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, A:
         EVEN_K=in_features % config.block_k == 0, BLOCK_M=BLOCK_M, BLOCK_N=config.block_n, BLOCK_K=config.block_k,
         STAGES=config.stages, BLOCK_R=config.block_r, BY_SLOT=config.expand_by_slot,
         DOT_R=DOT_R, EXPAND_STAGES=config.expand_stages, EXPAND_CHUNK=config.expand_chunk,
+        CHUNK_FROM=config.expand_chunk if config.expand_chunk_from is None else config.expand_chunk_from,
         WIDE_CHUNK=config.expand_wide_chunk, EXPAND_B_ROWS=config.expand_b_rows, TICKETED=config.lora.ticketed,
         num_warps=config.num_warps)
 
