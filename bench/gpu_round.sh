@@ -35,7 +35,7 @@
 #                                     engine with `lora_fused_linear` against the base (LORAS=64 adapters loaded,
 #                                     DISTINCT=1,4,16 of them in the batch; ENGINE_SYSTEM= names bench/lora_kernels.py
 #                                     systems for its configs, one engine each, e.g. linear_by_shape,linear_by_shape_chunk8;
-#                                     `best` the linear_by_shape* one fastest at the most adapters; ENGINE_TIMEOUT= seconds, 240);
+#                                     `best` the linear_by_shape* one fastest at the most adapters; ENGINE_TIMEOUT= / TEST_TIMEOUT= seconds, 240 / 130);
 #                                     LINEAR_BASELINE=FILE adds another kernels/lora_linear.py
 #                                     (`git show REV:kernels/lora_linear.py > bench/lora_linear_baseline.py` here
 #                                     first)
@@ -141,7 +141,7 @@ case "${1:-tests}" in
     grep -i -B2 -A3 "error\|traceback" "$OUT/lora.log" | tail -20
     ;;
   lora-linear)
-    timeout 130 python3 -m pytest -q -rfE -p no:cacheprovider tests/test_kernels_lora_linear.py -k "cuda or fused_linear_modes" \
+    timeout ${TEST_TIMEOUT:-130} python3 -m pytest -q -rfE -p no:cacheprovider tests/test_kernels_lora_linear.py -k "cuda or fused_linear_modes" \
       "tests/test_gpu_lora_engine.py::test_deferred_and_fused_linear_modes_through_graphs_and_eagerly_give_peft_tokens" \
       > "$OUT/lora_linear_tests.log" 2>&1; grep -E "^(FAILED|ERROR) |passed|failed" "$OUT/lora_linear_tests.log" | tail -8
     split=linear_by_shape_split chunk=linear_by_shape_chunk  # the other splits and tile groups: SYSTEMS=
@@ -161,7 +161,7 @@ print(min((r for r in rows if r["distinct"] == most), key=lambda r: r["lora_us_p
     fi
     timeout ${ENGINE_TIMEOUT:-240} python3 bench/lora.py --device cuda --fused-linear only --loras ${LORAS:-64} --distinct ${DISTINCT:-1,4,16} \
       ${ENGINE_SYSTEM:+--linear-system "$ENGINE_SYSTEM"} > "$OUT/lora_linear_engine.jsonl" 2>> "$OUT/lora.log"
-    grep -h -E '"lora_kernels"|"decode"' "$OUT/lora_linear.jsonl" "$OUT/lora_linear_engine.jsonl" | cut -c 1-300
+    grep -h -E '"lora_kernels"|"decode"' "$OUT/lora_linear.jsonl" "$OUT/lora_linear_engine.jsonl" | cut -c 1-420
     grep -i -B2 -A3 "error\|traceback" "$OUT/lora.log" | tail -20
     ;;
   lora-linear-parts)

@@ -31,8 +31,13 @@ system NAME ("linear_by_shape": the engine's own, `linear_config_for`; its lines
 whose every request takes its one adapter (`system: merged`, its overhead against the same base), and takes the
 same two adapter pushes (each refolds the modules it writes into the base weights).
 
-`--profile` (CUDA): per case, one more batch is started and a few of its decode steps run, then the step's
-captured decode graph is replayed: its device time (`graph_replay_ms`, over 20 replays), the kernels it launches
+On CUDA every decode line also says what one decode step costs the device alone: per case one more batch is
+started and a few of its decode steps run, then the step's captured decode graph is replayed back to back
+(`graph_step_ms`, the best of 3 rounds of 20 replays; no prefill, no host time), and `graph_overhead` = that /
+the base's - 1. `tokens_per_s` times whole `generate` calls (best of two, their prompts already in the prefix
+cache) and moves by 2-4% between engines of the same kernels; the graph's time is the decode step itself, steadier.
+
+`--profile` (CUDA): per case, that replay also profiled: its device time (`graph_replay_ms`), the kernels it launches
 (`launches_per_step`) and the top kernels by device time per replay (`top_kernels_us_and_launches`, LoRA's are
 `_lora_*`), like bench/profile_decode.py, and how its kernels used the streams (`stream_use`, per replay: each
 stream's launches and busy µs, the µs two streams ran at once, and how much of each stream's time ran beside
@@ -118,8 +123,11 @@ def timed_decode(engine, args, loras: list[str | None]) -> float:
     return sum(len(c.token_ids) for o in outs for c in o.outputs) / best
 
 
-def profile_graph(engine, args, loras: list[str | None], common: dict, **labels) -> None:
-    """The decode graph of a batch like `timed_decode`'s, mid-generation: device time, launches, top kernels."""
+def graph_step_ms(engine, args, loras: list[str | None], profile: bool = False, **labels) -> float:
+    """Device ms of one decode step of a batch like `timed_decode`'s, mid-generation: its captured decode graph
+    replayed back to back (the best of 3 rounds of 20 replays; no host time, no prefill). With `profile`, also a
+    "profile" line: that time, the kernels it launches, the top kernels and how they used the streams (`labels`
+    and `common` on it). The replays recompute the step in place (its KV rows rewritten); the batch then finishes."""
     from rollout import SamplingParams
 
     g = torch.Generator().manual_seed(1)
@@ -133,25 +141,30 @@ def profile_graph(engine, args, loras: list[str | None], common: dict, **labels)
     key = (graphs.padded_size(args.batch), False, any(lora is not None for lora in loras))
     assert key in graphs.graphs, (key, sorted(graphs.graphs))
     graph = graphs.graphs[key]
-    sync(args.device)
-    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-    start.record()
-    for _ in range(20):
-        graph.replay()
-    end.record()
-    sync(args.device)
-    with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CUDA]) as prof:
-        for _ in range(5):
-            graph.replay()
+    rounds = []
+    for _ in range(3):
         sync(args.device)
-    events = prof.key_averages()
-    top = sorted(((e.key, e.device_time_total / 5, e.count // 5) for e in events), key=lambda k: -k[1])[:args.top]
-    emit(kind="profile", graph=list(key), graph_replay_ms=round(start.elapsed_time(end) / 20, 4),
-         launches_per_step=sum(e.count for e in events) // 5,
-         top_kernels_us_and_launches=[(k[:60], round(t, 1), n) for k, t, n in top],
-         stream_use=stream_concurrency(prof, 5, top_kernels=0), **labels, **common)
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        for _ in range(20):
+            graph.replay()
+        end.record()
+        sync(args.device)
+        rounds.append(start.elapsed_time(end) / 20)
+    if profile:
+        with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CUDA]) as prof:
+            for _ in range(5):
+                graph.replay()
+            sync(args.device)
+        events = prof.key_averages()
+        top = sorted(((e.key, e.device_time_total / 5, e.count // 5) for e in events), key=lambda k: -k[1])[:args.top]
+        emit(kind="profile", graph=list(key), graph_replay_ms=round(min(rounds), 4),
+             launches_per_step=sum(e.count for e in events) // 5,
+             top_kernels_us_and_launches=[(k[:60], round(t, 1), n) for k, t, n in top],
+             stream_use=stream_concurrency(prof, 5, top_kernels=0), **labels)
     while engine.has_unfinished_requests():
         engine.step()
+    return min(rounds)
 
 
 def bench_adapter_push(engine, args, name: str, common: dict, report: bool = True, weights: dict | None = None,
@@ -250,9 +263,10 @@ def main() -> None:
 
         engine = make_engine(model_dir, args, max_loras=0)
         base_tps = timed_decode(engine, args, [None])
-        emit(kind="decode", system="base", loras_loaded=0, distinct=0, tokens_per_s=round(base_tps, 1), **common)
-        if args.profile:
-            profile_graph(engine, args, [None], common, system="base", distinct=0)
+        base_graph = graph_step_ms(engine, args, [None], args.profile, system="base", distinct=0, **common) if cuda \
+            else None
+        emit(kind="decode", system="base", loras_loaded=0, distinct=0, tokens_per_s=round(base_tps, 1),
+             **({"graph_step_ms": round(base_graph, 4)} if cuda else {}), **common)
         bench_base_push(engine, args, common)
         engine.close()
         del engine
@@ -281,16 +295,17 @@ def main() -> None:
             emit(kind="lora_load", adapters=num_loras, ms_each=round(1e3 * (time.perf_counter() - t) / num_loras, 2),
                  **common)
             for k in [0] + distinct:
-                tps = timed_decode(engine, args, names[:k] if k else [None])
-                emit(kind="decode", system="lora", lora_overlap=overlap, lora_deferred=deferred,
-                     lora_fused_linear=fused, carveout=args.carveout,
-                     **({"linear_system": system} if fused else {}),
-                     loras_loaded=num_loras,
-                     distinct=k,
-                     tokens_per_s=round(tps, 1), overhead=round(base_tps / tps - 1, 4), **common)
-                if args.profile:
-                    profile_graph(engine, args, names[:k] if k else [None], common, system="lora", distinct=k,
-                                  lora_overlap=overlap, lora_deferred=deferred, lora_fused_linear=fused)
+                loras = names[:k] if k else [None]
+                tps = timed_decode(engine, args, loras)
+                labels = dict(system="lora", lora_overlap=overlap, lora_deferred=deferred, lora_fused_linear=fused,
+                              carveout=args.carveout, **({"linear_system": system} if fused else {}),
+                              loras_loaded=num_loras, distinct=k)
+                graph = {}
+                if cuda:
+                    ms = graph_step_ms(engine, args, loras, args.profile, **labels, **common)
+                    graph = dict(graph_step_ms=round(ms, 4), graph_overhead=round(ms / base_graph - 1, 4))
+                emit(kind="decode", **labels, tokens_per_s=round(tps, 1), overhead=round(base_tps / tps - 1, 4),
+                     **graph, **common)
             if run == 0:  # the pushes do not depend on the hook
                 if len(names) > 1:
                     bench_adapter_push(engine, args, names[1], common, report=False)

@@ -133,6 +133,8 @@ def linear_configs(sweep: bool) -> dict:
     "linear_by_shape_chunkN_fromF": the same once the step uses F (the only chunk part empty below N);
     "linear_by_shape_wideN": the same with one expand dot per N slots once the step uses N, per 4 from 4 on;
     "linear_by_shape_chunk8_narrow": chunks of 8 slots but in gate_up_proj (out >= 4x in), which keeps 4;
+    "linear_by_shape_chunk8_w8", "linear_by_shape_wide8_w8": chunks of 8 (wide: from 8 slots, of 4 from 4) with 8
+    warps a program in gate_up_proj (half the registers a thread for its 64-column block);
     "linear_by_shape_b_reshaped": the same with each chunk's B blocks loaded as a [chunk, 16, block_n] block and
     reshaped (`expand_b_rows=False`); "linear_by_shape_b_reshaped_shrink_stages2": that and 2 stages in the shrink's
     loop (the defaults before 2026-12-07's evening);
@@ -167,6 +169,9 @@ def linear_configs(sweep: bool) -> dict:
              **{f"linear_by_shape_wide{n}": by_shape(expand_wide_chunk=n) for n in (8, 16)},
              "linear_by_shape_chunk8_narrow": lambda i, o: (linear_config_for(i, o) if o >= 4 * i
                                                             else chunk8(i, o)),
+             **{f"linear_by_shape_{name}_w8": (lambda i, o, c=c: replace(c(i, o), num_warps=8) if o >= 4 * i
+                                                else c(i, o))
+                for name, c in (("chunk8", chunk8), ("wide8", by_shape(expand_wide_chunk=8)))},
              "linear_by_shape_b_reshaped": by_shape(expand_b_rows=False),
              "linear_by_shape_b_reshaped_shrink_stages2": by_shape({"shrink_stages": 2}, expand_b_rows=False),
              **{f"linear_by_shape_groups{g}": by_shape({"groups_per_tile_row": g}) for g in (1, 2)},
