@@ -15,7 +15,7 @@ base in float32, rounded once: the numerics of `kernels/lora_ref.py` on the roun
 without an adapter get the GEMM's result alone. By default that product is one tensor-core dot per slot the step
 uses (the plan's list of them, `LoraBatch.used_slots`, ascending): the block's rows of that slot, the others'
 masked to zero (exact zeros, so a row's sum is its own slot's dot alone), times the slot's B block, read once per
-block; from 4 slots on, one dot per 4 of them (`expand_chunk`); `expand_by_slot=False` gathers each row's B rows
+block; from 8 slots on, one dot per 8 of them (`expand_chunk`); `expand_by_slot=False` gathers each row's B rows
 instead. The last GEMM program to count takes
 the counter back to zero. Roles follow the order in which programs start (a ticket, `LoraKernelConfig.ticketed`, as
 in `kernels/lora.py`'s one launch): the lower tickets are the shrink's, so every program a GEMM program waits on
@@ -90,25 +90,33 @@ class LinearLoraConfig:
     hook, none / 3 stages: 5.6 / 7.1 at one adapter, 20.5 / 16.6 at 16; 3 is also what Triton gives the loop
     unasked). The loop over chunks of slots (`expand_chunk`), taken only from `expand_chunk` slots on, always runs
     in this many stages."""
-    expand_chunk: int = 4
+    expand_chunk: int = 8
     """Slots a tensor-core dot of the expand by slot takes once the step uses at least that many (1: one dot per
     slot): the rows' y spread over `expand_chunk` blocks of `DOT_R` entries (a row's in its slot's block, exact
     zeros in the others) times those slots' B blocks stacked, one dot of K = expand_chunk * DOT_R in place of
     `expand_chunk` dots of K = DOT_R in a row, each waiting for the last. The same bits: a row's products fall in
-    one K step of 16 either way, in the same slot order, and the other steps add exact zeros. One H100, 8B shapes,
-    batch 64, µs a hook at 0 / 1 / 16 distinct adapters (`python bench/lora_kernels.py --systems
-    default,linear_by_shape,linear_by_shape_chunk4,linear_by_shape_chunk16 --replays 2 --distinct 0,1,16`,
-    2026-12-07, one dot per slot then the default): one per slot 1.88 / 4.82 / 11.69, chunks of 4 1.99 / 4.93 /
-    10.64, of 16 4.77 / 7.94 / 13.35 (the larger chunk's registers cost even where its loop is not taken)."""
+    one K step of 16 either way, in the same slot order, and the other steps add exact zeros. 8 since 2026-12-07
+    (late), 4 before: 8B shapes, batch 64, µs a hook at 1 / 4 / 16 distinct adapters, 4 then 8 (`python
+    bench/lora_kernels.py --systems linear_by_shape,linear_by_shape_chunk8 --replays 3 --distinct 1,4,16` in `bash
+    bench/gpu_round.sh lora-linear`): one H100, 4.02 / 5.33 / 9.40 and 4.19 / 5.63 / 8.18; one H200, 5.56 / 6.39 /
+    10.09 and 5.64 / 6.99 / 8.93, and in the engine there (the decode graph's time over the base's, `python
+    bench/lora.py --device cuda --fused-linear only --linear-system linear_by_shape,linear_by_shape_chunk8`) 13.5% /
+    15.6% / 24.6% and 13.5% / 16.7% / 21.7%. Four slots to seven then take one dot a slot (`expand_chunk_from`
+    changes that; no faster at four). gate_up_proj's kernel takes 255 registers a thread, no spill. Earlier (one
+    H100, µs a hook at 0 / 1 / 16 adapters, `--systems default,linear_by_shape,linear_by_shape_chunk4,
+    linear_by_shape_chunk16`, one dot a slot then the default): one per slot 1.88 / 4.82 / 11.69, chunks of 4 1.99 /
+    4.93 / 10.64, of 16 4.77 / 7.94 / 13.35 (the larger chunk's registers cost even where its loop is not taken)."""
     expand_chunk_from: int | None = None
     """The fewest slots the step must use for the expand by slot to take chunks of `expand_chunk` (None:
     `expand_chunk`): below `expand_chunk` the last chunk is part empty (exact zeros), one dot of K = expand_chunk *
     DOT_R in place of that many dots of K = DOT_R in a row. The same bits."""
     expand_wide_chunk: int = 1
     """Slots a dot of the expand by slot takes, in place of `expand_chunk`, once the step uses at least that many
-    (1: never). Off: at 8 its registers spill in gate_up_proj's kernel (one H100, 8B shapes, batch 64, µs a hook at
-    1 / 4 / 16 distinct adapters, `python bench/lora_kernels.py --systems linear_by_shape,linear_by_shape_wide8
-    --replays 3 --distinct 1,4,16`, 2026-12-07: 4.14 / 5.14 / 9.39 without, 4.63 / 5.69 / 8.94 with)."""
+    (1: never). Off: at 8 over chunks of 4 its registers spill in gate_up_proj's kernel (one H100, 8B shapes, batch
+    64, µs a hook at 1 / 4 / 16 distinct adapters, `python bench/lora_kernels.py --systems
+    linear_by_shape_chunk4,linear_by_shape_wide8 --replays 3 --distinct 1,4,16`, 2026-12-07: 4.14 / 5.14 / 9.39
+    without, 4.63 / 5.69 / 8.94 with); with 8 warps in gate_up_proj it does not spill but that tile is slower
+    (`linear_by_shape_wide8_w8`: one H200, 11.09 / 12.42 / 15.49 against 5.56 / 6.39 / 10.09)."""
     expand_b_rows: bool = True
     """The chunks' B blocks (`expand_chunk` > 1) as one [expand_chunk * DOT_R, block_n] tile, each row's address
     from its slot (the plan's list read row by row), which feeds the tensor-core dot as it is loaded, the next

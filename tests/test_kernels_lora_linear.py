@@ -228,7 +228,7 @@ def test_bad_arguments_and_configs_are_refused():
     with pytest.raises(ValueError, match="expand_wide_chunk must be a power of two >= 1"):
         LinearLoraConfig(expand_wide_chunk=6)
     with pytest.raises(ValueError, match=r"expand_chunk_from must be None or in \[1, expand_chunk = 4\], got 5"):
-        LinearLoraConfig(expand_chunk_from=5)
+        LinearLoraConfig(expand_chunk=4, expand_chunk_from=5)
     with pytest.raises(ValueError, match="stages must be >= 1"):
         LinearLoraConfig(stages=0)
     with pytest.raises(ValueError, match="expand_stages must be >= 1"):
@@ -270,8 +270,8 @@ def test_cuda_8b_decode_matches_cublas_then_the_reference(layer, distinct):
     ours = linear_lora(x, W, None, A, B, batch, scaling, slices=slices, config=config)
     assert int(batch.done[0]) == 0
     for changed in ({"expand_stages": 1, "expand_chunk": 1}, {"expand_stages": 2, "expand_chunk": 1},
-                    {"expand_chunk": 1}, {"expand_chunk": 8}, {"expand_chunk": 8, "expand_chunk_from": 2},
-                    {"expand_wide_chunk": 8}, {"expand_b_rows": False},
+                    {"expand_chunk": 1}, {"expand_chunk": 4}, {"expand_chunk_from": 2},
+                    {"expand_chunk": 4, "expand_wide_chunk": 8}, {"expand_b_rows": False},
                     {"lora": replace(config.lora, shrink_stages=2)}):
         again = linear_lora(x, W, None, A, B, batch, scaling, slices=slices, config=replace(config, **changed))
         assert torch.equal(ours, again), changed
