@@ -101,7 +101,8 @@ class LinearLoraConfig:
     bench/gpu_round.sh lora-linear`): one H100, 4.02 / 5.33 / 9.40 and 4.19 / 5.63 / 8.18; one H200, 5.56 / 6.39 /
     10.09 and 5.64 / 6.99 / 8.93, and in the engine there (the decode graph's time over the base's, `python
     bench/lora.py --device cuda --fused-linear only --linear-system linear_by_shape,linear_by_shape_chunk8`) 13.5% /
-    15.6% / 24.6% and 13.5% / 16.7% / 21.7%. Four slots to seven then take one dot a slot (`expand_chunk_from`
+    15.6% / 24.6% and 13.5% / 16.7% / 21.7%; on the H100 in a later call, 8.6% / 10.7% / 18.9% and 8.8% / 11.8% /
+    16.3% (docs/LORA_DECODE.md). Four slots to seven then take one dot a slot (`expand_chunk_from`
     changes that; no faster at four). gate_up_proj's kernel takes 255 registers a thread, no spill. Earlier (one
     H100, µs a hook at 0 / 1 / 16 adapters, `--systems default,linear_by_shape,linear_by_shape_chunk4,
     linear_by_shape_chunk16`, one dot a slot then the default): one per slot 1.88 / 4.82 / 11.69, chunks of 4 1.99 /
