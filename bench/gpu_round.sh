@@ -34,8 +34,8 @@
 #                                     loaded row by row or not; splits of 4096; SYSTEMS= names others), and the
 #                                     engine with `lora_fused_linear` against the base (LORAS=64 adapters loaded,
 #                                     DISTINCT=1,4,16 of them in the batch; ENGINE_SYSTEM= names bench/lora_kernels.py
-#                                     systems for its configs, one engine each, e.g. linear_by_shape,linear_by_shape_chunk8;
-#                                     `best` the linear_by_shape* one fastest at the most adapters; ENGINE_TIMEOUT= / TEST_TIMEOUT= seconds, 240 / 130);
+#                                     systems for its configs, one engine each, e.g. linear_by_shape,linear_by_shape_chunk4;
+#                                     `best` the linear_by_shape* one fastest at the most adapters; ENGINE_TIMEOUT= / TEST_TIMEOUT= seconds, 240 / 200);
 #                                     LINEAR_BASELINE=FILE adds another kernels/lora_linear.py
 #                                     (`git show REV:kernels/lora_linear.py > bench/lora_linear_baseline.py` here
 #                                     first)
@@ -141,11 +141,11 @@ case "${1:-tests}" in
     grep -i -B2 -A3 "error\|traceback" "$OUT/lora.log" | tail -20
     ;;
   lora-linear)
-    timeout ${TEST_TIMEOUT:-130} python3 -m pytest -q -rfE -p no:cacheprovider tests/test_kernels_lora_linear.py -k "cuda or fused_linear_modes" \
+    timeout ${TEST_TIMEOUT:-200} python3 -m pytest -q -rfE -p no:cacheprovider tests/test_kernels_lora_linear.py -k "cuda or fused_linear_modes" \
       "tests/test_gpu_lora_engine.py::test_deferred_and_fused_linear_modes_through_graphs_and_eagerly_give_peft_tokens" \
       > "$OUT/lora_linear_tests.log" 2>&1; grep -E "^(FAILED|ERROR) |passed|failed" "$OUT/lora_linear_tests.log" | tail -8
     split=linear_by_shape_split chunk=linear_by_shape_chunk  # the other splits and tile groups: SYSTEMS=
-    systems="default,linear_by_shape,linear_by_shape_chunk8,linear_by_shape_chunk8_narrow"
+    systems="default,linear_by_shape,linear_by_shape_chunk4,linear_by_shape_chunk8_narrow"
     systems=${SYSTEMS:-$systems,linear_by_shape_b_reshaped,${chunk}1,${split}4096}
     timeout 220 python3 bench/lora_kernels.py --systems "$systems${LINEAR_BASELINE:+,baseline_linear_by_shape}" \
       ${LINEAR_BASELINE:+--baseline-linear "$LINEAR_BASELINE"} --replays 3 --distinct 0,1,4,16 \
