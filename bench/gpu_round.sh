@@ -47,6 +47,8 @@
 #                                     block-id roles, the fused linear likewise, at 1 / 4 / 16 distinct adapters,
 #                                     each case in its own process under a hard limit (block ids not at 16: hung)
 #   bash bench/gpu_round.sh lora-linear-sweep  each projection alone, every tile of the sweep, 0 and 1 adapters
+#                                     (SYSTEMS= shell patterns of bench/lora_kernels.py systems, e.g.
+#                                     'default,linear_by_shape,linear_bn*_w4'; DISTINCT= e.g. 0)
 # Logs and JSON lines go under $OUT (default ./gpu_out).
 set -uo pipefail
 OUT=${OUT:-gpu_out}
@@ -196,7 +198,8 @@ print(min((r for r in rows if r["distinct"] == most), key=lambda r: r["lora_us_p
     grep -h '"lora_kernels"' "$OUT/lora_roles.jsonl" | cut -c 1-200
     ;;
   lora-linear-sweep)
-    timeout 570 python3 bench/lora_kernels.py --per-linear --sweep --systems "default,linear*" --distinct 0,1 \
+    timeout 570 python3 bench/lora_kernels.py --per-linear --sweep --systems "${SYSTEMS:-default,linear*}" \
+      --distinct ${DISTINCT:-0,1} \
       --replays 5 > "$OUT/lora_linear_sweep.jsonl" 2>> "$OUT/lora.log"
     grep -h '"lora_kernels"' "$OUT/lora_linear_sweep.jsonl" | cut -c 1-220
     ;;
