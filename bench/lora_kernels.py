@@ -131,11 +131,9 @@ def linear_configs(sweep: bool) -> dict:
     "linear_by_shape_expandN": the same with N software-pipeline stages over the expand's slots, 1: none;
     "linear_by_shape_chunkN": the same with one expand dot per N slots once the step uses N (8: the engine's;
     4: its default before 2026-12-07, late);
-    "linear_by_shape_chunkN_fromF": the same once the step uses F (the only chunk part empty below N);
-    "linear_by_shape_wideN": one expand dot per N slots once the step uses N, per 4 from 4 on;
     "linear_by_shape_chunk8_narrow": chunks of 8 slots but in gate_up_proj (out >= 4x in), which keeps 4;
-    "linear_by_shape_chunk8_w8", "linear_by_shape_wide8_w8": chunks of 8 (wide: from 8 slots, of 4 from 4) with 8
-    warps a program in gate_up_proj (half the registers a thread for its 64-column block);
+    "linear_by_shape_chunk8_w8": chunks of 8 with 8 warps a program in gate_up_proj (half the registers a thread
+    for its 64-column block);
     "linear_by_shape_b_reshaped": the same with each chunk's B blocks loaded as a [chunk, 16, block_n] block and
     reshaped (`expand_b_rows=False`); "linear_by_shape_b_reshaped_shrink_stages2": that with chunks of 4 and 2
     stages in the shrink's loop (the defaults before 2026-12-07's evening);
@@ -165,13 +163,9 @@ def linear_configs(sweep: bool) -> dict:
              **{f"linear_by_shape_expand{n}": by_shape(expand_stages=n) for n in (1, 2, 4)},
              **{f"linear_by_shape_chunk{n}": by_shape(expand_chunk=n) for n in (1, 2, 4, 16)},
              "linear_by_shape_chunk8": chunk8,
-             **{f"linear_by_shape_chunk{n}_from{f}": by_shape(expand_chunk=n, expand_chunk_from=f)
-                for n, f in ((4, 2), (8, 2), (8, 4))},
-             **{f"linear_by_shape_wide{n}": by_shape(expand_chunk=4, expand_wide_chunk=n) for n in (8, 16)},
              "linear_by_shape_chunk8_narrow": lambda i, o: chunk4(i, o) if o >= 4 * i else chunk8(i, o),
-             **{f"linear_by_shape_{name}_w8": (lambda i, o, c=c: replace(c(i, o), num_warps=8) if o >= 4 * i
-                                                else c(i, o))
-                for name, c in (("chunk8", chunk8), ("wide8", by_shape(expand_chunk=4, expand_wide_chunk=8)))},
+             "linear_by_shape_chunk8_w8": lambda i, o: (replace(chunk8(i, o), num_warps=8) if o >= 4 * i
+                                                        else chunk8(i, o)),
              "linear_by_shape_b_reshaped": by_shape(expand_b_rows=False),
              "linear_by_shape_b_reshaped_shrink_stages2": by_shape({"shrink_stages": 2}, expand_b_rows=False,
                                                                    expand_chunk=4),

@@ -102,22 +102,13 @@ class LinearLoraConfig:
     10.09 and 5.64 / 6.99 / 8.93, and in the engine there (the decode graph's time over the base's, `python
     bench/lora.py --device cuda --fused-linear only --linear-system linear_by_shape,linear_by_shape_chunk8`) 13.5% /
     15.6% / 24.6% and 13.5% / 16.7% / 21.7%; on the H100 in a later call, 8.6% / 10.7% / 18.9% and 8.8% / 11.8% /
-    16.3% (docs/LORA_DECODE.md). Four slots to seven then take one dot a slot (`expand_chunk_from`
-    changes that; no faster at four). gate_up_proj's kernel takes 255 registers a thread, no spill. Earlier (one
+    16.3% (docs/LORA_DECODE.md). Four slots to seven then take one dot a slot. Measured and taken out
+    (docs/LORA_DECODE.md): chunks of 8 from 2 or 4 slots on (no faster at four), and chunks of 8 from 8 slots with
+    chunks of 4 from 4 (spills in gate_up_proj's kernel; with 8 warps there, twice as slow). gate_up_proj's kernel
+    takes 255 registers a thread, no spill. Earlier (one
     H100, µs a hook at 0 / 1 / 16 adapters, `--systems default,linear_by_shape,linear_by_shape_chunk4,
     linear_by_shape_chunk16`, one dot a slot then the default): one per slot 1.88 / 4.82 / 11.69, chunks of 4 1.99 /
     4.93 / 10.64, of 16 4.77 / 7.94 / 13.35 (the larger chunk's registers cost even where its loop is not taken)."""
-    expand_chunk_from: int | None = None
-    """The fewest slots the step must use for the expand by slot to take chunks of `expand_chunk` (None:
-    `expand_chunk`): below `expand_chunk` the last chunk is part empty (exact zeros), one dot of K = expand_chunk *
-    DOT_R in place of that many dots of K = DOT_R in a row. The same bits."""
-    expand_wide_chunk: int = 1
-    """Slots a dot of the expand by slot takes, in place of `expand_chunk`, once the step uses at least that many
-    (1: never). Off: at 8 over chunks of 4 its registers spill in gate_up_proj's kernel (one H100, 8B shapes, batch
-    64, µs a hook at 1 / 4 / 16 distinct adapters, `python bench/lora_kernels.py --systems
-    linear_by_shape_chunk4,linear_by_shape_wide8 --replays 3 --distinct 1,4,16`, 2026-12-07: 4.14 / 5.14 / 9.39
-    without, 4.63 / 5.69 / 8.94 with); with 8 warps in gate_up_proj it does not spill but that tile is slower
-    (`linear_by_shape_wide8_w8`: one H200, 11.09 / 12.42 / 15.49 against 5.56 / 6.39 / 10.09)."""
     expand_b_rows: bool = True
     """The chunks' B blocks (`expand_chunk` > 1) as one [expand_chunk * DOT_R, block_n] tile, each row's address
     from its slot (the plan's list read row by row), which feeds the tensor-core dot as it is loaded, the next
@@ -138,14 +129,10 @@ class LinearLoraConfig:
         for name in ("stages", "num_warps", "max_rows", "expand_stages"):
             if getattr(self, name) < 1:
                 raise ValueError(f"LinearLoraConfig.{name} must be >= 1, got {getattr(self, name)}")
-        for name, low in (("block_n", 16), ("block_k", 16), ("block_r", 1), ("expand_chunk", 1),
-                          ("expand_wide_chunk", 1)):
+        for name, low in (("block_n", 16), ("block_k", 16), ("block_r", 1), ("expand_chunk", 1)):
             value = getattr(self, name)
             if value < low or value & (value - 1):
                 raise ValueError(f"LinearLoraConfig.{name} must be a power of two >= {low}, got {value}")
-        if self.expand_chunk_from is not None and not 1 <= self.expand_chunk_from <= self.expand_chunk:
-            raise ValueError(f"LinearLoraConfig.expand_chunk_from must be None or in [1, expand_chunk = "
-                             f"{self.expand_chunk}], got {self.expand_chunk_from}")
 
 
 DEFAULT_LINEAR_CONFIG = LinearLoraConfig()
@@ -236,8 +223,7 @@ def _gemm_lora_block(q, x_ptr, w_ptr, bias_ptr, out_ptr, part_ptr, b_ptr, scalin
                      stride_pt, stride_bs, stride_bn, HAS_BIAS: tl.constexpr, SPLITS: tl.constexpr,
                      EVEN_K: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
                      STAGES: tl.constexpr, BLOCK_R: tl.constexpr, BY_SLOT: tl.constexpr, DOT_R: tl.constexpr,
-                     EXPAND_STAGES: tl.constexpr, EXPAND_CHUNK: tl.constexpr, CHUNK_FROM: tl.constexpr,
-                     WIDE_CHUNK: tl.constexpr, EXPAND_B_ROWS: tl.constexpr):
+                     EXPAND_STAGES: tl.constexpr, EXPAND_CHUNK: tl.constexpr, EXPAND_B_ROWS: tl.constexpr):
     """GEMM program q = (column block of one slice, row block): out[rows, block] = round(round(x W^T + b) + the
     rows' deltas), after the shrink's programs have all counted into `done`."""
     f = q // m_blocks  # the row blocks of one column block are neighbours: they share its weight rows in L2
@@ -288,16 +274,10 @@ def _gemm_lora_block(q, x_ptr, w_ptr, bias_ptr, out_ptr, part_ptr, b_ptr, scalin
             y = _rows_y(y_rows, rr, has[:, None] & (rr < rank)[None, :], stride_pp, SPLITS).to(b_ptr.dtype.element_ty)
             b_cols = b_slot0 + rr[:, None]  # [DOT_R, BLOCK_N] of slot 0
             bmask = (rr < rank)[:, None] & nmask[None, :]
-            wide = False
-            if WIDE_CHUNK > 1:
-                wide = num_used >= WIDE_CHUNK
             chunked = False
             if EXPAND_CHUNK > 1:
-                chunked = num_used >= CHUNK_FROM
-            if wide:
-                delta = _expand_chunks(delta, y, slot, used_slots_ptr, num_used, b_slot0, r0, rank, nmask, stride_bs,
-                                       BLOCK_M, BLOCK_N, DOT_R, WIDE_CHUNK, EXPAND_B_ROWS, EXPAND_STAGES)
-            elif chunked:
+                chunked = num_used >= EXPAND_CHUNK
+            if chunked:
                 delta = _expand_chunks(delta, y, slot, used_slots_ptr, num_used, b_slot0, r0, rank, nmask, stride_bs,
                                        BLOCK_M, BLOCK_N, DOT_R, EXPAND_CHUNK, EXPAND_B_ROWS, EXPAND_STAGES)
             elif num_used >= EXPAND_STAGES:  # enough slots for the pipeline's prologue to pay
@@ -329,8 +309,8 @@ def _linear_lora_kernel(x_ptr, w_ptr, bias_ptr, out_ptr, a_ptr, part_ptr, b_ptr,
                         BLOCK_RA: tl.constexpr, SHRINK_K: tl.constexpr, SHRINK_STAGES: tl.constexpr,
                         EVEN_K: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
                         STAGES: tl.constexpr, BLOCK_R: tl.constexpr, BY_SLOT: tl.constexpr, DOT_R: tl.constexpr,
-                        EXPAND_STAGES: tl.constexpr, EXPAND_CHUNK: tl.constexpr, CHUNK_FROM: tl.constexpr,
-                        WIDE_CHUNK: tl.constexpr, EXPAND_B_ROWS: tl.constexpr, TICKETED: tl.constexpr):
+                        EXPAND_STAGES: tl.constexpr, EXPAND_CHUNK: tl.constexpr, EXPAND_B_ROWS: tl.constexpr,
+                        TICKETED: tl.constexpr):
     """The shrink programs (ids below `shrink_programs`), each counting into `done` at its end, then the GEMM
     programs, which wait for all of them before their epilogue."""
     pid = _program_role(ticket_ptr, shrink_programs + gemm_programs, TICKETED)
@@ -346,7 +326,7 @@ def _linear_lora_kernel(x_ptr, w_ptr, bias_ptr, out_ptr, a_ptr, part_ptr, b_ptr,
                          shrink_programs, gemm_programs, m_blocks, blocks0, blocks1, rank, width0, width1, width2,
                          stride_xt, stride_wn, stride_ot, stride_pp, stride_pt, stride_bs, stride_bn, HAS_BIAS, SPLITS,
                          EVEN_K, BLOCK_M, BLOCK_N, BLOCK_K, STAGES, BLOCK_R, BY_SLOT, DOT_R, EXPAND_STAGES,
-                         EXPAND_CHUNK, CHUNK_FROM, WIDE_CHUNK, EXPAND_B_ROWS)
+                         EXPAND_CHUNK, EXPAND_B_ROWS)
 
 
 def _check_weight(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, out: torch.Tensor) -> None:
@@ -404,8 +384,7 @@ def _launch(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, A:
         EVEN_K=in_features % config.block_k == 0, BLOCK_M=BLOCK_M, BLOCK_N=config.block_n, BLOCK_K=config.block_k,
         STAGES=config.stages, BLOCK_R=config.block_r, BY_SLOT=config.expand_by_slot,
         DOT_R=DOT_R, EXPAND_STAGES=config.expand_stages, EXPAND_CHUNK=config.expand_chunk,
-        CHUNK_FROM=config.expand_chunk if config.expand_chunk_from is None else config.expand_chunk_from,
-        WIDE_CHUNK=config.expand_wide_chunk, EXPAND_B_ROWS=config.expand_b_rows, TICKETED=config.lora.ticketed,
+        EXPAND_B_ROWS=config.expand_b_rows, TICKETED=config.lora.ticketed,
         num_warps=config.num_warps)
 
 

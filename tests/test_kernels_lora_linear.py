@@ -157,9 +157,7 @@ def test_the_expand_by_slot_and_the_gathered_expand_both_give_the_reference(rank
 def test_the_expand_in_chunks_of_slots_gives_the_bits_of_one_dot_per_slot(used):
     """`expand_chunk`: once the step uses that many slots, one dot per chunk of slots (the last chunk part empty
     when the chunk does not divide the slots in use), its B blocks loaded as one block or row by row
-    (`expand_b_rows`); `expand_chunk_from`: chunks taken from fewer slots than a chunk on (the only chunk part
-    empty); `expand_wide_chunk`: wider chunks once the step uses that many, `expand_chunk`'s below; a row's products
-    fall in one K step either way."""
+    (`expand_b_rows`); a row's products fall in one K step either way."""
     g = torch.Generator().manual_seed(20 + used)
     slices = (16, 8)
     W, b, A, B, scaling = _layer(g, 48, slices, 20, ranks=(20, 17, 1, 9))  # 20: two rank steps
@@ -170,12 +168,11 @@ def test_the_expand_in_chunks_of_slots_gives_the_bits_of_one_dot_per_slot(used):
     one_per_slot = linear_lora(x, W, b, A, B, idx, scaling, slices=slices, config=replace(SMALL, expand_chunk=1))
     torch.testing.assert_close(one_per_slot.double(), _per_token(x, W, b, A, B, idx, scaling, slices), rtol=1e-5,
                                atol=1e-5)
-    for chunk, wide, start in ((2, 1, None), (4, 1, None), (2, 4, None), (2, 2, None), (4, 1, 1), (4, 1, 2)):
+    for chunk in (2, 4):
         for b_rows in (False, True):
             got = linear_lora(x, W, b, A, B, idx, scaling, slices=slices,
-                              config=replace(SMALL, expand_chunk=chunk, expand_chunk_from=start,
-                                             expand_wide_chunk=wide, expand_b_rows=b_rows))
-            assert torch.equal(got, one_per_slot), (chunk, wide, start, b_rows)
+                              config=replace(SMALL, expand_chunk=chunk, expand_b_rows=b_rows))
+            assert torch.equal(got, one_per_slot), (chunk, b_rows)
 
 
 def test_ticketed_and_block_id_roles_give_the_same_bits_and_leave_the_counters_at_zero():
@@ -225,10 +222,6 @@ def test_bad_arguments_and_configs_are_refused():
         LinearLoraConfig(block_r=3)
     with pytest.raises(ValueError, match="expand_chunk must be a power of two >= 1"):
         LinearLoraConfig(expand_chunk=3)
-    with pytest.raises(ValueError, match="expand_wide_chunk must be a power of two >= 1"):
-        LinearLoraConfig(expand_wide_chunk=6)
-    with pytest.raises(ValueError, match=r"expand_chunk_from must be None or in \[1, expand_chunk = 4\], got 5"):
-        LinearLoraConfig(expand_chunk=4, expand_chunk_from=5)
     with pytest.raises(ValueError, match="stages must be >= 1"):
         LinearLoraConfig(stages=0)
     with pytest.raises(ValueError, match="expand_stages must be >= 1"):
@@ -251,8 +244,7 @@ def _bf16_layer(g, num_slots, in_features, slices, rank):
 def test_cuda_8b_decode_matches_cublas_then_the_reference(layer, distinct):
     """T = 64 over 64 rank-16 slots, 1 or 16 of them in the batch, against cuBLAS's F.linear then the reference's
     delta, and the expand's loop over slots pipelined or not (`expand_stages`) or in chunks of slots
-    (`expand_chunk`, taken from fewer slots on: `expand_chunk_from`, wider from 8 slots on: `expand_wide_chunk`,
-    their B blocks loaded row by row or not:
+    (`expand_chunk`, their B blocks loaded row by row or not:
     `expand_b_rows`), and the shrink's loop in 2 stages
     or 3, giving the same bits. Tolerance
     (bfloat16): the two GEMMs sum `in` in different orders, so the rounded base may differ by an
@@ -270,8 +262,7 @@ def test_cuda_8b_decode_matches_cublas_then_the_reference(layer, distinct):
     ours = linear_lora(x, W, None, A, B, batch, scaling, slices=slices, config=config)
     assert int(batch.done[0]) == 0
     for changed in ({"expand_stages": 1, "expand_chunk": 1}, {"expand_stages": 2, "expand_chunk": 1},
-                    {"expand_chunk": 1}, {"expand_chunk": 4}, {"expand_chunk_from": 2},
-                    {"expand_chunk": 4, "expand_wide_chunk": 8}, {"expand_b_rows": False},
+                    {"expand_chunk": 1}, {"expand_chunk": 4}, {"expand_b_rows": False},
                     {"lora": replace(config.lora, shrink_stages=2)}):
         again = linear_lora(x, W, None, A, B, batch, scaling, slices=slices, config=replace(config, **changed))
         assert torch.equal(ours, again), changed
