@@ -98,3 +98,10 @@ def test_quick_run_with_two_linear_systems_runs_one_fused_engine_each_against_on
     assert [(d["system"], d.get("linear_system"), d["distinct"]) for d in decode] == [
         ("base", None, 0), ("lora", "linear_by_shape", 0), ("lora", "linear_by_shape", 1),
         ("lora", "linear_by_shape_chunk8", 0), ("lora", "linear_by_shape_chunk8", 1)]
+
+
+def test_linear_system_without_fused_linear_is_refused_before_any_engine():
+    run = subprocess.run([sys.executable, os.path.join(ROOT, "bench", "lora.py"), "--quick", "--linear-system",
+                          "linear_by_shape"], capture_output=True, text=True, timeout=120, cwd=ROOT)
+    assert run.returncode != 0 and "--linear-system needs --fused-linear" in run.stderr, run.stderr[-2000:]
+    assert not run.stdout.strip()  # nothing measured
