@@ -166,6 +166,13 @@ def linear_configs(sweep: bool) -> dict:
              "linear_by_shape_chunk8_narrow": lambda i, o: chunk4(i, o) if o >= 4 * i else chunk8(i, o),
              "linear_by_shape_chunk8_w8": lambda i, o: (replace(chunk8(i, o), num_warps=8) if o >= 4 * i
                                                         else chunk8(i, o)),
+             "linear_by_shape_stepcount": by_shape(step_count=True),
+             "linear_by_shape_pf": by_shape(prefetch_b="l2"),
+             "linear_by_shape_ef": by_shape(weights_evict_first=True),
+             "linear_by_shape_stepcount_pf": by_shape(step_count=True, prefetch_b="l2"),
+             "linear_by_shape_stepcount_pfl_ef": by_shape(step_count=True, prefetch_b="l2_evict_last",
+                                                          weights_evict_first=True),
+             "linear_by_shape_stepcount_pf_ef": by_shape(step_count=True, prefetch_b="l2", weights_evict_first=True),
              "linear_by_shape_b_reshaped": by_shape(expand_b_rows=False),
              "linear_by_shape_b_reshaped_shrink_stages2": by_shape({"shrink_stages": 2}, expand_b_rows=False,
                                                                    expand_chunk=4),

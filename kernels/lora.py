@@ -57,7 +57,7 @@ row-parallel one, whose partial delta added before the all-reduce sums to the fu
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 import triton
@@ -129,11 +129,13 @@ class LoraBatch:
     num_tiles: torch.Tensor  # [1] int32: the tiles in use
     arrivals: torch.Tensor  # [max_tiles] int32 (stride _FLAG_STRIDE): per-tile launch counters, zero between launches
     token_slot: torch.Tensor  # [T] int32: each token's slot, -1 for none (values outside the stacks included)
-    done: torch.Tensor  # [1] int32: a launch-wide counter (kernels/lora_linear.py), zero between launches
+    done: torch.Tensor  # [1] int32: a launch-wide counter (kernels/lora_linear.py), zero between launches, or with
+    # `LinearLoraConfig.step_count` the shrink programs of the step's launches so far (zero when built)
     ticket: torch.Tensor  # [1] int32: role tickets (LoraKernelConfig.ticketed), zero between launches
     used_slots: torch.Tensor  # [S] int32: the slots the step's adapter tokens use, ascending; -1 past num_used
     num_used: torch.Tensor  # [1] int32: how many slots the step uses
     num_slots: int  # S, the number of slots of the stacks it is used with
+    counted: list[int] = field(default_factory=lambda: [0])  # [1] host int: what `done` reaches with step_count
 
     @property
     def num_tokens(self) -> int:

@@ -125,6 +125,23 @@ def test_one_plan_serves_many_launches_and_leaves_its_counters_at_zero():
         assert int(batch.done[0]) == 0 and not batch.arrivals.any()
 
 
+def test_step_count_waits_on_the_steps_running_count_and_gives_the_same_bits():
+    """`LinearLoraConfig.step_count`: no count of the GEMM programs' own; the plan's counter holds every shrink
+    program of the step's launches so far (the host's `counted`), the same bits as the launch-wide count."""
+    g = torch.Generator().manual_seed(6)
+    layers = [(slices, _layer(g, 1100, slices, 4, ranks=(4, 2, 4, 1))) for slices in ((16,), (16, 16), (8, 8, 16))]
+    x = torch.randn(19, 1100, generator=g).to(DEVICE)
+    idx = _idx(g, 19)
+    counted, stepped = lora_batch(idx, S), lora_batch(idx, S)
+    stepping = replace(SMALL, step_count=True)
+    for launches, (slices, (W, b, A, B, scaling)) in enumerate(layers, 1):
+        want = linear_lora(x, W, b, A, B, counted, scaling, slices=slices, config=SMALL)
+        assert torch.equal(linear_lora(x, W, b, A, B, stepped, scaling, slices=slices, config=stepping), want)
+        assert int(counted.done[0]) == 0 and counted.counted == [0]
+        assert int(stepped.done[0]) == stepped.counted[0] >= 3 * launches  # three splits of 1100, >= 1 tile group
+    assert lora_batch(idx, S).counted == [0]
+
+
 def test_each_layer_shape_takes_its_measured_tile_and_every_tile_computes_the_layer():
     from kernels.lora_linear import DEFAULT_LINEAR_CONFIG, LONG_CONFIG, WIDE_CONFIG
 
@@ -226,6 +243,8 @@ def test_bad_arguments_and_configs_are_refused():
         LinearLoraConfig(stages=0)
     with pytest.raises(ValueError, match="expand_stages must be >= 1"):
         LinearLoraConfig(expand_stages=0)
+    with pytest.raises(ValueError, match="prefetch_b must be '', 'l2' or 'l2_evict_last'"):
+        LinearLoraConfig(prefetch_b="l1")
 
 
 # ---- CUDA: the Llama-3.1-8B decode shapes in bfloat16 (test_kernels_lora.py's) ------------------------------------
@@ -258,11 +277,12 @@ def test_cuda_8b_decode_matches_cublas_then_the_reference(layer, distinct):
     batch = lora_batch(idx, 64)
     config = linear_config_for(in_features, sum(slices))
     ours = linear_lora(x, W, None, A, B, batch, scaling, slices=slices, config=config)
-    assert int(batch.done[0]) == 0
     for changed in ({"expand_stages": 1, "expand_chunk": 1}, {"expand_stages": 2, "expand_chunk": 1},
                     {"expand_chunk": 1}, {"expand_chunk": 4}, {"expand_b_rows": False},
-                    {"lora": replace(config.lora, shrink_stages=2)}):
-        again = linear_lora(x, W, None, A, B, batch, scaling, slices=slices, config=replace(config, **changed))
+                    {"lora": replace(config.lora, shrink_stages=2)}, {"step_count": not config.step_count},
+                    {"prefetch_b": "l2"}, {"prefetch_b": "l2_evict_last", "weights_evict_first": True}):
+        again = linear_lora(x, W, None, A, B, lora_batch(idx, 64), scaling, slices=slices,
+                            config=replace(config, **changed))
         assert torch.equal(ours, again), changed
     base = F.linear(x, W)
     y = lora_shrink_ref(x, A, idx)
