@@ -277,7 +277,7 @@ def _gemm_lora_block(q, x_ptr, w_ptr, bias_ptr, out_ptr, part_ptr, b_ptr, scalin
     nmask = n < width
     col0 = tl.where(sl >= 1, width0, 0) + tl.where(sl >= 2, width1, 0) + n0
     cols = col0 + tl.arange(0, BLOCK_N)  # columns of the fused output
-    if PREFETCH > 0:  # the used slots' B blocks of these columns, [len(used), PF_LINES] lines
+    if PREFETCH > 0 and ASM:  # the used slots' B blocks of these columns, [len(used), PF_LINES] lines
         span = tl.minimum(width - n0, BLOCK_N) * stride_bn
         j = tl.arange(0, PF_LINES) * LINE_ELEMS
         lines = b_ptr + col0.to(tl.int64) * stride_bn + used[:, None].to(tl.int64) * stride_bs + j[None, :]
@@ -374,7 +374,7 @@ def _linear_lora_kernel(x_ptr, w_ptr, bias_ptr, out_ptr, a_ptr, part_ptr, b_ptr,
     """The shrink programs (ids below `shrink_programs`), each counting into `done` at its end, then the GEMM
     programs, which wait for all of them before their epilogue."""
     ps = tl.arange(0, PF_SLOTS)
-    if PREFETCH > 0:  # in flight while the ticket is taken
+    if PREFETCH > 0 and ASM:  # in flight while the ticket is taken
         used = tl.load(used_slots_ptr + ps, mask=ps < num_slots, other=-1)
     else:
         used = ps
@@ -444,7 +444,7 @@ def _launch(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, A:
         batch.counted[0] += shrink_programs
         wait_for = batch.counted[0]
     asm = os.environ.get("TRITON_INTERPRET") != "1"
-    prefetch = ("", "l2", "l2_evict_last").index(config.prefetch_b) if asm else 0
+    prefetch = ("", "l2", "l2_evict_last").index(config.prefetch_b)
     line_elems = 128 // B.element_size()
     _linear_lora_kernel[(shrink_programs + gemm_programs,)](
         x, weight, x if bias is None else bias, out, A, part, B, scaling, batch.tile_tokens, batch.tile_slot,

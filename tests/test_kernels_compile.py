@@ -191,7 +191,7 @@ def _launch_linear_lora_kernels(g: torch.Generator, h: torch.dtype) -> None:
     """The one-launch linear + LoRA (kernels/lora_linear.py, the engine's CUDA default for LoRA decode linears) at
     the tile of each layer shape: fused q|k|v slices with a bias and a ragged `in`, the expand by slot (three slots
     in use: the pipelined loop and the unpipelined one are both compiled) at rank 8 and at rank 32 (two steps of
-    the dot's K), and the gathered expand."""
+    the dot's K), the gathered expand, and the wait on the step's count with B prefetched into L2."""
     from kernels.lora_linear import DEFAULT_LINEAR_CONFIG, LONG_CONFIG, WIDE_CONFIG, linear_lora
 
     S, r = 3, 8
@@ -199,7 +199,10 @@ def _launch_linear_lora_kernels(g: torch.Generator, h: torch.dtype) -> None:
     for width, slices, config, rank in ((200, (16, 8, 8), DEFAULT_LINEAR_CONFIG, r),
                                         (128, (64,), WIDE_CONFIG, 32),
                                         (256, (32,), LONG_CONFIG, r),
-                                        (256, (32,), replace(DEFAULT_LINEAR_CONFIG, expand_by_slot=False), r)):
+                                        (256, (32,), replace(DEFAULT_LINEAR_CONFIG, expand_by_slot=False), r),
+                                        (128, (64,), replace(WIDE_CONFIG, step_count=True, prefetch_b="l2",
+                                                             weights_evict_first=True), 32),
+                                        (256, (32,), replace(LONG_CONFIG, prefetch_b="l2_evict_last"), r)):
         x = torch.randn(6, width, generator=g).to(h)
         n = sum(slices)
         A = torch.randn(S, len(slices) * rank, width, generator=g).to(h)
@@ -222,10 +225,14 @@ def test_every_kernel_compiles_for_sm90_and_sm80(monkeypatch):
 
     def recording_run(self, *args, grid, warmup, **kwargs):
         spec = _spec(self.fn, args, kwargs)
-        specs[json.dumps(spec, sort_keys=True)] = spec
-        if any(t == "*fp16" for t in spec["signature"].values()):  # the GPU's bfloat16 variant of the same launch
-            bf16 = {**spec, "signature": {n: "*bf16" if t == "*fp16" else t for n, t in spec["signature"].items()}}
-            specs[json.dumps(bf16, sort_keys=True)] = bf16
+        variants = [spec]
+        if spec["constexprs"].get("ASM") is False:  # the GPU's variant: inline PTX in place of the interpreter's path
+            variants.append({**spec, "constexprs": {**spec["constexprs"], "ASM": True}})
+        for variant in list(variants):
+            if any(t == "*fp16" for t in variant["signature"].values()):  # the GPU's bfloat16 variant
+                variants.append({**variant, "signature": {n: "*bf16" if t == "*fp16" else t
+                                                          for n, t in variant["signature"].items()}})
+        specs.update((json.dumps(v, sort_keys=True), v) for v in variants)
         return run(self, *args, grid=grid, warmup=warmup, **kwargs)
 
     monkeypatch.setattr(InterpretedFunction, "run", recording_run)
