@@ -167,6 +167,11 @@ def linear_configs(sweep: bool) -> dict:
              "linear_by_shape_chunk8_w8": lambda i, o: (replace(chunk8(i, o), num_warps=8) if o >= 4 * i
                                                         else chunk8(i, o)),
              "linear_by_shape_stepcount": by_shape(step_count=True),
+             "linear_by_shape_launch_count": by_shape(step_count=False),
+             "linear_by_shape_stepcount_block_ids": by_shape({"ticketed": False}, step_count=True),
+             **{f"linear_by_shape_stepcount_{name}": by_shape(step_count=True, **tile) for name, tile in (
+                 ("s4", {"stages": 4}), ("bn16", {"block_n": 16}), ("bn64", {"block_n": 64}),
+                 ("k64_s6", {"block_k": 64, "stages": 6}))},
              "linear_by_shape_pf": by_shape(prefetch_b="l2"),
              "linear_by_shape_ef": by_shape(weights_evict_first=True),
              "linear_by_shape_stepcount_pf": by_shape(step_count=True, prefetch_b="l2"),

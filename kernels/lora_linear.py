@@ -120,12 +120,12 @@ class LinearLoraConfig:
     linear_by_shape_b_reshaped_shrink_stages2,linear_by_shape_shrink_stages2 --replays 3 --distinct 0,1,4,16`,
     2026-12-07, reshaped then row by row): 1.79 / 4.54 / 5.70 / 10.16 and 1.67 / 4.60 / 5.67 / 9.89; with three,
     the default, 1.72 / 4.04 / 5.16 / 9.82 and 1.73 / 4.02 / 5.05 / 9.28."""
-    step_count: bool = False
+    step_count: bool = True
     """The epilogue's wait without a count of its own: the GEMM programs wait until the plan's counter
     (`LoraBatch.done`, zeroed once a step by `lora_batch`) holds the shrink programs of this and every earlier
-    launch of the step (the host keeps that sum, `LoraBatch.counted`), then an acquire fence. False: each GEMM
-    program counts itself in after its wait (an atomic on one word for every program of the launch) and the last
-    one takes the counter back to zero."""
+    launch of the step (the host keeps that sum, `LoraBatch.counted`), read with acquire semantics. False: each
+    GEMM program counts itself in after its wait (an atomic on one word for every program of the launch) and the
+    last one takes the counter back to zero."""
     prefetch_b: str = ""
     """The GEMM programs' B blocks of the slots the step uses prefetched into L2 when a program starts (the slot
     list loaded before its ticket): "" none, "l2" at normal priority, "l2_evict_last" as last to evict. Only
