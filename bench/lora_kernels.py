@@ -172,12 +172,6 @@ def linear_configs(sweep: bool) -> dict:
              **{f"linear_by_shape_stepcount_{name}": by_shape(step_count=True, **tile) for name, tile in (
                  ("s4", {"stages": 4}), ("bn16", {"block_n": 16}), ("bn64", {"block_n": 64}),
                  ("k64_s6", {"block_k": 64, "stages": 6}))},
-             "linear_by_shape_pf": by_shape(prefetch_b="l2"),
-             "linear_by_shape_ef": by_shape(weights_evict_first=True),
-             "linear_by_shape_stepcount_pf": by_shape(step_count=True, prefetch_b="l2"),
-             "linear_by_shape_stepcount_pfl_ef": by_shape(step_count=True, prefetch_b="l2_evict_last",
-                                                          weights_evict_first=True),
-             "linear_by_shape_stepcount_pf_ef": by_shape(step_count=True, prefetch_b="l2", weights_evict_first=True),
              "linear_by_shape_b_reshaped": by_shape(expand_b_rows=False),
              "linear_by_shape_b_reshaped_shrink_stages2": by_shape({"shrink_stages": 2}, expand_b_rows=False,
                                                                    expand_chunk=4),

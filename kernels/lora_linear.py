@@ -126,12 +126,6 @@ class LinearLoraConfig:
     launch of the step (the host keeps that sum, `LoraBatch.counted`), read with acquire semantics. False: each
     GEMM program counts itself in after its wait (an atomic on one word for every program of the launch) and the
     last one takes the counter back to zero."""
-    prefetch_b: str = ""
-    """The GEMM programs' B blocks of the slots the step uses prefetched into L2 when a program starts (the slot
-    list loaded before its ticket): "" none, "l2" at normal priority, "l2_evict_last" as last to evict. Only
-    where Triton compiles for a GPU (the interpreter runs no PTX); the same bits."""
-    weights_evict_first: bool = False
-    """The GEMM's weight tiles loaded as first to evict from L2 (read once), so the step's other data stay."""
     max_rows: int = 64
     """The most tokens a forward may have for the engine to take this kernel (`linear_lora` itself takes any)."""
     lora: LoraKernelConfig = field(default_factory=lambda: SHRINK_CONFIG)
@@ -146,8 +140,6 @@ class LinearLoraConfig:
             value = getattr(self, name)
             if value < low or value & (value - 1):
                 raise ValueError(f"LinearLoraConfig.{name} must be a power of two >= {low}, got {value}")
-        if self.prefetch_b not in ("", "l2", "l2_evict_last"):
-            raise ValueError(f"LinearLoraConfig.prefetch_b must be '', 'l2' or 'l2_evict_last', got {self.prefetch_b!r}")
 
 
 DEFAULT_LINEAR_CONFIG = LinearLoraConfig()
@@ -169,19 +161,6 @@ def linear_config_for(in_features: int, out_features: int) -> LinearLoraConfig:
     if in_features >= 2 * out_features:
         return LONG_CONFIG
     return DEFAULT_LINEAR_CONFIG
-
-
-@triton.jit
-def _prefetch_l2(ptrs, mask, EVICT_LAST: tl.constexpr):
-    """Prefetch into L2 the 128-byte lines holding `ptrs` where `mask` (PTX; nothing comes back to registers)."""
-    if EVICT_LAST:
-        tl.inline_asm_elementwise("{ .reg .pred p; setp.ne.s32 p, $2, 0; @p prefetch.global.L2::evict_last [$1]; "
-                                  "mov.u32 $0, 0; }", "=r,l,r", [ptrs, mask.to(tl.int32)], dtype=tl.int32,
-                                  is_pure=False, pack=1)
-    else:
-        tl.inline_asm_elementwise("{ .reg .pred p; setp.ne.s32 p, $2, 0; @p prefetch.global.L2 [$1]; "
-                                  "mov.u32 $0, 0; }", "=r,l,r", [ptrs, mask.to(tl.int32)], dtype=tl.int32,
-                                  is_pure=False, pack=1)
 
 
 @triton.jit
@@ -258,30 +237,21 @@ def _expand_chunks(delta, y, slot, used_slots_ptr, num_used, b_slot0, r0, rank, 
 
 @triton.jit
 def _gemm_lora_block(q, x_ptr, w_ptr, bias_ptr, out_ptr, part_ptr, b_ptr, scaling_ptr, token_slot_ptr, used_slots_ptr,
-                     num_used_ptr, done_ptr, used, num_tokens, in_features, shrink_programs, gemm_programs,
-                     wait_for, m_blocks, blocks0, blocks1, rank, width0, width1, width2, stride_xt, stride_wn,
-                     stride_ot, stride_pp, stride_pt, stride_bs, stride_bn, HAS_BIAS: tl.constexpr,
-                     SPLITS: tl.constexpr, EVEN_K: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
-                     BLOCK_K: tl.constexpr, STAGES: tl.constexpr, BLOCK_R: tl.constexpr, BY_SLOT: tl.constexpr,
-                     DOT_R: tl.constexpr, EXPAND_STAGES: tl.constexpr, EXPAND_CHUNK: tl.constexpr,
-                     EXPAND_B_ROWS: tl.constexpr, STEP_COUNT: tl.constexpr, PREFETCH: tl.constexpr,
-                     PF_LINES: tl.constexpr, LINE_ELEMS: tl.constexpr, W_EVICT: tl.constexpr, ASM: tl.constexpr):
+                     num_used_ptr, done_ptr, num_tokens, in_features, shrink_programs, gemm_programs, wait_for,
+                     m_blocks, blocks0, blocks1, rank, width0, width1, width2, stride_xt, stride_wn, stride_ot,
+                     stride_pp, stride_pt, stride_bs, stride_bn, HAS_BIAS: tl.constexpr, SPLITS: tl.constexpr,
+                     EVEN_K: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+                     STAGES: tl.constexpr, BLOCK_R: tl.constexpr, BY_SLOT: tl.constexpr, DOT_R: tl.constexpr,
+                     EXPAND_STAGES: tl.constexpr, EXPAND_CHUNK: tl.constexpr, EXPAND_B_ROWS: tl.constexpr,
+                     STEP_COUNT: tl.constexpr, ASM: tl.constexpr):
     """GEMM program q = (column block of one slice, row block): out[rows, block] = round(round(x W^T + b) + the
     rows' deltas), after the shrink's programs have all counted into `done`."""
     f = q // m_blocks  # the row blocks of one column block are neighbours: they share its weight rows in L2
     mb = q % m_blocks
     sl = (f >= blocks0).to(tl.int32) + (f >= blocks0 + blocks1).to(tl.int32)
-    n0 = (f - tl.where(sl >= 1, blocks0, 0) - tl.where(sl >= 2, blocks1, 0)) * BLOCK_N  # the block's first column
-    width = tl.where(sl == 0, width0, tl.where(sl == 1, width1, width2))  # of its slice
-    n = n0 + tl.arange(0, BLOCK_N)
-    nmask = n < width
-    col0 = tl.where(sl >= 1, width0, 0) + tl.where(sl >= 2, width1, 0) + n0
-    cols = col0 + tl.arange(0, BLOCK_N)  # columns of the fused output
-    if PREFETCH > 0 and ASM:  # the used slots' B blocks of these columns, [len(used), PF_LINES] lines
-        span = tl.minimum(width - n0, BLOCK_N) * stride_bn
-        j = tl.arange(0, PF_LINES) * LINE_ELEMS
-        lines = b_ptr + col0.to(tl.int64) * stride_bn + used[:, None].to(tl.int64) * stride_bs + j[None, :]
-        _prefetch_l2(lines, (used >= 0)[:, None] & (j < span)[None, :], PREFETCH == 2)
+    n = (f - tl.where(sl >= 1, blocks0, 0) - tl.where(sl >= 2, blocks1, 0)) * BLOCK_N + tl.arange(0, BLOCK_N)
+    nmask = n < tl.where(sl == 0, width0, tl.where(sl == 1, width1, width2))
+    cols = tl.where(sl >= 1, width0, 0) + tl.where(sl >= 2, width1, 0) + n  # columns of the fused output
     rows = mb * BLOCK_M + tl.arange(0, BLOCK_M)
     mmask = rows < num_tokens
     x_rows = x_ptr + rows[:, None].to(tl.int64) * stride_xt  # [BLOCK_M, 1]
@@ -292,13 +262,11 @@ def _gemm_lora_block(q, x_ptr, w_ptr, bias_ptr, out_ptr, part_ptr, b_ptr, scalin
         kk = k + kk0
         if EVEN_K:
             xt = tl.load(x_rows + kk[None, :], mask=mmask[:, None], other=0.0)  # [BLOCK_M, BLOCK_K]
-            wt = tl.load(w_cols + kk[:, None], mask=nmask[None, :], other=0.0,
-                         eviction_policy=W_EVICT)  # [BLOCK_K, BLOCK_N]
+            wt = tl.load(w_cols + kk[:, None], mask=nmask[None, :], other=0.0)  # [BLOCK_K, BLOCK_N]
         else:
             kmask = kk < in_features
             xt = tl.load(x_rows + kk[None, :], mask=mmask[:, None] & kmask[None, :], other=0.0)
-            wt = tl.load(w_cols + kk[:, None], mask=nmask[None, :] & kmask[:, None], other=0.0,
-                         eviction_policy=W_EVICT)
+            wt = tl.load(w_cols + kk[:, None], mask=nmask[None, :] & kmask[:, None], other=0.0)
         acc = tl.dot(xt, wt, acc, input_precision="ieee")
     if HAS_BIAS:
         acc += tl.load(bias_ptr + cols, mask=nmask, other=0.0).to(tl.float32)[None, :]
@@ -360,7 +328,7 @@ def _gemm_lora_block(q, x_ptr, w_ptr, bias_ptr, out_ptr, part_ptr, b_ptr, scalin
 def _linear_lora_kernel(x_ptr, w_ptr, bias_ptr, out_ptr, a_ptr, part_ptr, b_ptr, scaling_ptr, tile_tokens_ptr,
                         tile_slot_ptr, arrivals_ptr, token_slot_ptr, used_slots_ptr, num_used_ptr, done_ptr,
                         ticket_ptr, num_tokens, in_features, num_tile_rows, groups, shrink_programs, gemm_programs,
-                        wait_for, num_slots, lora_rows, k_per_split, m_blocks, blocks0, blocks1, rank, width0, width1,
+                        wait_for, lora_rows, k_per_split, m_blocks, blocks0, blocks1, rank, width0, width1,
                         width2, stride_xt, stride_wn, stride_ot, stride_as, stride_ar, stride_pp, stride_pt,
                         stride_bs, stride_bn, HAS_BIAS: tl.constexpr, SPLITS: tl.constexpr,
                         FLAG_STRIDE: tl.constexpr, TILE_M: tl.constexpr, BLOCK_RA: tl.constexpr,
@@ -368,16 +336,9 @@ def _linear_lora_kernel(x_ptr, w_ptr, bias_ptr, out_ptr, a_ptr, part_ptr, b_ptr,
                         BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, STAGES: tl.constexpr,
                         BLOCK_R: tl.constexpr, BY_SLOT: tl.constexpr, DOT_R: tl.constexpr,
                         EXPAND_STAGES: tl.constexpr, EXPAND_CHUNK: tl.constexpr, EXPAND_B_ROWS: tl.constexpr,
-                        TICKETED: tl.constexpr, STEP_COUNT: tl.constexpr, PREFETCH: tl.constexpr,
-                        PF_SLOTS: tl.constexpr, PF_LINES: tl.constexpr, LINE_ELEMS: tl.constexpr,
-                        W_EVICT: tl.constexpr, ASM: tl.constexpr):
+                        TICKETED: tl.constexpr, STEP_COUNT: tl.constexpr, ASM: tl.constexpr):
     """The shrink programs (ids below `shrink_programs`), each counting into `done` at its end, then the GEMM
     programs, which wait for all of them before their epilogue."""
-    ps = tl.arange(0, PF_SLOTS)
-    if PREFETCH > 0 and ASM:  # in flight while the ticket is taken
-        used = tl.load(used_slots_ptr + ps, mask=ps < num_slots, other=-1)
-    else:
-        used = ps
     pid = _program_role(ticket_ptr, shrink_programs + gemm_programs, TICKETED)
     if pid < shrink_programs:
         _shrink_tiles(pid, x_ptr, a_ptr, part_ptr, tile_tokens_ptr, tile_slot_ptr, arrivals_ptr, num_tile_rows,
@@ -387,12 +348,11 @@ def _linear_lora_kernel(x_ptr, w_ptr, bias_ptr, out_ptr, a_ptr, part_ptr, b_ptr,
         tl.atomic_add(done_ptr, 1, sem="release")
     else:
         _gemm_lora_block(pid - shrink_programs, x_ptr, w_ptr, bias_ptr, out_ptr, part_ptr, b_ptr, scaling_ptr,
-                         token_slot_ptr, used_slots_ptr, num_used_ptr, done_ptr, used, num_tokens, in_features,
+                         token_slot_ptr, used_slots_ptr, num_used_ptr, done_ptr, num_tokens, in_features,
                          shrink_programs, gemm_programs, wait_for, m_blocks, blocks0, blocks1, rank, width0, width1,
                          width2, stride_xt, stride_wn, stride_ot, stride_pp, stride_pt, stride_bs, stride_bn,
                          HAS_BIAS, SPLITS, EVEN_K, BLOCK_M, BLOCK_N, BLOCK_K, STAGES, BLOCK_R, BY_SLOT, DOT_R,
-                         EXPAND_STAGES, EXPAND_CHUNK, EXPAND_B_ROWS, STEP_COUNT, PREFETCH, PF_LINES, LINE_ELEMS,
-                         W_EVICT, ASM)
+                         EXPAND_STAGES, EXPAND_CHUNK, EXPAND_B_ROWS, STEP_COUNT, ASM)
 
 
 def _check_weight(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, out: torch.Tensor) -> None:
@@ -443,15 +403,11 @@ def _launch(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, A:
     if config.step_count:
         batch.counted[0] += shrink_programs
         wait_for = batch.counted[0]
-    asm = os.environ.get("TRITON_INTERPRET") != "1"
-    prefetch = ("", "l2", "l2_evict_last").index(config.prefetch_b)
-    line_elems = 128 // B.element_size()
     _linear_lora_kernel[(shrink_programs + gemm_programs,)](
         x, weight, x if bias is None else bias, out, A, part, B, scaling, batch.tile_tokens, batch.tile_slot,
         batch.arrivals, batch.token_slot, batch.used_slots, batch.num_used, batch.done, batch.ticket, num_tokens,
-        in_features, batch.tile_slot.shape[0], groups, shrink_programs, gemm_programs, wait_for, batch.num_slots,
-        A.shape[1], per_split, m_blocks, blocks[0], blocks[1], B.shape[2], *widths, x.stride(0), weight.stride(0),
-        out.stride(0),
+        in_features, batch.tile_slot.shape[0], groups, shrink_programs, gemm_programs, wait_for, A.shape[1],
+        per_split, m_blocks, blocks[0], blocks[1], B.shape[2], *widths, x.stride(0), weight.stride(0), out.stride(0),
         A.stride(0), A.stride(1), part.stride(0), part.stride(1), B.stride(0), B.stride(1), HAS_BIAS=bias is not None,
         SPLITS=splits, FLAG_STRIDE=_FLAG_STRIDE, TILE_M=TILE_M,
         BLOCK_RA=_block_r(A.shape[1]), SHRINK_K=shrink_k, SHRINK_STAGES=config.lora.shrink_stages,
@@ -459,9 +415,7 @@ def _launch(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, A:
         STAGES=config.stages, BLOCK_R=config.block_r, BY_SLOT=config.expand_by_slot,
         DOT_R=DOT_R, EXPAND_STAGES=config.expand_stages, EXPAND_CHUNK=config.expand_chunk,
         EXPAND_B_ROWS=config.expand_b_rows, TICKETED=config.lora.ticketed, STEP_COUNT=config.step_count,
-        PREFETCH=prefetch, PF_SLOTS=triton.next_power_of_2(batch.num_slots) if prefetch else 1,
-        PF_LINES=triton.next_power_of_2(triton.cdiv(config.block_n * B.stride(1), line_elems)), LINE_ELEMS=line_elems,
-        W_EVICT="evict_first" if config.weights_evict_first else "", ASM=asm, num_warps=config.num_warps)
+        ASM=os.environ.get("TRITON_INTERPRET") != "1", num_warps=config.num_warps)
 
 
 __all__ = ["BLOCK_M", "DEFAULT_LINEAR_CONFIG", "LONG_CONFIG", "LinearLoraConfig", "SHRINK_CONFIG", "WIDE_CONFIG",

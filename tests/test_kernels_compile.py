@@ -191,7 +191,7 @@ def _launch_linear_lora_kernels(g: torch.Generator, h: torch.dtype) -> None:
     """The one-launch linear + LoRA (kernels/lora_linear.py, the engine's CUDA default for LoRA decode linears) at
     the tile of each layer shape: fused q|k|v slices with a bias and a ragged `in`, the expand by slot (three slots
     in use: the pipelined loop and the unpipelined one are both compiled) at rank 8 and at rank 32 (two steps of
-    the dot's K), the gathered expand, and the wait on the step's count with B prefetched into L2."""
+    the dot's K), the gathered expand, and the launch-wide count in place of the step's."""
     from kernels.lora_linear import DEFAULT_LINEAR_CONFIG, LONG_CONFIG, WIDE_CONFIG, linear_lora
 
     S, r = 3, 8
@@ -200,9 +200,7 @@ def _launch_linear_lora_kernels(g: torch.Generator, h: torch.dtype) -> None:
                                         (128, (64,), WIDE_CONFIG, 32),
                                         (256, (32,), LONG_CONFIG, r),
                                         (256, (32,), replace(DEFAULT_LINEAR_CONFIG, expand_by_slot=False), r),
-                                        (128, (64,), replace(WIDE_CONFIG, step_count=True, prefetch_b="l2",
-                                                             weights_evict_first=True), 32),
-                                        (256, (32,), replace(LONG_CONFIG, prefetch_b="l2_evict_last"), r)):
+                                        (128, (64,), replace(WIDE_CONFIG, step_count=False), 32)):
         x = torch.randn(6, width, generator=g).to(h)
         n = sum(slices)
         A = torch.randn(S, len(slices) * rank, width, generator=g).to(h)

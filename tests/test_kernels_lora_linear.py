@@ -244,8 +244,6 @@ def test_bad_arguments_and_configs_are_refused():
         LinearLoraConfig(stages=0)
     with pytest.raises(ValueError, match="expand_stages must be >= 1"):
         LinearLoraConfig(expand_stages=0)
-    with pytest.raises(ValueError, match="prefetch_b must be '', 'l2' or 'l2_evict_last'"):
-        LinearLoraConfig(prefetch_b="l1")
 
 
 # ---- CUDA: the Llama-3.1-8B decode shapes in bfloat16 (test_kernels_lora.py's) ------------------------------------
@@ -280,8 +278,7 @@ def test_cuda_8b_decode_matches_cublas_then_the_reference(layer, distinct):
     ours = linear_lora(x, W, None, A, B, batch, scaling, slices=slices, config=config)
     for changed in ({"expand_stages": 1, "expand_chunk": 1}, {"expand_stages": 2, "expand_chunk": 1},
                     {"expand_chunk": 1}, {"expand_chunk": 4}, {"expand_b_rows": False},
-                    {"lora": replace(config.lora, shrink_stages=2)}, {"step_count": not config.step_count},
-                    {"prefetch_b": "l2"}, {"prefetch_b": "l2_evict_last", "weights_evict_first": True}):
+                    {"lora": replace(config.lora, shrink_stages=2)}, {"step_count": not config.step_count}):
         again = linear_lora(x, W, None, A, B, lora_batch(idx, 64), scaling, slices=slices,
                             config=replace(config, **changed))
         assert torch.equal(ours, again), changed
