@@ -40,9 +40,9 @@
 #                                     (`git show REV:kernels/lora_linear.py > bench/lora_linear_baseline.py` here
 #                                     first)
 #   bash bench/gpu_round.sh lora-linear-parts  where the fused linear's time goes at DISTINCT=1,16 adapters: copies of
-#                                     kernels/lora_linear.py without the epilogue's wait (nowait), without it and
-#                                     its count (nocount), with shrink programs that do no work (noshrink), with
-#                                     none (noshrinkprograms), without the expand (noexpand), against the kernel
+#                                     kernels/lora_linear.py without the epilogue's wait on the step's count
+#                                     (nowait), with shrink programs that do no work (noshrink), with none
+#                                     (noshrinkprograms), without the expand (noexpand), against the kernel
 #   bash bench/gpu_round.sh lora-roles   the two launches (default) against one launch with ticketed roles and with
 #                                     block-id roles, the fused linear likewise, at 1 / 4 / 16 distinct adapters,
 #                                     each case in its own process under a hard limit (block ids not at 16: hung)
@@ -170,16 +170,14 @@ print(min((r for r in rows if r["distinct"] == most), key=lambda r: r["lora_us_p
     # copies of kernels/lora_linear.py with one part of its work taken out (their outputs are wrong: timing only)
     k=kernels/lora_linear.py parts="$OUT/parts"
     mkdir -p "$parts"
-    sed 's/    while arrived < shrink_programs:/    while arrived < 0:/' $k > "$parts/nowait.py"
-    sed -e 's/    while arrived < shrink_programs:/    while arrived < 0:/' \
-        -e 's/seen = tl.atomic_add(done_ptr, 1, sem="acquire")/seen = arrived * 0/' $k > "$parts/nocount.py"
+    sed 's/        while arrived < wait_for:/        while arrived < 0:/' $k > "$parts/nowait.py"
     sed 's/batch.tile_slot.shape\[0\], groups, shrink_programs/0, groups, shrink_programs/' $k > "$parts/noshrink.py"
     sed 's/shrink_programs, gemm_programs = splits \* groups/shrink_programs, gemm_programs = 0 * splits * groups/' \
       $k > "$parts/noshrinkprograms.py"
     sed 's/num_used = tl.load(num_used_ptr)  # the slots the step uses/num_used = tl.load(num_used_ptr) * 0/' \
       $k > "$parts/noexpand.py"
     args=()
-    for part in nowait nocount noshrink noshrinkprograms noexpand; do
+    for part in nowait noshrink noshrinkprograms noexpand; do
       if cmp -s $k "$parts/$part.py"; then echo "lora-linear-parts: $part did not change $k" >&2; exit 1; fi
       args+=(--baseline-linear "$part=$parts/$part.py")
     done

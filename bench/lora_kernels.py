@@ -143,7 +143,10 @@ def linear_configs(sweep: bool) -> dict:
     "linear_by_shape_splitN_groupsG": both; "linear_by_shape_shrink_stagesN": the same with N software-pipeline
     stages in the shrink's loop; "linear_by_shape_shrink_kN": with K steps of N in it (its sums in another order);
     "linear_by_shape_stages4": the same with 4 pipeline stages in the GEMM's loop (down_proj's tile then takes 96
-    KiB of shared memory instead of 120, two programs an SM instead of one, `bench/kernel_resources.py`)."""
+    KiB of shared memory instead of 120, two programs an SM instead of one, `bench/kernel_resources.py`);
+    "linear_by_shape_bnN": N output columns a program; "linear_by_shape_k64_s6": K steps of 64 in 6 stages;
+    "linear_by_shape_launch_count": each GEMM program counting itself into a launch-wide counter after its wait
+    (`LinearLoraConfig.step_count=False`, the default before 2026-12-07's night)."""
     from dataclasses import replace
 
     from kernels.lora_linear import LinearLoraConfig, linear_config_for
@@ -166,12 +169,9 @@ def linear_configs(sweep: bool) -> dict:
              "linear_by_shape_chunk8_narrow": lambda i, o: chunk4(i, o) if o >= 4 * i else chunk8(i, o),
              "linear_by_shape_chunk8_w8": lambda i, o: (replace(chunk8(i, o), num_warps=8) if o >= 4 * i
                                                         else chunk8(i, o)),
-             "linear_by_shape_stepcount": by_shape(step_count=True),
              "linear_by_shape_launch_count": by_shape(step_count=False),
-             "linear_by_shape_stepcount_block_ids": by_shape({"ticketed": False}, step_count=True),
-             **{f"linear_by_shape_stepcount_{name}": by_shape(step_count=True, **tile) for name, tile in (
-                 ("s4", {"stages": 4}), ("bn16", {"block_n": 16}), ("bn64", {"block_n": 64}),
-                 ("k64_s6", {"block_k": 64, "stages": 6}))},
+             **{f"linear_by_shape_bn{n}": by_shape(block_n=n) for n in (16, 64)},
+             "linear_by_shape_k64_s6": by_shape(block_k=64, stages=6),
              "linear_by_shape_b_reshaped": by_shape(expand_b_rows=False),
              "linear_by_shape_b_reshaped_shrink_stages2": by_shape({"shrink_stages": 2}, expand_b_rows=False,
                                                                    expand_chunk=4),
