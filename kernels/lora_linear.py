@@ -4,20 +4,21 @@ delta, with the delta added in the GEMM's epilogue instead of by a second kernel
 `kernels/lora.py` adds the deltas after the base GEMM (a cuBLAS call): at a decode batch its hooks are short,
 latency-bound kernels between the projections. Here one grid does both. Its lower program ids are the LoRA shrink's
 programs (`kernels.lora._shrink_tiles`: the step's adapter tokens in tiles of one slot, partial sums of x A[slot]^T
-over a fixed number of splits of `in`), each counting itself into the plan's launch-wide counter (`LoraBatch.done`,
-a release atomic) when its tiles are done. The programs after them are the GEMM's: one [BLOCK_M, BLOCK_N] block of
-the output each (BLOCK_N columns within one slice of a fused output, BLOCK_M = 64 token rows: a decode batch is
-one row block), walking `in` in BLOCK_K steps with tensor-core dots. A GEMM program rounds its block to the output
-dtype, then waits until every shrink program has counted (by then long done: the shrink is small next to a
-weight's read) and adds each row's delta: the row's partials summed in split order and rounded to the weights'
+over a fixed number of splits of `in`), each counting itself into the plan's counter (`LoraBatch.done`, a release
+atomic) when its tiles are done. The counter runs through the step: zeroed by `lora_batch`, it reaches the shrink
+programs of every launch so far, a sum the host keeps (`LoraBatch.counted`) and hands each launch as the value to
+wait for. The programs after them are the GEMM's: one [BLOCK_M, BLOCK_N] block of the output each (BLOCK_N columns
+within one slice of a fused output, BLOCK_M = 64 token rows: a decode batch is one row block), walking `in` in
+BLOCK_K steps with tensor-core dots. A GEMM program rounds its block to the output dtype, then waits until the
+counter reaches its launch's value, read with acquire semantics (by then long done: the shrink is small next to a
+weight's read), and adds each row's delta: the row's partials summed in split order and rounded to the weights'
 dtype, times its slot's B rows for the block's columns (float32 sums over the rank), scaled, added to the rounded
 base in float32, rounded once: the numerics of `kernels/lora_ref.py` on the rounded output of the layer, so rows
 without an adapter get the GEMM's result alone. By default that product is one tensor-core dot per slot the step
 uses (the plan's list of them, `LoraBatch.used_slots`, ascending): the block's rows of that slot, the others'
 masked to zero (exact zeros, so a row's sum is its own slot's dot alone), times the slot's B block, read once per
 block; from 8 slots on, one dot per 8 of them (`expand_chunk`); `expand_by_slot=False` gathers each row's B rows
-instead. The last GEMM program to count takes
-the counter back to zero. Roles follow the order in which programs start (a ticket, `LoraKernelConfig.ticketed`, as
+instead. Roles follow the order in which programs start (a ticket, `LoraKernelConfig.ticketed`, as
 in `kernels/lora.py`'s one launch): the lower tickets are the shrink's, so every program a GEMM program waits on
 has started, and the waits end.
 
@@ -32,7 +33,10 @@ linears belong to a GEMM library and `add_lora`), split-K of the GEMM, tensor-pa
 its shard's weight and stacks, as for `add_lora`). Measured and left out (one H100, Llama-3.1-8B shapes, batch 64,
 µs a hook at 0 / 1 / 4 / 16 distinct adapters, 2026-12-07, against 2.80 / 5.32 / 6.85 / 14.2 for the one launch
 then): the shrink in a launch of its own before the GEMM's, 3.58 / 7.95 / 9.79 / 15.41; four GEMM stages (two of
-down_proj's programs an SM), 7.84 / 12.56 / 14.16 / 18.52.
+down_proj's programs an SM), 7.84 / 12.56 / 14.16 / 18.52. Later that night (one H100, against the defaults' 1.56
+/ 3.91 / 5.47 / 8.10, `python bench/lora_kernels.py --replays 3 --distinct 0,1,4,16`, docs/LORA_DECODE.md): the
+slots' B blocks prefetched into L2 when a GEMM program starts, 1.77 / 4.22 / 5.93 / 9.62 (as last to evict, with
+the weights first to evict, 1.72 / 3.69 / 5.35 / 8.75).
 """
 
 from __future__ import annotations
@@ -125,7 +129,10 @@ class LinearLoraConfig:
     (`LoraBatch.done`, zeroed once a step by `lora_batch`) holds the shrink programs of this and every earlier
     launch of the step (the host keeps that sum, `LoraBatch.counted`), read with acquire semantics. False: each
     GEMM program counts itself in after its wait (an atomic on one word for every program of the launch) and the
-    last one takes the counter back to zero."""
+    last one takes the counter back to zero. The same bits. One H100, 8B shapes, batch 64, µs a hook at 0 / 1 / 4 /
+    16 distinct adapters, the step's count then the launch's (`python bench/lora_kernels.py --systems
+    linear_by_shape,linear_by_shape_stepcount --replays 3 --distinct 0,1,4,16`, 2026-12-07, night): 1.56 / 3.91 /
+    5.47 / 8.10 and 1.95 / 4.05 / 5.65 / 8.36."""
     max_rows: int = 64
     """The most tokens a forward may have for the engine to take this kernel (`linear_lora` itself takes any)."""
     lora: LoraKernelConfig = field(default_factory=lambda: SHRINK_CONFIG)
