@@ -131,8 +131,8 @@ class LinearLoraConfig:
     GEMM program counts itself in after its wait (an atomic on one word for every program of the launch) and the
     last one takes the counter back to zero. The same bits. One H100, 8B shapes, batch 64, µs a hook at 0 / 1 / 4 /
     16 distinct adapters, the step's count then the launch's (`python bench/lora_kernels.py --systems
-    linear_by_shape,linear_by_shape_stepcount --replays 3 --distinct 0,1,4,16`, 2026-12-07, night): 1.56 / 3.91 /
-    5.47 / 8.10 and 1.95 / 4.05 / 5.65 / 8.36."""
+    linear_by_shape,linear_by_shape_launch_count --replays 3 --distinct 0,1,4,16`, 2026-12-07, night): 1.56 / 3.91
+    / 5.47 / 8.10 and 1.95 / 4.05 / 5.65 / 8.36."""
     max_rows: int = 64
     """The most tokens a forward may have for the engine to take this kernel (`linear_lora` itself takes any)."""
     lora: LoraKernelConfig = field(default_factory=lambda: SHRINK_CONFIG)
