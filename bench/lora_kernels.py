@@ -144,8 +144,7 @@ def linear_configs(sweep: bool) -> dict:
     stages in the shrink's loop; "linear_by_shape_shrink_kN": with K steps of N in it (its sums in another order);
     "linear_by_shape_stages4": the same with 4 pipeline stages in the GEMM's loop (down_proj's tile then takes 96
     KiB of shared memory instead of 120, two programs an SM instead of one, `bench/kernel_resources.py`);
-    "linear_by_shape_bnN": N output columns a program; "linear_by_shape_splitkN": the GEMM's `in` in N splits
-    (`LinearLoraConfig.split_k`) but in gate_up_proj; "linear_by_shape_k64_s6": K steps of 64 in 6 stages;
+    "linear_by_shape_bnN": N output columns a program; "linear_by_shape_k64_s6": K steps of 64 in 6 stages;
     "linear_by_shape_launch_count": each GEMM program counting itself into a launch-wide counter after its wait
     (`LinearLoraConfig.step_count=False`, the default before 2026-12-07's night)."""
     from dataclasses import replace
@@ -173,9 +172,6 @@ def linear_configs(sweep: bool) -> dict:
              "linear_by_shape_launch_count": by_shape(step_count=False),
              **{f"linear_by_shape_bn{n}": by_shape(block_n=n) for n in (16, 64)},
              "linear_by_shape_k64_s6": by_shape(block_k=64, stages=6),
-             **{f"linear_by_shape_splitk{n}": (lambda n: lambda i, o: (linear_config_for(i, o) if o >= 4 * i else
-                                                                       by_shape(split_k=n)(i, o)))(n)
-                for n in (2, 3, 4)},
              "linear_by_shape_b_reshaped": by_shape(expand_b_rows=False),
              "linear_by_shape_b_reshaped_shrink_stages2": by_shape({"shrink_stages": 2}, expand_b_rows=False,
                                                                    expand_chunk=4),

@@ -67,7 +67,6 @@ BLOCK_M = 16  # tokens per tile; part of the numerics contract (see the module d
 _DTYPES = (torch.float16, torch.bfloat16, torch.float32)
 _MAX_SLICES = 3
 _FLAG_STRIDE = 32  # int32s between two tiles' arrival counters: one 128-byte line each, apart from the others
-SPLIT_COUNTERS = 1024  # output blocks a split-K launch of kernels/lora_linear.py may have (one counter each)
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)
@@ -133,8 +132,6 @@ class LoraBatch:
     done: torch.Tensor  # [1] int32: a launch-wide counter (kernels/lora_linear.py), zero between launches, or with
     # `LinearLoraConfig.step_count` the shrink programs of the step's launches so far (zero when built)
     ticket: torch.Tensor  # [1] int32: role tickets (LoraKernelConfig.ticketed), zero between launches
-    split_done: torch.Tensor  # [SPLIT_COUNTERS] int32: per output block, the K splits of a split-K launch of
-    # kernels/lora_linear.py that are done, zero between launches
     used_slots: torch.Tensor  # [S] int32: the slots the step's adapter tokens use, ascending; -1 past num_used
     num_used: torch.Tensor  # [1] int32: how many slots the step uses
     num_slots: int  # S, the number of slots of the stacks it is used with
@@ -160,9 +157,8 @@ def _tile_groups(num_tokens: int, num_slots: int, per_tile_row: int) -> int:
 @triton.jit
 def _lora_batch_kernel(idx_ptr, order_ptr, tile_start_ptr, tile_len_ptr, tile_slot_ptr, tile_tokens_ptr,
                        num_tiles_ptr, arrivals_ptr, token_slot_ptr, done_ptr, ticket_ptr, used_slots_ptr,
-                       num_used_ptr, split_done_ptr, num_tokens, num_slots, num_tile_rows, BLOCK_M: tl.constexpr,
-                       BLOCK_T: tl.constexpr, BLOCK_S: tl.constexpr, FLAG_STRIDE: tl.constexpr,
-                       SPLIT_COUNTERS: tl.constexpr):
+                       num_used_ptr, num_tokens, num_slots, num_tile_rows, BLOCK_M: tl.constexpr,
+                       BLOCK_T: tl.constexpr, BLOCK_S: tl.constexpr, FLAG_STRIDE: tl.constexpr):
     """One program: a counting sort of the tokens by slot (bucket S: no adapter), then the list of the slots in
     use and the tiles of each slot."""
     s = tl.arange(0, BLOCK_S)  # [BLOCK_S] buckets: the slots, then S for tokens without one
@@ -197,7 +193,6 @@ def _lora_batch_kernel(idx_ptr, order_ptr, tile_start_ptr, tile_len_ptr, tile_sl
     tl.store(num_tiles_ptr, tl.sum(tiles, axis=0))
     tl.store(done_ptr, 0)
     tl.store(ticket_ptr, 0)
-    tl.store(split_done_ptr + tl.arange(0, SPLIT_COUNTERS), tl.zeros([SPLIT_COUNTERS], dtype=tl.int32))
     m = tl.arange(0, BLOCK_M)
     for j0 in range(0, num_tile_rows, BLOCK_T):
         j = j0 + tl.arange(0, BLOCK_T)  # [BLOCK_T] tiles
@@ -227,22 +222,20 @@ def lora_batch(idx: torch.Tensor, num_slots: int) -> LoraBatch:
         raise ValueError(f"num_slots must be >= 1, got {num_slots}")
     n, dev = idx.shape[0], idx.device
     rows = max_tiles(n, num_slots)
-    ints = torch.empty(2 * n + (3 + BLOCK_M + _FLAG_STRIDE) * rows + 2 * _FLAG_STRIDE + SPLIT_COUNTERS + num_slots
-                       + 2, dtype=torch.int32, device=dev)  # every field; the counters on 128-byte lines of their own
-    (flags, done, ticket, split_done, order, token_slot, tile_start, tile_len, tile_slot, tile_tokens, num_tiles,
-     used_slots, num_used) = ints.split([_FLAG_STRIDE * rows, _FLAG_STRIDE, _FLAG_STRIDE, SPLIT_COUNTERS, n, n, rows,
-                                         rows, rows, BLOCK_M * rows, 1, num_slots, 1])
+    ints = torch.empty(2 * n + (3 + BLOCK_M + _FLAG_STRIDE) * rows + 2 * _FLAG_STRIDE + num_slots + 2,
+                       dtype=torch.int32, device=dev)  # every field; the counters on 128-byte lines of their own
+    (flags, done, ticket, order, token_slot, tile_start, tile_len, tile_slot, tile_tokens, num_tiles, used_slots,
+     num_used) = ints.split([_FLAG_STRIDE * rows, _FLAG_STRIDE, _FLAG_STRIDE, n, n, rows, rows, rows, BLOCK_M * rows,
+                             1, num_slots, 1])
     block_s = triton.next_power_of_2(num_slots + 1)
     block_t = max(16, min(128, 8192 // block_s))
     _lora_batch_kernel[(1,)](idx, order, tile_start, tile_len, tile_slot, tile_tokens, num_tiles, flags, token_slot,
-                             done, ticket, used_slots, num_used, split_done, n, num_slots, rows, BLOCK_M=BLOCK_M,
-                             BLOCK_T=block_t, BLOCK_S=block_s, FLAG_STRIDE=_FLAG_STRIDE,
-                             SPLIT_COUNTERS=SPLIT_COUNTERS, num_warps=8)
+                             done, ticket, used_slots, num_used, n, num_slots, rows, BLOCK_M=BLOCK_M, BLOCK_T=block_t,
+                             BLOCK_S=block_s, FLAG_STRIDE=_FLAG_STRIDE, num_warps=8)
     return LoraBatch(order=order, tile_start=tile_start, tile_len=tile_len, tile_slot=tile_slot,
                      tile_tokens=tile_tokens.view(rows, BLOCK_M), num_tiles=num_tiles,
                      arrivals=flags.view(rows, _FLAG_STRIDE)[:, 0], token_slot=token_slot, done=done[:1],
-                     ticket=ticket[:1], split_done=split_done, used_slots=used_slots, num_used=num_used,
-                     num_slots=num_slots)
+                     ticket=ticket[:1], used_slots=used_slots, num_used=num_used, num_slots=num_slots)
 
 
 @triton.jit

@@ -48,7 +48,7 @@ import torch
 import triton
 import triton.language as tl
 
-from kernels.lora import (BLOCK_M as TILE_M, _FLAG_STRIDE, SPLIT_COUNTERS, LoraBatch, LoraKernelConfig, _as_batch, _block_k,
+from kernels.lora import (BLOCK_M as TILE_M, _FLAG_STRIDE, LoraBatch, LoraKernelConfig, _as_batch, _block_k,
                           _block_r, _check_layer, _check_x_a, _empty_partials, _program_role, _shrink_split,
                           _shrink_tiles, _tile_groups)
 
@@ -133,10 +133,6 @@ class LinearLoraConfig:
     16 distinct adapters, the step's count then the launch's (`python bench/lora_kernels.py --systems
     linear_by_shape,linear_by_shape_launch_count --replays 3 --distinct 0,1,4,16`, 2026-12-07, night): 1.56 / 3.91
     / 5.47 / 8.10 and 1.95 / 4.05 / 5.65 / 8.36."""
-    split_k: int = 1
-    """The GEMM's `in` in this many splits, one program each (for layers with fewer column blocks than the GPU
-    has SMs): each stores its float32 partial, and the last of a block's splits to finish adds them in split
-    order and runs the epilogue. Needs `step_count`. Moves the base's bits (another order of the sum)."""
     max_rows: int = 64
     """The most tokens a forward may have for the engine to take this kernel (`linear_lora` itself takes any)."""
     lora: LoraKernelConfig = field(default_factory=lambda: SHRINK_CONFIG)
@@ -144,15 +140,13 @@ class LinearLoraConfig:
     it are not used)."""
 
     def __post_init__(self) -> None:
-        for name in ("stages", "num_warps", "max_rows", "expand_stages", "split_k"):
+        for name in ("stages", "num_warps", "max_rows", "expand_stages"):
             if getattr(self, name) < 1:
                 raise ValueError(f"LinearLoraConfig.{name} must be >= 1, got {getattr(self, name)}")
         for name, low in (("block_n", 16), ("block_k", 16), ("block_r", 1), ("expand_chunk", 1)):
             value = getattr(self, name)
             if value < low or value & (value - 1):
                 raise ValueError(f"LinearLoraConfig.{name} must be a power of two >= {low}, got {value}")
-        if self.split_k > 1 and not self.step_count:
-            raise ValueError("LinearLoraConfig.split_k > 1 needs step_count=True")
 
 
 DEFAULT_LINEAR_CONFIG = LinearLoraConfig()
@@ -249,23 +243,6 @@ def _expand_chunks(delta, y, slot, used_slots_ptr, num_used, b_slot0, r0, rank, 
 
 
 @triton.jit
-def _split_k_sum(acc, ks, ws_block, counter_ptr, mask, stride_ws, SPLIT_K: tl.constexpr):
-    """(the block's sum over its SPLIT_K splits' partials, whether this program finished last): this split's
-    partial acc [BLOCK_M, BLOCK_N] stored at `ws_block` + ks * stride_ws, counted into the block's counter; the
-    last to count takes the counter back to zero and adds the partials in split order (its own from registers)."""
-    tl.store(ws_block + ks * stride_ws, acc, mask=mask)
-    tl.debug_barrier()  # every thread's partial stored before the count is published
-    last = tl.atomic_add(counter_ptr, 1, sem="acq_rel") == SPLIT_K - 1
-    total = tl.zeros_like(acc)
-    if last:
-        tl.atomic_xchg(counter_ptr, 0, sem="relaxed")  # every split of this launch has counted
-        for p in tl.static_range(SPLIT_K):
-            other = tl.load(ws_block + p * stride_ws, mask=mask, other=0.0, cache_modifier=".cg")
-            total += tl.where(ks == p, acc, other)
-    return total, last
-
-
-@triton.jit
 def _gemm_lora_block(q, x_ptr, w_ptr, bias_ptr, out_ptr, part_ptr, b_ptr, scaling_ptr, token_slot_ptr, used_slots_ptr,
                      num_used_ptr, done_ptr, num_tokens, in_features, shrink_programs, gemm_programs, wait_for,
                      m_blocks, blocks0, blocks1, rank, width0, width1, width2, stride_xt, stride_wn, stride_ot,
@@ -273,14 +250,11 @@ def _gemm_lora_block(q, x_ptr, w_ptr, bias_ptr, out_ptr, part_ptr, b_ptr, scalin
                      EVEN_K: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
                      STAGES: tl.constexpr, BLOCK_R: tl.constexpr, BY_SLOT: tl.constexpr, DOT_R: tl.constexpr,
                      EXPAND_STAGES: tl.constexpr, EXPAND_CHUNK: tl.constexpr, EXPAND_B_ROWS: tl.constexpr,
-                     STEP_COUNT: tl.constexpr, ASM: tl.constexpr, ws_ptr, split_done_ptr, k_split, stride_ws,
-                     stride_wt, SPLIT_K: tl.constexpr):
-    """GEMM program q = (column block of one slice, row block, K split): out[rows, block] = round(round(x W^T + b)
-    + the rows' deltas), after the shrink's programs have all counted into `done`; with SPLIT_K > 1 each program
-    sums `k_split` in-features and the last of a block's splits to finish adds them up and goes on."""
-    ks = q % SPLIT_K
-    f = q // SPLIT_K // m_blocks  # the row blocks of one column block are neighbours: they share its weights in L2
-    mb = q // SPLIT_K % m_blocks
+                     STEP_COUNT: tl.constexpr, ASM: tl.constexpr):
+    """GEMM program q = (column block of one slice, row block): out[rows, block] = round(round(x W^T + b) + the
+    rows' deltas), after the shrink's programs have all counted into `done`."""
+    f = q // m_blocks  # the row blocks of one column block are neighbours: they share its weight rows in L2
+    mb = q % m_blocks
     sl = (f >= blocks0).to(tl.int32) + (f >= blocks0 + blocks1).to(tl.int32)
     n = (f - tl.where(sl >= 1, blocks0, 0) - tl.where(sl >= 2, blocks1, 0)) * BLOCK_N + tl.arange(0, BLOCK_N)
     nmask = n < tl.where(sl == 0, width0, tl.where(sl == 1, width1, width2))
@@ -291,11 +265,7 @@ def _gemm_lora_block(q, x_ptr, w_ptr, bias_ptr, out_ptr, part_ptr, b_ptr, scalin
     w_cols = w_ptr + cols[None, :].to(tl.int64) * stride_wn  # [1, BLOCK_N]
     kk0 = tl.arange(0, BLOCK_K)
     acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
-    if SPLIT_K > 1:
-        k_lo, k_hi = ks * k_split, tl.minimum(ks * k_split + k_split, in_features)
-    else:
-        k_lo, k_hi = 0, in_features
-    for k in tl.range(k_lo, k_hi, BLOCK_K, num_stages=STAGES):
+    for k in tl.range(0, in_features, BLOCK_K, num_stages=STAGES):
         kk = k + kk0
         if EVEN_K:
             xt = tl.load(x_rows + kk[None, :], mask=mmask[:, None], other=0.0)  # [BLOCK_M, BLOCK_K]
@@ -305,67 +275,60 @@ def _gemm_lora_block(q, x_ptr, w_ptr, bias_ptr, out_ptr, part_ptr, b_ptr, scalin
             xt = tl.load(x_rows + kk[None, :], mask=mmask[:, None] & kmask[None, :], other=0.0)
             wt = tl.load(w_cols + kk[:, None], mask=nmask[None, :] & kmask[:, None], other=0.0)
         acc = tl.dot(xt, wt, acc, input_precision="ieee")
-    if SPLIT_K > 1:  # the block's sum over `in` from its K splits' partials, by the last of them to finish
-        acc, last = _split_k_sum(acc, ks, ws_ptr + rows[:, None].to(tl.int64) * stride_wt + cols[None, :],
-                                 split_done_ptr + f * m_blocks + mb, mmask[:, None] & nmask[None, :], stride_ws,
-                                 SPLIT_K)
-    else:
-        last = True
-    if last:
-        if HAS_BIAS:
-            acc += tl.load(bias_ptr + cols, mask=nmask, other=0.0).to(tl.float32)[None, :]
-        base = acc.to(out_ptr.dtype.element_ty).to(tl.float32)  # the layer's output, rounded as the GEMM's
-        # what does not depend on the shrink first: the rows' slots and scales
-        slot = tl.load(token_slot_ptr + rows, mask=mmask, other=-1)
-        has = slot >= 0
-        slot64 = tl.where(has, slot, 0).to(tl.int64)
-        scale = tl.load(scaling_ptr + slot64, mask=has, other=0.0)
-        if BY_SLOT:
-            num_used = tl.load(num_used_ptr)  # the slots the step uses
-        if STEP_COUNT:  # the partials visible from here on
+    if HAS_BIAS:
+        acc += tl.load(bias_ptr + cols, mask=nmask, other=0.0).to(tl.float32)[None, :]
+    base = acc.to(out_ptr.dtype.element_ty).to(tl.float32)  # the layer's output, rounded as the GEMM's
+    # what does not depend on the shrink first: the rows' slots and scales
+    slot = tl.load(token_slot_ptr + rows, mask=mmask, other=-1)
+    has = slot >= 0
+    slot64 = tl.where(has, slot, 0).to(tl.int64)
+    scale = tl.load(scaling_ptr + slot64, mask=has, other=0.0)
+    if BY_SLOT:
+        num_used = tl.load(num_used_ptr)  # the slots the step uses
+    if STEP_COUNT:  # the partials visible from here on
+        arrived = _load_acquire(done_ptr, ASM)
+        while arrived < wait_for:
             arrived = _load_acquire(done_ptr, ASM)
-            while arrived < wait_for:
-                arrived = _load_acquire(done_ptr, ASM)
-        else:
+    else:
+        arrived = tl.load(done_ptr, volatile=True)
+        while arrived < shrink_programs:
             arrived = tl.load(done_ptr, volatile=True)
-            while arrived < shrink_programs:
-                arrived = tl.load(done_ptr, volatile=True)
-            seen = tl.atomic_add(done_ptr, 1, sem="acquire")  # the partials visible from here on; counted in
-            if seen == shrink_programs + gemm_programs - 1:  # the last GEMM program: ready for the next launch
-                tl.atomic_xchg(done_ptr, 0, sem="relaxed")
-        y_rows = part_ptr + rows[:, None].to(tl.int64) * stride_pt + sl * rank  # [BLOCK_M, 1]: the slice's entries
-        delta = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
-        if BY_SLOT:
-            rr0 = tl.arange(0, DOT_R)
-            b_slot0 = b_ptr + cols[None, :].to(tl.int64) * stride_bn  # [1, BLOCK_N]: slot 0's B, rank entry 0
-            for r0 in range(0, rank, DOT_R):
-                rr = r0 + rr0
-                y = _rows_y(y_rows, rr, has[:, None] & (rr < rank)[None, :], stride_pp, SPLITS).to(b_ptr.dtype.element_ty)
-                b_cols = b_slot0 + rr[:, None]  # [DOT_R, BLOCK_N] of slot 0
-                bmask = (rr < rank)[:, None] & nmask[None, :]
-                chunked = False
-                if EXPAND_CHUNK > 1:
-                    chunked = num_used >= EXPAND_CHUNK
-                if chunked:
-                    delta = _expand_chunks(delta, y, slot, used_slots_ptr, num_used, b_slot0, r0, rank, nmask, stride_bs,
-                                           BLOCK_M, BLOCK_N, DOT_R, EXPAND_CHUNK, EXPAND_B_ROWS, EXPAND_STAGES)
-                elif num_used >= EXPAND_STAGES:  # enough slots for the pipeline's prologue to pay
-                    delta = _expand_slots(delta, y, slot, used_slots_ptr, num_used, b_cols, bmask, stride_bs,
-                                          EXPAND_STAGES)
-                else:
-                    delta = _expand_slots(delta, y, slot, used_slots_ptr, num_used, b_cols, bmask, stride_bs, 1)
-        else:
-            b_rows = b_ptr + slot64[:, None, None] * stride_bs + cols[None, :, None].to(tl.int64) * stride_bn
-            rr0 = tl.arange(0, BLOCK_R)
-            for r0 in range(0, rank, BLOCK_R):
-                rr = r0 + rr0
-                ymask = has[:, None] & (rr < rank)[None, :]  # [BLOCK_M, BLOCK_R]
-                y = _rows_y(y_rows, rr, ymask, stride_pp, SPLITS).to(b_ptr.dtype.element_ty).to(tl.float32)
-                bt = tl.load(b_rows + rr[None, None, :], mask=ymask[:, None, :] & nmask[None, :, None], other=0.0)
-                delta += tl.sum(y[:, None, :] * bt.to(tl.float32), axis=2)  # [BLOCK_M, BLOCK_N]
-        result = delta * scale[:, None] + base
-        tl.store(out_ptr + rows[:, None].to(tl.int64) * stride_ot + cols[None, :], result.to(out_ptr.dtype.element_ty),
-                 mask=mmask[:, None] & nmask[None, :])
+        seen = tl.atomic_add(done_ptr, 1, sem="acquire")  # the partials visible from here on; counted in
+        if seen == shrink_programs + gemm_programs - 1:  # the last GEMM program: ready for the next launch
+            tl.atomic_xchg(done_ptr, 0, sem="relaxed")
+    y_rows = part_ptr + rows[:, None].to(tl.int64) * stride_pt + sl * rank  # [BLOCK_M, 1]: the slice's entries
+    delta = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+    if BY_SLOT:
+        rr0 = tl.arange(0, DOT_R)
+        b_slot0 = b_ptr + cols[None, :].to(tl.int64) * stride_bn  # [1, BLOCK_N]: slot 0's B, rank entry 0
+        for r0 in range(0, rank, DOT_R):
+            rr = r0 + rr0
+            y = _rows_y(y_rows, rr, has[:, None] & (rr < rank)[None, :], stride_pp, SPLITS).to(b_ptr.dtype.element_ty)
+            b_cols = b_slot0 + rr[:, None]  # [DOT_R, BLOCK_N] of slot 0
+            bmask = (rr < rank)[:, None] & nmask[None, :]
+            chunked = False
+            if EXPAND_CHUNK > 1:
+                chunked = num_used >= EXPAND_CHUNK
+            if chunked:
+                delta = _expand_chunks(delta, y, slot, used_slots_ptr, num_used, b_slot0, r0, rank, nmask, stride_bs,
+                                       BLOCK_M, BLOCK_N, DOT_R, EXPAND_CHUNK, EXPAND_B_ROWS, EXPAND_STAGES)
+            elif num_used >= EXPAND_STAGES:  # enough slots for the pipeline's prologue to pay
+                delta = _expand_slots(delta, y, slot, used_slots_ptr, num_used, b_cols, bmask, stride_bs,
+                                      EXPAND_STAGES)
+            else:
+                delta = _expand_slots(delta, y, slot, used_slots_ptr, num_used, b_cols, bmask, stride_bs, 1)
+    else:
+        b_rows = b_ptr + slot64[:, None, None] * stride_bs + cols[None, :, None].to(tl.int64) * stride_bn
+        rr0 = tl.arange(0, BLOCK_R)
+        for r0 in range(0, rank, BLOCK_R):
+            rr = r0 + rr0
+            ymask = has[:, None] & (rr < rank)[None, :]  # [BLOCK_M, BLOCK_R]
+            y = _rows_y(y_rows, rr, ymask, stride_pp, SPLITS).to(b_ptr.dtype.element_ty).to(tl.float32)
+            bt = tl.load(b_rows + rr[None, None, :], mask=ymask[:, None, :] & nmask[None, :, None], other=0.0)
+            delta += tl.sum(y[:, None, :] * bt.to(tl.float32), axis=2)  # [BLOCK_M, BLOCK_N]
+    result = delta * scale[:, None] + base
+    tl.store(out_ptr + rows[:, None].to(tl.int64) * stride_ot + cols[None, :], result.to(out_ptr.dtype.element_ty),
+             mask=mmask[:, None] & nmask[None, :])
 
 
 @triton.jit(do_not_specialize=["wait_for"])
@@ -380,8 +343,7 @@ def _linear_lora_kernel(x_ptr, w_ptr, bias_ptr, out_ptr, a_ptr, part_ptr, b_ptr,
                         BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, STAGES: tl.constexpr,
                         BLOCK_R: tl.constexpr, BY_SLOT: tl.constexpr, DOT_R: tl.constexpr,
                         EXPAND_STAGES: tl.constexpr, EXPAND_CHUNK: tl.constexpr, EXPAND_B_ROWS: tl.constexpr,
-                        TICKETED: tl.constexpr, STEP_COUNT: tl.constexpr, ASM: tl.constexpr, ws_ptr,
-                        split_done_ptr, k_split, stride_ws, stride_wt, SPLIT_K: tl.constexpr):
+                        TICKETED: tl.constexpr, STEP_COUNT: tl.constexpr, ASM: tl.constexpr):
     """The shrink programs (ids below `shrink_programs`), each counting into `done` at its end, then the GEMM
     programs, which wait for all of them before their epilogue."""
     pid = _program_role(ticket_ptr, shrink_programs + gemm_programs, TICKETED)
@@ -397,8 +359,7 @@ def _linear_lora_kernel(x_ptr, w_ptr, bias_ptr, out_ptr, a_ptr, part_ptr, b_ptr,
                          shrink_programs, gemm_programs, wait_for, m_blocks, blocks0, blocks1, rank, width0, width1,
                          width2, stride_xt, stride_wn, stride_ot, stride_pp, stride_pt, stride_bs, stride_bn,
                          HAS_BIAS, SPLITS, EVEN_K, BLOCK_M, BLOCK_N, BLOCK_K, STAGES, BLOCK_R, BY_SLOT, DOT_R,
-                         EXPAND_STAGES, EXPAND_CHUNK, EXPAND_B_ROWS, STEP_COUNT, ASM, ws_ptr, split_done_ptr, k_split,
-                         stride_ws, stride_wt, SPLIT_K)
+                         EXPAND_STAGES, EXPAND_CHUNK, EXPAND_B_ROWS, STEP_COUNT, ASM)
 
 
 def _check_weight(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, out: torch.Tensor) -> None:
@@ -444,14 +405,7 @@ def _launch(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, A:
     blocks = [triton.cdiv(w, config.block_n) for w in slices] + [0] * (3 - len(slices))
     widths = tuple(slices) + (0,) * (3 - len(slices))
     m_blocks = triton.cdiv(num_tokens, BLOCK_M)
-    shrink_programs, gemm_programs = splits * groups, sum(blocks) * m_blocks * config.split_k
-    k_split = triton.cdiv(triton.cdiv(in_features, config.block_k), config.split_k) * config.block_k
-    ws = part  # the K splits' partials [split_k, T, N] float32 (unused without split-K)
-    if config.split_k > 1:
-        if sum(blocks) * m_blocks > SPLIT_COUNTERS:
-            raise ValueError(f"split-K takes at most {SPLIT_COUNTERS} output blocks; this layer has "
-                             f"{sum(blocks) * m_blocks} (LinearLoraConfig.split_k={config.split_k})")
-        ws = torch.empty(config.split_k, num_tokens, out.shape[1], dtype=torch.float32, device=x.device)
+    shrink_programs, gemm_programs = splits * groups, sum(blocks) * m_blocks
     wait_for = 0
     if config.step_count:
         batch.counted[0] += shrink_programs
@@ -468,8 +422,7 @@ def _launch(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, A:
         STAGES=config.stages, BLOCK_R=config.block_r, BY_SLOT=config.expand_by_slot,
         DOT_R=DOT_R, EXPAND_STAGES=config.expand_stages, EXPAND_CHUNK=config.expand_chunk,
         EXPAND_B_ROWS=config.expand_b_rows, TICKETED=config.lora.ticketed, STEP_COUNT=config.step_count,
-        ASM=os.environ.get("TRITON_INTERPRET") != "1", ws_ptr=ws, split_done_ptr=batch.split_done, k_split=k_split,
-        stride_ws=ws.stride(0), stride_wt=ws.stride(1), SPLIT_K=config.split_k, num_warps=config.num_warps)
+        ASM=os.environ.get("TRITON_INTERPRET") != "1", num_warps=config.num_warps)
 
 
 __all__ = ["BLOCK_M", "DEFAULT_LINEAR_CONFIG", "LONG_CONFIG", "LinearLoraConfig", "SHRINK_CONFIG", "WIDE_CONFIG",
