@@ -129,8 +129,8 @@ class LoraBatch:
     num_tiles: torch.Tensor  # [1] int32: the tiles in use
     arrivals: torch.Tensor  # [max_tiles] int32 (stride _FLAG_STRIDE): per-tile launch counters, zero between launches
     token_slot: torch.Tensor  # [T] int32: each token's slot, -1 for none (values outside the stacks included)
-    done: torch.Tensor  # [1] int32: a launch-wide counter (kernels/lora_linear.py), zero between launches, or with
-    # `LinearLoraConfig.step_count` the shrink programs of the step's launches so far (zero when built)
+    done: torch.Tensor  # [1] int32 (kernels/lora_linear.py): the shrink programs of the step's launches so far
+    # (zero when built), or with `LinearLoraConfig.step_count=False` a launch-wide counter, zero between launches
     ticket: torch.Tensor  # [1] int32: role tickets (LoraKernelConfig.ticketed), zero between launches
     used_slots: torch.Tensor  # [S] int32: the slots the step's adapter tokens use, ascending; -1 past num_used
     num_used: torch.Tensor  # [1] int32: how many slots the step uses

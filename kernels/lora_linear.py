@@ -252,7 +252,7 @@ def _gemm_lora_block(q, x_ptr, w_ptr, bias_ptr, out_ptr, part_ptr, b_ptr, scalin
                      EXPAND_STAGES: tl.constexpr, EXPAND_CHUNK: tl.constexpr, EXPAND_B_ROWS: tl.constexpr,
                      STEP_COUNT: tl.constexpr, ASM: tl.constexpr):
     """GEMM program q = (column block of one slice, row block): out[rows, block] = round(round(x W^T + b) + the
-    rows' deltas), after the shrink's programs have all counted into `done`."""
+    rows' deltas), after the shrink's programs have all counted into `done` (up to `wait_for` with STEP_COUNT)."""
     f = q // m_blocks  # the row blocks of one column block are neighbours: they share its weight rows in L2
     mb = q % m_blocks
     sl = (f >= blocks0).to(tl.int32) + (f >= blocks0 + blocks1).to(tl.int32)
