@@ -144,7 +144,8 @@ def linear_configs(sweep: bool) -> dict:
     stages in the shrink's loop; "linear_by_shape_shrink_kN": with K steps of N in it (its sums in another order);
     "linear_by_shape_stages4": the same with 4 pipeline stages in the GEMM's loop (down_proj's tile then takes 96
     KiB of shared memory instead of 120, two programs an SM instead of one, `bench/kernel_resources.py`);
-    "linear_by_shape_bnN": N output columns a program; "linear_by_shape_k64_s6": K steps of 64 in 6 stages;
+    "linear_by_shape_narrow_sN[_w8]": N GEMM stages (and 8 warps) where the output is no wider than the input
+    (o_proj, down_proj: at most one program an SM); "linear_by_shape_bnN": N output columns a program; "linear_by_shape_k64_s6": K steps of 64 in 6 stages;
     "linear_by_shape_launch_count": each GEMM program counting itself into a launch-wide counter after its wait
     (`LinearLoraConfig.step_count=False`, the default before 2026-12-07's night)."""
     from dataclasses import replace
@@ -172,6 +173,9 @@ def linear_configs(sweep: bool) -> dict:
              "linear_by_shape_launch_count": by_shape(step_count=False),
              **{f"linear_by_shape_bn{n}": by_shape(block_n=n) for n in (16, 64)},
              "linear_by_shape_k64_s6": by_shape(block_k=64, stages=6),
+             **{f"linear_by_shape_narrow_s{n}{'_w8' if w == 8 else ''}": (
+                 lambda n, w: lambda i, o: replace(linear_config_for(i, o), stages=n, num_warps=w) if o <= i
+                 else linear_config_for(i, o))(n, w) for n in (6, 7, 8) for w in (4, 8)},
              "linear_by_shape_b_reshaped": by_shape(expand_b_rows=False),
              "linear_by_shape_b_reshaped_shrink_stages2": by_shape({"shrink_stages": 2}, expand_b_rows=False,
                                                                    expand_chunk=4),
