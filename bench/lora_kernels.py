@@ -173,6 +173,8 @@ def linear_configs(sweep: bool) -> dict:
              "linear_by_shape_launch_count": by_shape(step_count=False),
              **{f"linear_by_shape_bn{n}": by_shape(block_n=n) for n in (16, 64)},
              "linear_by_shape_k64_s6": by_shape(block_k=64, stages=6),
+             "linear_by_shape_long_s5": lambda i, o: (replace(linear_config_for(i, o), stages=5) if i >= 2 * o
+                                                      else linear_config_for(i, o)),
              **{f"linear_by_shape_narrow_s{n}{'_w8' if w == 8 else ''}": (
                  lambda n, w: lambda i, o: replace(linear_config_for(i, o), stages=n, num_warps=w) if o <= i
                  else linear_config_for(i, o))(n, w) for n in (6, 7, 8) for w in (4, 8)},

@@ -153,8 +153,15 @@ DEFAULT_LINEAR_CONFIG = LinearLoraConfig()
 WIDE_CONFIG = LinearLoraConfig(block_n=64, block_k=64, stages=5)
 """For a layer whose output is at least 4x its input (gate_up_proj): 64 columns a program, K steps of 64 in five
 stages."""
-LONG_CONFIG = LinearLoraConfig(stages=5)
-"""For a layer whose input is at least 2x its output (down_proj): the default tile in five stages."""
+LONG_CONFIG = LinearLoraConfig(stages=7)
+"""For a layer whose input is at least 2x its output (down_proj): the default tile in seven stages (168 KiB of
+shared memory; one program an SM, as at five: 4096 columns in blocks of 32 are 128 programs). Seven since
+2026-12-07 (night), five before: one H100, 8B shapes, batch 64, down_proj alone, µs a hook over cuBLAS at 0 / 16
+distinct adapters, 5 / 6 / 7 / 8 stages 0.29 / 8.05, -0.88 / 6.68, -1.25 / 6.37, -1.18 / 6.54 (`python
+bench/lora_kernels.py --per-linear --systems linear_by_shape,linear_by_shape_narrow_s6,... --replays 3 --distinct
+0,16` at 17bc3f8); the whole layer at 0 / 1 / 4 / 16 adapters, seven then five, 1.24 / 3.53 / 5.23 / 7.73 and 1.64
+/ 3.99 / 5.51 / 8.16 (`--systems linear_by_shape,linear_by_shape_long_s5`). o_proj, also one program an SM, gains
+at no adapter from 6 to 8 stages (3.71 -> 1.73-1.81) but loses at 16 (7.22 -> 8.51-8.78), so it keeps four."""
 
 
 def linear_config_for(in_features: int, out_features: int) -> LinearLoraConfig:
