@@ -30,8 +30,8 @@
 #   bash bench/gpu_round.sh lora-linear  the one-launch linear + LoRA kernel (kernels/lora_linear.py, < 10 min):
 #                                     its CUDA tests (the engine's fused-linear test included), the kernels alone
 #                                     with 0 / 1 / 4 / 16 adapters in the batch against cuBLAS + the default hooks
-#                                     (the tile by layer shape; the expand in chunks of 4 or 8 slots, their B blocks
-#                                     loaded row by row or not; splits of 4096; SYSTEMS= names others), and the
+#                                     (the tile by layer shape; the launch-wide count; down_proj in five stages;
+#                                     the expand in chunks of 4 or 1 slots; splits of 4096; SYSTEMS= names others), and the
 #                                     engine with `lora_fused_linear` against the base (LORAS=64 adapters loaded,
 #                                     DISTINCT=1,4,16 of them in the batch; ENGINE_SYSTEM= names bench/lora_kernels.py
 #                                     systems for its configs, one engine each, e.g. linear_by_shape,linear_by_shape_chunk4;
@@ -147,8 +147,8 @@ case "${1:-tests}" in
       "tests/test_gpu_lora_engine.py::test_deferred_and_fused_linear_modes_through_graphs_and_eagerly_give_peft_tokens" \
       > "$OUT/lora_linear_tests.log" 2>&1; grep -E "^(FAILED|ERROR) |passed|failed" "$OUT/lora_linear_tests.log" | tail -8
     split=linear_by_shape_split chunk=linear_by_shape_chunk  # the other splits and tile groups: SYSTEMS=
-    systems="default,linear_by_shape,linear_by_shape_chunk4,linear_by_shape_chunk8_narrow"
-    systems=${SYSTEMS:-$systems,linear_by_shape_b_reshaped,${chunk}1,${split}4096}
+    systems="default,linear_by_shape,linear_by_shape_launch_count,linear_by_shape_long_s5,linear_by_shape_chunk4"
+    systems=${SYSTEMS:-$systems,${chunk}1,${split}4096}
     timeout 220 python3 bench/lora_kernels.py --systems "$systems${LINEAR_BASELINE:+,baseline_linear_by_shape}" \
       ${LINEAR_BASELINE:+--baseline-linear "$LINEAR_BASELINE"} --replays 3 --distinct 0,1,4,16 \
       > "$OUT/lora_linear.jsonl" 2>> "$OUT/lora.log"
