@@ -388,7 +388,9 @@ def linear_lora(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None
     launch. weight [N, in], bias [N] or None, A [S, R, in], B [S, N, r_max], scaling [S] float32 (the stacks of
     `kernels/lora.py`), all but scaling in x's dtype; lora: idx [T] (-1: no adapter) or its `lora_batch`; `slices`:
     the output widths of a fused layer, (N,) when None; `out`: where to write it (a new tensor when None).
-    Returns out."""
+    Returns out. With `config.step_count` (the default) a plan serves launches in the order they were issued on
+    the host: a CUDA graph that replays them must also rebuild their plan (`lora_batch`) before them, as the
+    engine's decode graphs do."""
     _check_x_a(x, A)
     if out is None:
         out = torch.empty(x.shape[0], B.shape[1], dtype=x.dtype, device=x.device)
