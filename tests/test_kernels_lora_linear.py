@@ -3,9 +3,9 @@ and a per-token loop in float64, under the interpreter on the CPU (float32, tiny
 without an adapter, the slices of a fused output, a bias, ragged `in` and column blocks, two row blocks, a shrink
 of several splits; the shrink's partials are `add_lora`'s; a token's row is the same bits alone and in any batch;
 rows without an adapter get the GEMM alone; one plan serves many launches (its per-tile counters end at zero, its
-step count holds every launch's shrink programs). With CUDA
-(skipped without), the Llama-3.1-8B decode shapes in bfloat16 and a CUDA graph replayed across slot changes. (The
-interpreter runs programs one after another in id order, so there the GEMM programs find the shrink done.)"""
+step count holds every launch's shrink programs). With CUDA (skipped without), the Llama-3.1-8B decode shapes in
+bfloat16 and a CUDA graph replayed across slot changes. (The interpreter runs programs one after another in id
+order, so there the GEMM programs find the shrink done.)"""
 
 from __future__ import annotations
 
@@ -111,7 +111,7 @@ def test_each_token_gets_the_bits_it_gets_alone(num_tokens):
         assert torch.equal(batch[t:t + 1], alone), t
 
 
-def test_one_plan_serves_many_launches_and_its_counters_end_as_they_should():
+def test_one_plan_serves_many_launches_and_counts_their_shrink_programs():
     g = torch.Generator().manual_seed(4)
     layers = [(slices, _layer(g, 64, slices, 4, ranks=(4, 2, 4, 1))) for slices in ((16,), (16, 16), (8, 8, 16))]
     x = torch.randn(19, 64, generator=g).to(DEVICE)
