@@ -145,39 +145,43 @@ def linear_configs(sweep: bool) -> dict:
     "linear_by_shape_stages4": the same with 4 pipeline stages in the GEMM's loop (down_proj's tile then takes 96
     KiB of shared memory instead of 120, two programs an SM instead of one, `bench/kernel_resources.py`);
     "linear_by_shape_narrow_sN[_w8]": N GEMM stages (and 8 warps) where the output is no wider than the input
-    (o_proj, down_proj: at most one program an SM); "linear_by_shape_bnN": N output columns a program; "linear_by_shape_k64_s6": K steps of 64 in 6 stages;
+    (o_proj, down_proj: at most one program an SM); "linear_by_shape_long_s5": down_proj in 5 stages (the default
+    before 2026-12-07's night); "linear_by_shape_bnN": N output columns a program; "linear_by_shape_k64_s6": K
+    steps of 64 in 6 stages;
     "linear_by_shape_launch_count": each GEMM program counting itself into a launch-wide counter after its wait
     (`LinearLoraConfig.step_count=False`, the default before 2026-12-07's night)."""
     from dataclasses import replace
 
     from kernels.lora_linear import LinearLoraConfig, linear_config_for
 
-    def by_shape(shrink: dict | None = None, **fields):
+    def by_shape(shrink: dict | None = None, *, where: Callable | None = None, **fields):
         """The engine's tile of each shape with `fields` of the linear's config and `shrink` of its LoRA config
-        changed."""
+        changed (only for the shapes (in, out) where `where` holds, when given)."""
         def config(in_features: int, out_features: int) -> LinearLoraConfig:
             chosen = linear_config_for(in_features, out_features)
+            if where is not None and not where(in_features, out_features):
+                return chosen
             return replace(chosen, lora=replace(chosen.lora, **(shrink or {})), **fields)
         return config
 
-    chunk8, chunk4 = by_shape(expand_chunk=8), by_shape(expand_chunk=4)
+    def wide(i: int, o: int) -> bool:  # gate_up_proj
+        return o >= 4 * i
+
     named = {"linear": LinearLoraConfig(), "linear_by_shape": linear_config_for,
              "linear_by_shape_gathered": by_shape(expand_by_slot=False),
              "linear_by_shape_block_ids": by_shape({"ticketed": False}),
              **{f"linear_by_shape_expand{n}": by_shape(expand_stages=n) for n in (1, 2, 4)},
              **{f"linear_by_shape_chunk{n}": by_shape(expand_chunk=n) for n in (1, 2, 4, 16)},
-             "linear_by_shape_chunk8": chunk8,
-             "linear_by_shape_chunk8_narrow": lambda i, o: chunk4(i, o) if o >= 4 * i else chunk8(i, o),
-             "linear_by_shape_chunk8_w8": lambda i, o: (replace(chunk8(i, o), num_warps=8) if o >= 4 * i
-                                                        else chunk8(i, o)),
+             "linear_by_shape_chunk8": by_shape(expand_chunk=8),
+             "linear_by_shape_chunk8_narrow": lambda i, o: by_shape(expand_chunk=4 if wide(i, o) else 8)(i, o),
+             "linear_by_shape_chunk8_w8": by_shape(expand_chunk=8, num_warps=8, where=wide),
              "linear_by_shape_launch_count": by_shape(step_count=False),
              **{f"linear_by_shape_bn{n}": by_shape(block_n=n) for n in (16, 64)},
              "linear_by_shape_k64_s6": by_shape(block_k=64, stages=6),
-             "linear_by_shape_long_s5": lambda i, o: (replace(linear_config_for(i, o), stages=5) if i >= 2 * o
-                                                      else linear_config_for(i, o)),
-             **{f"linear_by_shape_narrow_s{n}{'_w8' if w == 8 else ''}": (
-                 lambda n, w: lambda i, o: replace(linear_config_for(i, o), stages=n, num_warps=w) if o <= i
-                 else linear_config_for(i, o))(n, w) for n in (6, 7, 8) for w in (4, 8)},
+             "linear_by_shape_long_s5": by_shape(stages=5, where=lambda i, o: i >= 2 * o),
+             **{f"linear_by_shape_narrow_s{n}{'_w8' if w == 8 else ''}": by_shape(stages=n, num_warps=w,
+                                                                                  where=lambda i, o: o <= i)
+                for n in (6, 7, 8) for w in (4, 8)},
              "linear_by_shape_b_reshaped": by_shape(expand_b_rows=False),
              "linear_by_shape_b_reshaped_shrink_stages2": by_shape({"shrink_stages": 2}, expand_b_rows=False,
                                                                    expand_chunk=4),

@@ -54,6 +54,7 @@ from kernels.lora import (BLOCK_M as TILE_M, _FLAG_STRIDE, LoraBatch, LoraKernel
 
 BLOCK_M = 64  # token rows per GEMM program (the smallest M of Hopper's wgmma)
 DOT_R = 16  # rank entries per step of the expand by slot (the K of a 16-bit tensor-core dot)
+_COMPILED = os.environ.get("TRITON_INTERPRET") != "1"  # Triton compiles (inline PTX allowed), not interprets
 
 
 SHRINK_CONFIG = LoraKernelConfig(split_k_chunk=2048, shrink_stages=3)
@@ -431,7 +432,7 @@ def _launch(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, A:
         STAGES=config.stages, BLOCK_R=config.block_r, BY_SLOT=config.expand_by_slot,
         DOT_R=DOT_R, EXPAND_STAGES=config.expand_stages, EXPAND_CHUNK=config.expand_chunk,
         EXPAND_B_ROWS=config.expand_b_rows, TICKETED=config.lora.ticketed, STEP_COUNT=config.step_count,
-        ASM=os.environ.get("TRITON_INTERPRET") != "1", num_warps=config.num_warps)
+        ASM=_COMPILED, num_warps=config.num_warps)
 
 
 __all__ = ["BLOCK_M", "DEFAULT_LINEAR_CONFIG", "LONG_CONFIG", "LinearLoraConfig", "SHRINK_CONFIG", "WIDE_CONFIG",
