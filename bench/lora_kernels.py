@@ -145,7 +145,10 @@ def linear_configs(sweep: bool) -> dict:
     "linear_by_shape_stages4": the same with 4 pipeline stages in the GEMM's loop (down_proj's tile then takes 96
     KiB of shared memory instead of 120, two programs an SM instead of one, `bench/kernel_resources.py`);
     "linear_by_shape_narrow_sN[_w8]": N GEMM stages (and 8 warps) where the output is no wider than the input
-    (o_proj, down_proj: at most one program an SM); "linear_by_shape_long_s5": down_proj in 5 stages (the default
+    (o_proj, down_proj: at most one program an SM); "linear_by_shape_narrow_sN_groupsG",
+    "linear_by_shape_narrow_sN_splitK_groupsG", "linear_by_shape_narrow_sN_shrink_stagesM": those with fewer or
+    deeper shrink programs there (one program an SM leaves the GEMM's programs no room beside the shrink's: the
+    shrink's take SMs first, by ticket); "linear_by_shape_long_s5": down_proj in 5 stages (the default
     before 2026-12-07's night); "linear_by_shape_bnN": N output columns a program; "linear_by_shape_k64_s6": K
     steps of 64 in 6 stages;
     "linear_by_shape_launch_count": each GEMM program counting itself into a launch-wide counter after its wait
@@ -182,12 +185,26 @@ def linear_configs(sweep: bool) -> dict:
              **{f"linear_by_shape_narrow_s{n}{'_w8' if w == 8 else ''}": by_shape(stages=n, num_warps=w,
                                                                                   where=lambda i, o: o <= i)
                 for n in (6, 7, 8) for w in (4, 8)},
+             **{f"linear_by_shape_narrow_s{n}_groups{g}": by_shape({"groups_per_tile_row": g}, stages=n,
+                                                                  where=lambda i, o: o <= i)
+                for n in (6, 7) for g in (1, 2)},
+             **{f"linear_by_shape_narrow_s{n}_split{k}_groups{g}": by_shape(
+                 {"groups_per_tile_row": g, "split_k_chunk": k}, stages=n, where=lambda i, o: o <= i)
+                for n in (6, 7) for k in (4096, 8192) for g in (1, 2)},
+             **{f"linear_by_shape_narrow_s{n}_shrink_stages{m}": by_shape({"shrink_stages": m}, stages=n,
+                                                                         where=lambda i, o: o <= i)
+                for n in (6, 7) for m in (4, 6, 8)},
+             **{f"linear_by_shape_narrow_s{n}_split1024_shrink_stages{m}": by_shape(
+                 {"shrink_stages": m, "split_k_chunk": 1024}, stages=n, where=lambda i, o: o <= i)
+                for n in (6, 7) for m in (4,)},
              "linear_by_shape_b_reshaped": by_shape(expand_b_rows=False),
              "linear_by_shape_b_reshaped_shrink_stages2": by_shape({"shrink_stages": 2}, expand_b_rows=False,
                                                                    expand_chunk=4),
              **{f"linear_by_shape_groups{g}": by_shape({"groups_per_tile_row": g}) for g in (1, 2)},
              "linear_by_shape_stages4": by_shape(stages=4),
              **{f"linear_by_shape_shrink_stages{n}": by_shape({"shrink_stages": n}) for n in (1, 2, 4)},
+             **{f"linear_by_shape_square_shrink_stages{n}": by_shape({"shrink_stages": n}, where=lambda i, o: i == o)
+                for n in (4, 6)},
              **{f"linear_by_shape_shrink_k{k}": by_shape({"block_k": k}) for k in (128, 512)},
              **{f"linear_by_shape_split{n}": by_shape({"split_k_chunk": n}) for n in (512, 1024, 2048, 4096)},
              **{f"linear_by_shape_split{n}_groups{g}": by_shape({"split_k_chunk": n, "groups_per_tile_row": g})
