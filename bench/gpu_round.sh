@@ -30,8 +30,9 @@
 #   bash bench/gpu_round.sh lora-linear  the one-launch linear + LoRA kernel (kernels/lora_linear.py, < 10 min):
 #                                     its CUDA tests (the engine's fused-linear test included), the kernels alone
 #                                     with 0 / 1 / 4 / 16 adapters in the batch against cuBLAS + the default hooks
-#                                     (the tile by layer shape; the launch-wide count; down_proj in five stages;
-#                                     the expand in chunks of 4 or 1 slots; splits of 4096; SYSTEMS= names others), and the
+#                                     (the tile by layer shape; the expand's first chunk loaded before the wait, in
+#                                     every projection or all but gate_up_proj; the launch-wide count; down_proj in
+#                                     five stages; the expand in chunks of 4 slots; SYSTEMS= names others), and the
 #                                     engine with `lora_fused_linear` against the base (LORAS=64 adapters loaded,
 #                                     DISTINCT=1,4,16 of them in the batch; ENGINE_SYSTEM= names bench/lora_kernels.py
 #                                     systems for its configs, one engine each, e.g. linear_by_shape,linear_by_shape_chunk4;
@@ -46,6 +47,9 @@
 #   bash bench/gpu_round.sh lora-roles   the two launches (default) against one launch with ticketed roles and with
 #                                     block-id roles, the fused linear likewise, at 1 / 4 / 16 distinct adapters,
 #                                     each case in its own process under a hard limit (block ids not at 16: hung)
+#   bash bench/gpu_round.sh lora-linear-narrow  each projection alone at 0 / 16 adapters (DISTINCT=), the tiles of
+#                                     one program an SM (o_proj, down_proj) in deeper pipelines with the shrink's
+#                                     programs in 4 / 6 / 8 stages or splits of 1024 (SYSTEMS= names others)
 #   bash bench/gpu_round.sh lora-linear-sweep  each projection alone, every tile of the sweep, 0 and 1 adapters
 #                                     (SYSTEMS= shell patterns of bench/lora_kernels.py systems, e.g.
 #                                     'default,linear_by_shape,linear_bn*_w4'; DISTINCT= e.g. 0)
@@ -146,9 +150,8 @@ case "${1:-tests}" in
     timeout ${TEST_TIMEOUT:-200} python3 -m pytest -q -rfE -p no:cacheprovider tests/test_kernels_lora_linear.py -k "cuda or fused_linear_modes" \
       "tests/test_gpu_lora_engine.py::test_deferred_and_fused_linear_modes_through_graphs_and_eagerly_give_peft_tokens" \
       > "$OUT/lora_linear_tests.log" 2>&1; grep -E "^(FAILED|ERROR) |passed|failed" "$OUT/lora_linear_tests.log" | tail -8
-    split=linear_by_shape_split chunk=linear_by_shape_chunk  # the other splits and tile groups: SYSTEMS=
-    systems="default,linear_by_shape,linear_by_shape_launch_count,linear_by_shape_long_s5,linear_by_shape_chunk4"
-    systems=${SYSTEMS:-$systems,${chunk}1,${split}4096}
+    systems="default,linear_by_shape,linear_by_shape_early,linear_by_shape_early_narrow,linear_by_shape_launch_count"
+    systems=${SYSTEMS:-$systems,linear_by_shape_long_s5,linear_by_shape_chunk4}  # the others: SYSTEMS=
     timeout 220 python3 bench/lora_kernels.py --systems "$systems${LINEAR_BASELINE:+,baseline_linear_by_shape}" \
       ${LINEAR_BASELINE:+--baseline-linear "$LINEAR_BASELINE"} --replays 3 --distinct 0,1,4,16 \
       > "$OUT/lora_linear.jsonl" 2>> "$OUT/lora.log"
@@ -194,6 +197,15 @@ print(min((r for r in rows if r["distinct"] == most), key=lambda r: r["lora_us_p
         >> "$OUT/lora_roles.jsonl" 2>> "$OUT/lora.log" || echo "{\"systems\": \"$1\", \"distinct\": \"$2\", \"killed\": true}"
     done
     grep -h '"lora_kernels"' "$OUT/lora_roles.jsonl" | cut -c 1-200
+    ;;
+  lora-linear-narrow)
+    n=linear_by_shape_narrow_s
+    systems=linear_by_shape,linear_by_shape_square_shrink_stages4,linear_by_shape_square_shrink_stages6
+    systems=$systems,${n}6_shrink_stages8,${n}7_shrink_stages8,${n}6_split1024_shrink_stages4,${n}7_split1024_shrink_stages4
+    timeout 200 python3 bench/lora_kernels.py --per-linear --systems "${SYSTEMS:-$systems,${n}7_shrink_stages6}" \
+      --replays 3 --distinct ${DISTINCT:-0,16} > "$OUT/lora_linear_narrow.jsonl" 2>> "$OUT/lora.log"
+    grep -h '"lora_kernels"' "$OUT/lora_linear_narrow.jsonl" | cut -c 1-220
+    grep -i -B2 -A3 "error\|traceback" "$OUT/lora.log" | tail -20
     ;;
   lora-linear-sweep)
     timeout 570 python3 bench/lora_kernels.py --per-linear --sweep --systems "${SYSTEMS:-default,linear*}" \

@@ -151,6 +151,8 @@ def linear_configs(sweep: bool) -> dict:
     shrink's take SMs first, by ticket); "linear_by_shape_long_s5": down_proj in 5 stages (the default
     before 2026-12-07's night); "linear_by_shape_bnN": N output columns a program; "linear_by_shape_k64_s6": K
     steps of 64 in 6 stages;
+    "linear_by_shape_early": the expand's first chunk loaded before the wait for the shrink
+    (`LinearLoraConfig.expand_early`; "_narrow": but in gate_up_proj);
     "linear_by_shape_launch_count": each GEMM program counting itself into a launch-wide counter after its wait
     (`LinearLoraConfig.step_count=False`, the default before 2026-12-07's night)."""
     from dataclasses import replace
@@ -179,6 +181,8 @@ def linear_configs(sweep: bool) -> dict:
              "linear_by_shape_chunk8_narrow": lambda i, o: by_shape(expand_chunk=4 if wide(i, o) else 8)(i, o),
              "linear_by_shape_chunk8_w8": by_shape(expand_chunk=8, num_warps=8, where=wide),
              "linear_by_shape_launch_count": by_shape(step_count=False),
+             "linear_by_shape_early": by_shape(expand_early=True),
+             "linear_by_shape_early_narrow": by_shape(expand_early=True, where=lambda i, o: not wide(i, o)),
              **{f"linear_by_shape_bn{n}": by_shape(block_n=n) for n in (16, 64)},
              "linear_by_shape_k64_s6": by_shape(block_k=64, stages=6),
              "linear_by_shape_long_s5": by_shape(stages=5, where=lambda i, o: i >= 2 * o),

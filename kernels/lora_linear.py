@@ -134,6 +134,12 @@ class LinearLoraConfig:
     16 distinct adapters, the step's count then the launch's (`python bench/lora_kernels.py --systems
     linear_by_shape,linear_by_shape_launch_count --replays 3 --distinct 0,1,4,16`, 2026-12-07, night): 1.56 / 3.91
     / 5.47 / 8.10 and 1.95 / 4.05 / 5.65 / 8.36."""
+    expand_early: bool = False
+    """The expand's first chunk (the slots `used_slots[:expand_chunk]`, their B tile, `expand_b_rows`'s) loaded
+    right after the GEMM's loop, before the wait for the shrink, so that its latency runs beside the wait and the
+    partials' loads instead of after them; that chunk then always takes one dot (with fewer slots than
+    `expand_chunk` in use too: the same bits, as `expand_chunk` says). Needs `expand_by_slot`, `expand_b_rows` and
+    `expand_chunk` > 1."""
     max_rows: int = 64
     """The most tokens a forward may have for the engine to take this kernel (`linear_lora` itself takes any)."""
     lora: LoraKernelConfig = field(default_factory=lambda: SHRINK_CONFIG)
@@ -148,6 +154,8 @@ class LinearLoraConfig:
             value = getattr(self, name)
             if value < low or value & (value - 1):
                 raise ValueError(f"LinearLoraConfig.{name} must be a power of two >= {low}, got {value}")
+        if self.expand_early and not (self.expand_by_slot and self.expand_b_rows and self.expand_chunk > 1):
+            raise ValueError("LinearLoraConfig.expand_early needs expand_by_slot, expand_b_rows and expand_chunk > 1")
 
 
 DEFAULT_LINEAR_CONFIG = LinearLoraConfig()
@@ -213,38 +221,54 @@ def _expand_slots(delta, y, slot, used_slots_ptr, num_used, b_cols, bmask, strid
 
 
 @triton.jit
-def _expand_chunks(delta, y, slot, used_slots_ptr, num_used, b_slot0, r0, rank, nmask, stride_bs,
-                   BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, DOT_R: tl.constexpr, CHUNK: tl.constexpr,
-                   B_ROWS: tl.constexpr, STAGES: tl.constexpr):
-    """delta [BLOCK_M, BLOCK_N] += one tensor-core dot per CHUNK slots the step uses (ascending; past the last,
-    nothing): the rows' y [BLOCK_M, DOT_R] (rank entries r0...) spread to [BLOCK_M, CHUNK * DOT_R] (a row's entries
-    in its slot's block, exact zeros in the others) times the CHUNK slots' B blocks stacked [CHUNK * DOT_R,
-    BLOCK_N], read from `b_slot0` ([1, BLOCK_N]: slot 0's B at rank entry 0 of the block's columns, `nmask`). With
-    B_ROWS the stack is loaded as that tile, row j from slot j // DOT_R at rank entry r0 + j % DOT_R; without, as
-    [CHUNK, DOT_R, BLOCK_N] blocks reshaped to it."""
+def _chunk_b_rows(used_slots_ptr, i, num_used, b_slot0, r0, rank, nmask, stride_bs, CHUNK: tl.constexpr,
+                  DOT_R: tl.constexpr):
+    """The B blocks of the slots used_slots[i : i + CHUNK] (past the last in use, zeros) stacked as one [CHUNK *
+    DOT_R, BLOCK_N] tile, row j from slot j // DOT_R at rank entry r0 + j % DOT_R (`b_slot0`: slot 0's B at rank
+    entry 0 of the block's columns), and those slots [CHUNK] (-1 past the last)."""
     c = tl.arange(0, CHUNK)
     j = tl.arange(0, CHUNK * DOT_R)
-    if B_ROWS:
-        jr = r0 + j % DOT_R  # the stacked tile's rank entries
-        b_cols = b_slot0 + jr[:, None]  # [CHUNK * DOT_R, BLOCK_N]
-        bmask = (jr < rank)[:, None] & nmask[None, :]
-    else:
-        rr = r0 + tl.arange(0, DOT_R)
-        b_cols = b_slot0 + rr[:, None]  # [DOT_R, BLOCK_N]
-        bmask = (rr < rank)[:, None] & nmask[None, :]
-    for i in tl.range(0, num_used, CHUNK, num_stages=STAGES):
-        s = tl.load(used_slots_ptr + i + c, mask=i + c < num_used, other=-1)  # [CHUNK] the next slots in use
+    jr = r0 + j % DOT_R
+    s = tl.load(used_slots_ptr + i + c, mask=i + c < num_used, other=-1)
+    sj = tl.load(used_slots_ptr + i + j // DOT_R, mask=i + j // DOT_R < num_used, other=-1)  # each row's slot
+    bt = tl.load(b_slot0 + jr[:, None] + sj.to(tl.int64)[:, None] * stride_bs,
+                 mask=(jr < rank)[:, None] & nmask[None, :] & (sj >= 0)[:, None], other=0.0)
+    return bt, s
+
+
+@triton.jit
+def _chunk_dot(delta, y, slot, s, bt, BLOCK_M: tl.constexpr, DOT_R: tl.constexpr, CHUNK: tl.constexpr):
+    """delta += the rows' y [BLOCK_M, DOT_R] spread over the CHUNK slots `s` (a row's entries in its slot's block,
+    exact zeros in the others) times their stacked B tile `bt` [CHUNK * DOT_R, BLOCK_N]."""
+    mine = (slot[:, None] == s[None, :]) & (s >= 0)[None, :]  # [BLOCK_M, CHUNK]
+    ys = tl.where(mine[:, :, None], y[:, None, :], 0.0)  # [BLOCK_M, CHUNK, DOT_R]
+    return tl.dot(tl.reshape(ys, (BLOCK_M, CHUNK * DOT_R)), bt, delta, input_precision="ieee")
+
+
+@triton.jit
+def _expand_chunks(delta, y, slot, used_slots_ptr, start, num_used, b_slot0, r0, rank, nmask, stride_bs,
+                   BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, DOT_R: tl.constexpr, CHUNK: tl.constexpr,
+                   B_ROWS: tl.constexpr, STAGES: tl.constexpr):
+    """delta [BLOCK_M, BLOCK_N] += one tensor-core dot per CHUNK slots the step uses from the start-th (ascending;
+    past the last, nothing): the rows' y [BLOCK_M, DOT_R] (rank entries r0...) spread to [BLOCK_M, CHUNK * DOT_R]
+    (a row's entries in its slot's block, exact zeros in the others) times the CHUNK slots' B blocks stacked
+    [CHUNK * DOT_R, BLOCK_N], read from `b_slot0` ([1, BLOCK_N]: slot 0's B at rank entry 0 of the block's columns,
+    `nmask`). With B_ROWS the stack is loaded as that tile (`_chunk_b_rows`); without, as [CHUNK, DOT_R, BLOCK_N]
+    blocks reshaped to it."""
+    c = tl.arange(0, CHUNK)
+    rr = r0 + tl.arange(0, DOT_R)
+    b_cols = b_slot0 + rr[:, None]  # [DOT_R, BLOCK_N]
+    bmask = (rr < rank)[:, None] & nmask[None, :]
+    for i in tl.range(start, num_used, CHUNK, num_stages=STAGES):
         if B_ROWS:
-            sj = tl.load(used_slots_ptr + i + j // DOT_R, mask=i + j // DOT_R < num_used, other=-1)  # each row's slot
-            bt = tl.load(b_cols + sj.to(tl.int64)[:, None] * stride_bs, mask=bmask & (sj >= 0)[:, None], other=0.0)
-        else:
+            bt, s = _chunk_b_rows(used_slots_ptr, i, num_used, b_slot0, r0, rank, nmask, stride_bs, CHUNK, DOT_R)
+            delta = _chunk_dot(delta, y, slot, s, bt, BLOCK_M, DOT_R, CHUNK)
+        else:  # B reshaped here, after y's spread: the order of the measured kernel, which compiles as before
+            s = tl.load(used_slots_ptr + i + c, mask=i + c < num_used, other=-1)  # [CHUNK] the next slots in use
             bt = tl.load(b_cols[None, :, :] + s.to(tl.int64)[:, None, None] * stride_bs,
                          mask=bmask[None, :, :] & (s >= 0)[:, None, None], other=0.0)  # [CHUNK, DOT_R, BLOCK_N]
-        mine = (slot[:, None] == s[None, :]) & (s >= 0)[None, :]  # [BLOCK_M, CHUNK]
-        ys = tl.where(mine[:, :, None], y[:, None, :], 0.0)  # [BLOCK_M, CHUNK, DOT_R]
-        if B_ROWS:
-            delta = tl.dot(tl.reshape(ys, (BLOCK_M, CHUNK * DOT_R)), bt, delta, input_precision="ieee")
-        else:  # B reshaped here, after y's spread: the order of the measured kernel, which compiles as before
+            mine = (slot[:, None] == s[None, :]) & (s >= 0)[None, :]  # [BLOCK_M, CHUNK]
+            ys = tl.where(mine[:, :, None], y[:, None, :], 0.0)  # [BLOCK_M, CHUNK, DOT_R]
             delta = tl.dot(tl.reshape(ys, (BLOCK_M, CHUNK * DOT_R)), tl.reshape(bt, (CHUNK * DOT_R, BLOCK_N)), delta,
                            input_precision="ieee")
     return delta
@@ -258,7 +282,7 @@ def _gemm_lora_block(q, x_ptr, w_ptr, bias_ptr, out_ptr, part_ptr, b_ptr, scalin
                      EVEN_K: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
                      STAGES: tl.constexpr, BLOCK_R: tl.constexpr, BY_SLOT: tl.constexpr, DOT_R: tl.constexpr,
                      EXPAND_STAGES: tl.constexpr, EXPAND_CHUNK: tl.constexpr, EXPAND_B_ROWS: tl.constexpr,
-                     STEP_COUNT: tl.constexpr, ASM: tl.constexpr):
+                     EXPAND_EARLY: tl.constexpr, STEP_COUNT: tl.constexpr, ASM: tl.constexpr):
     """GEMM program q = (column block of one slice, row block): out[rows, block] = round(round(x W^T + b) + the
     rows' deltas), after the shrink's programs have all counted into `done` (up to `wait_for` with STEP_COUNT)."""
     f = q // m_blocks  # the row blocks of one column block are neighbours: they share its weight rows in L2
@@ -293,6 +317,10 @@ def _gemm_lora_block(q, x_ptr, w_ptr, bias_ptr, out_ptr, part_ptr, b_ptr, scalin
     scale = tl.load(scaling_ptr + slot64, mask=has, other=0.0)
     if BY_SLOT:
         num_used = tl.load(num_used_ptr)  # the slots the step uses
+        b_slot0 = b_ptr + cols[None, :].to(tl.int64) * stride_bn  # [1, BLOCK_N]: slot 0's B, rank entry 0
+        if EXPAND_EARLY:  # the first chunk's slots and B tile in flight while the shrink is awaited
+            bt0, s0 = _chunk_b_rows(used_slots_ptr, 0, num_used, b_slot0, 0, rank, nmask, stride_bs, EXPAND_CHUNK,
+                                    DOT_R)
     if STEP_COUNT:  # the partials visible from here on
         arrived = _load_acquire(done_ptr, ASM)
         while arrived < wait_for:
@@ -308,8 +336,13 @@ def _gemm_lora_block(q, x_ptr, w_ptr, bias_ptr, out_ptr, part_ptr, b_ptr, scalin
     delta = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
     if BY_SLOT:
         rr0 = tl.arange(0, DOT_R)
-        b_slot0 = b_ptr + cols[None, :].to(tl.int64) * stride_bn  # [1, BLOCK_N]: slot 0's B, rank entry 0
-        for r0 in range(0, rank, DOT_R):
+        if EXPAND_EARLY:  # rank entries 0...DOT_R: the first chunk's dot, then the other chunks'
+            y = _rows_y(y_rows, rr0, has[:, None] & (rr0 < rank)[None, :], stride_pp, SPLITS).to(b_ptr.dtype.element_ty)
+            if num_used > 0:
+                delta = _chunk_dot(delta, y, slot, s0, bt0, BLOCK_M, DOT_R, EXPAND_CHUNK)
+            delta = _expand_chunks(delta, y, slot, used_slots_ptr, EXPAND_CHUNK, num_used, b_slot0, 0, rank, nmask,
+                                   stride_bs, BLOCK_M, BLOCK_N, DOT_R, EXPAND_CHUNK, EXPAND_B_ROWS, EXPAND_STAGES)
+        for r0 in range(DOT_R if EXPAND_EARLY else 0, rank, DOT_R):
             rr = r0 + rr0
             y = _rows_y(y_rows, rr, has[:, None] & (rr < rank)[None, :], stride_pp, SPLITS).to(b_ptr.dtype.element_ty)
             b_cols = b_slot0 + rr[:, None]  # [DOT_R, BLOCK_N] of slot 0
@@ -318,8 +351,8 @@ def _gemm_lora_block(q, x_ptr, w_ptr, bias_ptr, out_ptr, part_ptr, b_ptr, scalin
             if EXPAND_CHUNK > 1:
                 chunked = num_used >= EXPAND_CHUNK
             if chunked:
-                delta = _expand_chunks(delta, y, slot, used_slots_ptr, num_used, b_slot0, r0, rank, nmask, stride_bs,
-                                       BLOCK_M, BLOCK_N, DOT_R, EXPAND_CHUNK, EXPAND_B_ROWS, EXPAND_STAGES)
+                delta = _expand_chunks(delta, y, slot, used_slots_ptr, 0, num_used, b_slot0, r0, rank, nmask,
+                                       stride_bs, BLOCK_M, BLOCK_N, DOT_R, EXPAND_CHUNK, EXPAND_B_ROWS, EXPAND_STAGES)
             elif num_used >= EXPAND_STAGES:  # enough slots for the pipeline's prologue to pay
                 delta = _expand_slots(delta, y, slot, used_slots_ptr, num_used, b_cols, bmask, stride_bs,
                                       EXPAND_STAGES)
@@ -351,7 +384,8 @@ def _linear_lora_kernel(x_ptr, w_ptr, bias_ptr, out_ptr, a_ptr, part_ptr, b_ptr,
                         BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, STAGES: tl.constexpr,
                         BLOCK_R: tl.constexpr, BY_SLOT: tl.constexpr, DOT_R: tl.constexpr,
                         EXPAND_STAGES: tl.constexpr, EXPAND_CHUNK: tl.constexpr, EXPAND_B_ROWS: tl.constexpr,
-                        TICKETED: tl.constexpr, STEP_COUNT: tl.constexpr, ASM: tl.constexpr):
+                        EXPAND_EARLY: tl.constexpr, TICKETED: tl.constexpr, STEP_COUNT: tl.constexpr,
+                        ASM: tl.constexpr):
     """The shrink programs (ids below `shrink_programs`), each counting into `done` at its end, then the GEMM
     programs, which wait for all of them before their epilogue."""
     pid = _program_role(ticket_ptr, shrink_programs + gemm_programs, TICKETED)
@@ -367,7 +401,7 @@ def _linear_lora_kernel(x_ptr, w_ptr, bias_ptr, out_ptr, a_ptr, part_ptr, b_ptr,
                          shrink_programs, gemm_programs, wait_for, m_blocks, blocks0, blocks1, rank, width0, width1,
                          width2, stride_xt, stride_wn, stride_ot, stride_pp, stride_pt, stride_bs, stride_bn,
                          HAS_BIAS, SPLITS, EVEN_K, BLOCK_M, BLOCK_N, BLOCK_K, STAGES, BLOCK_R, BY_SLOT, DOT_R,
-                         EXPAND_STAGES, EXPAND_CHUNK, EXPAND_B_ROWS, STEP_COUNT, ASM)
+                         EXPAND_STAGES, EXPAND_CHUNK, EXPAND_B_ROWS, EXPAND_EARLY, STEP_COUNT, ASM)
 
 
 def _check_weight(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, out: torch.Tensor) -> None:
@@ -431,8 +465,8 @@ def _launch(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, A:
         EVEN_K=in_features % config.block_k == 0, BLOCK_M=BLOCK_M, BLOCK_N=config.block_n, BLOCK_K=config.block_k,
         STAGES=config.stages, BLOCK_R=config.block_r, BY_SLOT=config.expand_by_slot,
         DOT_R=DOT_R, EXPAND_STAGES=config.expand_stages, EXPAND_CHUNK=config.expand_chunk,
-        EXPAND_B_ROWS=config.expand_b_rows, TICKETED=config.lora.ticketed, STEP_COUNT=config.step_count,
-        ASM=_COMPILED, num_warps=config.num_warps)
+        EXPAND_B_ROWS=config.expand_b_rows, EXPAND_EARLY=config.expand_early, TICKETED=config.lora.ticketed,
+        STEP_COUNT=config.step_count, ASM=_COMPILED, num_warps=config.num_warps)
 
 
 __all__ = ["BLOCK_M", "DEFAULT_LINEAR_CONFIG", "LONG_CONFIG", "LinearLoraConfig", "SHRINK_CONFIG", "WIDE_CONFIG",

@@ -191,6 +191,22 @@ def test_the_expand_in_chunks_of_slots_gives_the_bits_of_one_dot_per_slot(used):
             got = linear_lora(x, W, b, A, B, idx, scaling, slices=slices,
                               config=replace(SMALL, expand_chunk=chunk, expand_b_rows=b_rows))
             assert torch.equal(got, one_per_slot), (chunk, b_rows)
+        early = linear_lora(x, W, b, A, B, idx, scaling, slices=slices,
+                            config=replace(SMALL, expand_chunk=chunk, expand_early=True))
+        assert torch.equal(early, one_per_slot), (chunk, "expand_early")
+
+
+def test_the_early_first_chunk_with_no_adapter_in_the_step_gives_the_gemm_alone():
+    """`expand_early` loads the first chunk whatever the step uses: with no slot in use, nothing is added."""
+    g = torch.Generator().manual_seed(27)
+    slices = (16, 8)
+    W, b, A, B, scaling = _layer(g, 48, slices, 4, ranks=(4, 2, 3, 1), bias=True)
+    x = torch.randn(9, 48, generator=g).to(DEVICE)
+    none = torch.full((9,), -1, dtype=torch.int32, device=DEVICE)
+    got = linear_lora(x, W, b, A, B, none, scaling, slices=slices, config=replace(SMALL, expand_chunk=2,
+                                                                                 expand_early=True))
+    assert torch.equal(got, linear_lora(x, W, b, A, B, none, scaling, slices=slices, config=SMALL))
+    torch.testing.assert_close(got.double(), x.double() @ W.double().t() + b.double(), rtol=1e-5, atol=1e-5)
 
 
 def test_ticketed_and_block_id_roles_give_the_same_bits_and_leave_the_counters_at_zero():
@@ -244,6 +260,8 @@ def test_bad_arguments_and_configs_are_refused():
         LinearLoraConfig(stages=0)
     with pytest.raises(ValueError, match="expand_stages must be >= 1"):
         LinearLoraConfig(expand_stages=0)
+    with pytest.raises(ValueError, match="expand_early needs expand_by_slot, expand_b_rows and expand_chunk > 1"):
+        LinearLoraConfig(expand_early=True, expand_chunk=1)
 
 
 # ---- CUDA: the Llama-3.1-8B decode shapes in bfloat16 (test_kernels_lora.py's) ------------------------------------
@@ -262,8 +280,8 @@ def _bf16_layer(g, num_slots, in_features, slices, rank):
 def test_cuda_8b_decode_matches_cublas_then_the_reference(layer, distinct):
     """T = 64 over 64 rank-16 slots, 1 or 16 of them in the batch, against cuBLAS's F.linear then the reference's
     delta, and the expand's loop over slots pipelined or not (`expand_stages`) or in chunks of 4 or 8 slots
-    (`expand_chunk`, their B blocks loaded row by row or not: `expand_b_rows`), and the shrink's loop in 2 stages
-    or 3, giving the same bits. Tolerance (bfloat16): the two GEMMs sum `in` in different orders, so the rounded
+    (`expand_chunk`, their B blocks loaded row by row or not: `expand_b_rows`, the first chunk's before the wait
+    or after: `expand_early`), and the shrink's loop in 2 stages or 3, giving the same bits. Tolerance (bfloat16): the two GEMMs sum `in` in different orders, so the rounded
     base may differ by an ulp of the float32 sum's magnitude, and y's rounding by one ulp in any entry:
     |ours - ref| <= 2**-7 * (|ref| + |x| @ |W|^T * 2**-8 + scaling * |y| @ |B|^T) elementwise."""
     from kernels.lora_ref import lora_shrink_ref
@@ -278,7 +296,8 @@ def test_cuda_8b_decode_matches_cublas_then_the_reference(layer, distinct):
     ours = linear_lora(x, W, None, A, B, batch, scaling, slices=slices, config=config)
     for changed in ({"expand_stages": 1, "expand_chunk": 1}, {"expand_stages": 2, "expand_chunk": 1},
                     {"expand_chunk": 1}, {"expand_chunk": 4}, {"expand_b_rows": False},
-                    {"lora": replace(config.lora, shrink_stages=2)}, {"step_count": not config.step_count}):
+                    {"lora": replace(config.lora, shrink_stages=2)}, {"step_count": not config.step_count},
+                    {"expand_early": not config.expand_early}):
         again = linear_lora(x, W, None, A, B, lora_batch(idx, 64), scaling, slices=slices,
                             config=replace(config, **changed))
         assert torch.equal(ours, again), changed
