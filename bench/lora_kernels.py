@@ -146,9 +146,10 @@ def linear_configs(sweep: bool) -> dict:
     KiB of shared memory instead of 120, two programs an SM instead of one, `bench/kernel_resources.py`);
     "linear_by_shape_narrow_sN[_w8]": N GEMM stages (and 8 warps) where the output is no wider than the input
     (o_proj, down_proj: at most one program an SM); "linear_by_shape_narrow_sN_groupsG",
-    "linear_by_shape_narrow_sN_splitK_groupsG", "linear_by_shape_narrow_sN_shrink_stagesM": those with fewer or
-    deeper shrink programs there (one program an SM leaves the GEMM's programs no room beside the shrink's: the
-    shrink's take SMs first, by ticket); "linear_by_shape_long_s5": down_proj in 5 stages (the default
+    "linear_by_shape_narrow_sN_splitK_groupsG", "linear_by_shape_narrow_sN_[split1024_]shrink_stagesM": those with
+    fewer, deeper or shorter shrink programs there (one program an SM leaves the GEMM's programs no room beside the
+    shrink's: the shrink's take SMs first, by ticket); "linear_by_shape_square_shrink_stagesM": o_proj's shrink in
+    M stages at its 4 GEMM stages (two programs an SM still); "linear_by_shape_long_s5": down_proj in 5 stages (the default
     before 2026-12-07's night); "linear_by_shape_bnN": N output columns a program; "linear_by_shape_k64_s6": K
     steps of 64 in 6 stages;
     "linear_by_shape_early": the expand's first chunk loaded before the wait for the shrink
