@@ -145,12 +145,12 @@ def linear_configs(sweep: bool) -> dict:
     "linear_by_shape_stages4": the same with 4 pipeline stages in the GEMM's loop (down_proj's tile then takes 96
     KiB of shared memory instead of 120, two programs an SM instead of one, `bench/kernel_resources.py`);
     "linear_by_shape_narrow_sN[_w8]": N GEMM stages (and 8 warps) where the output is no wider than the input
-    (o_proj, down_proj: at most one program an SM); "linear_by_shape_narrow_sN_groupsG",
-    "linear_by_shape_narrow_sN_splitK_groupsG", "linear_by_shape_narrow_sN_[split1024_]shrink_stagesM": those with
-    fewer, deeper or shorter shrink programs there (one program an SM leaves the GEMM's programs no room beside the
-    shrink's: the shrink's take SMs first, by ticket); "linear_by_shape_square_shrink_stagesM": o_proj's shrink in
-    M stages at its 4 GEMM stages (two programs an SM still); "linear_by_shape_long_s5": down_proj in 5 stages (the default
-    before 2026-12-07's night); "linear_by_shape_bnN": N output columns a program; "linear_by_shape_k64_s6": K
+    (o_proj, down_proj: at most one program an SM); "linear_by_shape_narrow_sN_[split1024_]shrink_stagesM": those
+    with deeper or shorter shrink programs there (one program an SM leaves the GEMM's programs no room beside the
+    shrink's: the shrink's take SMs first, by ticket; fewer shrink programs, each with several tiles, were far
+    slower: docs/LORA_DECODE.md); "linear_by_shape_square_shrink_stagesM": o_proj's shrink in M stages at its 4
+    GEMM stages (two programs an SM still); "linear_by_shape_long_s5": down_proj in 5 stages (the default before
+    2026-12-07's night); "linear_by_shape_bnN": N output columns a program; "linear_by_shape_k64_s6": K
     steps of 64 in 6 stages;
     "linear_by_shape_early": the expand's first chunk loaded before the wait for the shrink
     (`LinearLoraConfig.expand_early`; "_narrow": but in gate_up_proj);
@@ -173,6 +173,9 @@ def linear_configs(sweep: bool) -> dict:
     def wide(i: int, o: int) -> bool:  # gate_up_proj
         return o >= 4 * i
 
+    def narrow(i: int, o: int) -> bool:  # o_proj, down_proj: at most one program an SM at deeper pipelines
+        return o <= i
+
     named = {"linear": LinearLoraConfig(), "linear_by_shape": linear_config_for,
              "linear_by_shape_gathered": by_shape(expand_by_slot=False),
              "linear_by_shape_block_ids": by_shape({"ticketed": False}),
@@ -188,20 +191,13 @@ def linear_configs(sweep: bool) -> dict:
              "linear_by_shape_k64_s6": by_shape(block_k=64, stages=6),
              "linear_by_shape_long_s5": by_shape(stages=5, where=lambda i, o: i >= 2 * o),
              **{f"linear_by_shape_narrow_s{n}{'_w8' if w == 8 else ''}": by_shape(stages=n, num_warps=w,
-                                                                                  where=lambda i, o: o <= i)
+                                                                                  where=narrow)
                 for n in (6, 7, 8) for w in (4, 8)},
-             **{f"linear_by_shape_narrow_s{n}_groups{g}": by_shape({"groups_per_tile_row": g}, stages=n,
-                                                                  where=lambda i, o: o <= i)
-                for n in (6, 7) for g in (1, 2)},
-             **{f"linear_by_shape_narrow_s{n}_split{k}_groups{g}": by_shape(
-                 {"groups_per_tile_row": g, "split_k_chunk": k}, stages=n, where=lambda i, o: o <= i)
-                for n in (6, 7) for k in (4096, 8192) for g in (1, 2)},
              **{f"linear_by_shape_narrow_s{n}_shrink_stages{m}": by_shape({"shrink_stages": m}, stages=n,
-                                                                         where=lambda i, o: o <= i)
+                                                                         where=narrow)
                 for n in (6, 7) for m in (4, 6, 8)},
-             **{f"linear_by_shape_narrow_s{n}_split1024_shrink_stages{m}": by_shape(
-                 {"shrink_stages": m, "split_k_chunk": 1024}, stages=n, where=lambda i, o: o <= i)
-                for n in (6, 7) for m in (4,)},
+             **{f"linear_by_shape_narrow_s{n}_split1024_shrink_stages4": by_shape(
+                 {"shrink_stages": 4, "split_k_chunk": 1024}, stages=n, where=narrow) for n in (6, 7)},
              "linear_by_shape_b_reshaped": by_shape(expand_b_rows=False),
              "linear_by_shape_b_reshaped_shrink_stages2": by_shape({"shrink_stages": 2}, expand_b_rows=False,
                                                                    expand_chunk=4),

@@ -255,10 +255,11 @@ def _expand_chunks(delta, y, slot, used_slots_ptr, start, num_used, b_slot0, r0,
     [CHUNK * DOT_R, BLOCK_N], read from `b_slot0` ([1, BLOCK_N]: slot 0's B at rank entry 0 of the block's columns,
     `nmask`). With B_ROWS the stack is loaded as that tile (`_chunk_b_rows`); without, as [CHUNK, DOT_R, BLOCK_N]
     blocks reshaped to it."""
-    c = tl.arange(0, CHUNK)
-    rr = r0 + tl.arange(0, DOT_R)
-    b_cols = b_slot0 + rr[:, None]  # [DOT_R, BLOCK_N]
-    bmask = (rr < rank)[:, None] & nmask[None, :]
+    if not B_ROWS:
+        c = tl.arange(0, CHUNK)
+        rr = r0 + tl.arange(0, DOT_R)
+        b_cols = b_slot0 + rr[:, None]  # [DOT_R, BLOCK_N]
+        bmask = (rr < rank)[:, None] & nmask[None, :]
     for i in tl.range(start, num_used, CHUNK, num_stages=STAGES):
         if B_ROWS:
             bt, s = _chunk_b_rows(used_slots_ptr, i, num_used, b_slot0, r0, rank, nmask, stride_bs, CHUNK, DOT_R)

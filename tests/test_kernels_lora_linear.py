@@ -281,8 +281,9 @@ def test_cuda_8b_decode_matches_cublas_then_the_reference(layer, distinct):
     """T = 64 over 64 rank-16 slots, 1 or 16 of them in the batch, against cuBLAS's F.linear then the reference's
     delta, and the expand's loop over slots pipelined or not (`expand_stages`) or in chunks of 4 or 8 slots
     (`expand_chunk`, their B blocks loaded row by row or not: `expand_b_rows`, the first chunk's before the wait
-    or after: `expand_early`), and the shrink's loop in 2 stages or 3, giving the same bits. Tolerance (bfloat16): the two GEMMs sum `in` in different orders, so the rounded
-    base may differ by an ulp of the float32 sum's magnitude, and y's rounding by one ulp in any entry:
+    or after: `expand_early`), and the shrink's loop in 2 stages or 3, giving the same bits. Tolerance (bfloat16):
+    the two GEMMs sum `in` in different orders, so the rounded base may differ by an ulp of the float32 sum's
+    magnitude, and y's rounding by one ulp in any entry:
     |ours - ref| <= 2**-7 * (|ref| + |x| @ |W|^T * 2**-8 + scaling * |y| @ |B|^T) elementwise."""
     from kernels.lora_ref import lora_shrink_ref
 
